@@ -1,0 +1,163 @@
+"""The typed configuration schema: every setting of the pipeline, its type and its default.
+
+This module is the bottom layer of ``mt``: plain dataclasses, no Hydra, no I/O, so the model and
+the other pure pieces can import it. ``mt.config`` registers these dataclasses with Hydra so a
+misspelt key or a wrong type fails when the configuration is composed, naming the key.
+
+YAML files under ``conf/`` hold values and a comment per key; the defaults here are the paper's
+(../shared/SPEC.md) where the paper has one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class SplitsConfig:
+    """Which split plays which role. A value names a file prefix (local text), a HF split name,
+    or a list of them (concatenated; useful for several training corpora)."""
+
+    train: Any = "train"
+    valid: Any = "valid"
+    test: Any = "test"
+
+
+@dataclass
+class CleanConfig:
+    """Training-pair filters. Valid and test sets are never filtered."""
+
+    normalize: bool = True  # Unicode NFC on every line (all splits)
+    min_len: int = 1  # drop pairs with a side shorter than this (in whitespace words)
+    max_len: int = 250  # drop pairs with a side longer than this (in whitespace words)
+    max_ratio: float = 3.0  # drop pairs whose word-length ratio exceeds this (0 = off)
+    dedup: bool = False  # drop exact duplicate (src, tgt) pairs
+
+
+@dataclass
+class DataConfig:
+    """Where the parallel text comes from and how it is cleaned."""
+
+    name: str = "multi30k"  # a label for logs and the cache
+    source: str = "auto"  # auto (local dir if present, else hub) | local | hf
+    dir: Optional[str] = None  # local corpus directory with <split>.<lang> files (or TSV)
+    format: str = "text"  # text: <split>.<lang> files | tsv: <split>.tsv with src<TAB>tgt
+    hf_path: Optional[str] = None  # datasets.load_dataset path, e.g. wmt14
+    hf_name: Optional[str] = None  # datasets config name, e.g. de-en
+    hf_schema: str = "translation"  # translation: {lang: text} column | columns: one per lang
+    hf_splits: Optional[SplitsConfig] = None  # HF split names when they differ from `splits`
+    src_lang: str = "de"
+    tgt_lang: str = "en"
+    splits: SplitsConfig = field(default_factory=SplitsConfig)
+    max_train_pairs: Optional[int] = None  # keep only the first N training pairs (smoke runs)
+    errors: str = "strict"  # strict: non-UTF-8 bytes are an error | replace: warn and replace
+    clean: CleanConfig = field(default_factory=CleanConfig)
+
+
+@dataclass
+class TokenizerConfig:
+    """SentencePiece settings (one joint model by default, for the shared embedding)."""
+
+    type: str = "bpe"  # bpe | unigram
+    vocab_size: int = 8000
+    character_coverage: float = 1.0
+    input_sentence_size: int = 1_000_000  # train on a random sample of at most this many lines
+    joint: bool = True  # one model for both languages (false: one per language)
+    threads: int = 0  # encoding/training threads (0 = all cores)
+
+
+@dataclass
+class ModelConfig:
+    """The Transformer's shape, with the paper's symbols."""
+
+    N: int = 6  # layers in the encoder and in the decoder
+    N_dec: Optional[int] = None  # decoder layers when different from N
+    d_model: int = 512
+    d_ff: int = 2048
+    h: int = 8  # attention heads; d_k = d_v = d_model / h
+    dropout: float = 0.1  # every dropout of the model (0 turns all off)
+    attention_dropout: Optional[float] = None  # dropout on attention weights (None: = dropout)
+    norm: str = "post"  # post (the paper) | pre (pre-LN with final LayerNorms)
+    share_embeddings: bool = True  # one matrix for source, target and output projection
+    max_positions: int = 1024  # longest sequence the positional encoding covers
+    vocab_multiple: int = 8  # pad the vocabulary to a multiple of this (speed)
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, logging, checkpointing."""
+
+    seed: int = 1
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    threads: int = 0  # torch intra-op threads on CPU (0 = torch's default)
+    max_tokens: int = 4096  # padded tokens per batch and per rank (source and target each)
+    accum_steps: int = 1  # batches per update (gradient accumulation)
+    max_steps: int = 0  # stop after this many updates (0 = no limit)
+    max_epochs: int = 0  # stop after this many epochs (0 = no limit)
+    max_minutes: float = 0.0  # stop after this much training time (0 = no limit)
+    skip_long: bool = True  # skip training pairs longer than model.max_positions (logged)
+    # Optimiser: Adam (beta1, beta2, eps) as in the paper.
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-9
+    weight_decay: float = 0.0
+    clip_norm: float = 0.0  # gradient-norm clipping (0 = off)
+    # Schedule: lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) ("Noam").
+    warmup: int = 4000
+    factor: float = 1.0
+    lr: Optional[float] = None  # peak lr; when set, overrides factor (peak reached at warmup)
+    label_smoothing: float = 0.1
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 uses a dynamic loss scale)
+    compile: bool = False  # torch.compile the model
+    # Logging, validation, checkpoints.
+    log_every: int = 50
+    eval_every: int = 1000  # validate every N updates (0 = only at the end)
+    eval_bleu: bool = True  # decode the valid set at each validation (greedy) for valid BLEU
+    eval_max_sentences: int = 0  # decode at most this many valid sentences (0 = all)
+    save_every: int = 1000  # write checkpoints/last.pt every N updates (0 = at the end only)
+    keep_last: int = 5  # keep the last N periodic checkpoints (checkpoint_<step>.pt)
+    best_metric: str = "bleu"  # bleu (higher is better) | loss (lower is better)
+    patience: int = 0  # stop after N validations without improvement (0 = off)
+    average_last: int = 0  # at the end, average the last N periodic checkpoints (0 = off)
+    init_from: Optional[str] = None  # fine-tune: start from these weights, fresh optimiser
+    max_nonfinite: int = 10  # stop after this many consecutive non-finite updates
+    num_workers: int = 0  # batch-collation worker processes (0 = in the main process)
+
+
+@dataclass
+class DecodeConfig:
+    """Search settings for validation BLEU, evaluation and mt-translate."""
+
+    beam_size: int = 4  # 1 = greedy search
+    alpha: float = 0.6  # GNMT length penalty ((5 + |Y|) / 6) ^ alpha
+    max_len_a: float = 1.0  # maximum output length = a * src_len + b
+    max_len_b: int = 50
+    nbest: int = 1  # hypotheses written per sentence (mt-translate)
+    batch_size: int = 64  # sentences per decoding batch
+    max_tokens: int = 0  # source tokens per decoding batch (0 = use batch_size)
+    too_long: str = "error"  # error | truncate: inputs longer than model.max_positions
+    precision: str = "fp32"  # fp32 | bf16 (CPU or GPU autocast)
+
+
+@dataclass
+class Config:
+    """The whole configuration. Run-time arguments of the command-line tools live at the top."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    name: str = "default"  # experiment name (a label)
+    run_dir: str = "runs/default"  # where a run writes; an existing one is resumed
+    cache_dir: str = ".cache/mt"  # prepared data (SentencePiece model, encoded splits)
+    # Arguments of mt-translate / mt-evaluate.
+    checkpoint: Optional[str] = None  # a checkpoint file (default: <run_dir>/checkpoints/best.pt)
+    split: str = "test"  # the split mt-evaluate decodes and scores: valid | test
+    input: Optional[str] = None  # mt-translate: input file (default stdin)
+    output: Optional[str] = None  # mt-translate: output file; mt-evaluate: JSON results file
+    hyp: Optional[str] = None  # mt-evaluate: score this translation file instead of decoding
+    ref: Any = None  # mt-evaluate: reference file or list of files (with hyp)
+    attention: Optional[str] = None  # mt-translate: draw the first sentence's attention (PNG)
+    report: bool = True  # mt-evaluate: write report.md with plots into the run directory

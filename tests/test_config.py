@@ -1,0 +1,82 @@
+"""The configuration tree composes against the typed schema, and errors name the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import OmegaConfBaseException
+
+from mt.config import conf_dir, load_config
+from mt.schema import Config
+
+CONF = conf_dir()
+GROUPS = ["data", "tokenizer", "model", "train", "decode", "experiment"]
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def test_default_is_multi30k_de_en():
+    cfg = load_config()
+    assert isinstance(cfg, Config)
+    assert cfg.name == "multi30k_de_en"
+    assert (cfg.data.src_lang, cfg.data.tgt_lang) == ("de", "en")
+    assert cfg.run_dir == "runs/multi30k_de_en"
+
+
+@pytest.mark.parametrize(
+    "override", [f"{g}={o}" for g in GROUPS for o in _options(g) if g != "data" or o != "local"]
+)
+def test_every_yaml_composes(override):
+    cfg = load_config([override])
+    assert isinstance(cfg, Config)
+
+
+def test_local_data_needs_dir():
+    cfg = load_config(["data=local", "data.dir=/tmp/x"])
+    assert cfg.data.dir == "/tmp/x" and cfg.data.source == "local"
+
+
+def test_experiments_set_paper_values():
+    base = load_config(["experiment=wmt14_en_de_base"])
+    assert (base.model.N, base.model.d_model, base.model.d_ff, base.model.h) == (6, 512, 2048, 8)
+    assert base.tokenizer.vocab_size == 37000 and base.data.hf_path == "wmt14"
+    big = load_config(["experiment=wmt14_en_de_big"])
+    assert (big.model.d_model, big.model.d_ff, big.model.h, big.model.dropout) == (
+        1024,
+        4096,
+        16,
+        0.3,
+    )
+    en_de = load_config(["experiment=multi30k_en_de"])
+    assert (en_de.data.src_lang, en_de.data.tgt_lang) == ("en", "de")
+
+
+def test_overrides_apply():
+    cfg = load_config(["model=base", "train.max_tokens=8192", "model.dropout=0.3"])
+    assert cfg.model.d_model == 512 and cfg.train.max_tokens == 8192 and cfg.model.dropout == 0.3
+
+
+@pytest.mark.parametrize("bad", ["model.d_modle=3", "train.max_tokens=lots", "nosuchkey=1"])
+def test_bad_override_names_the_key(bad):
+    with pytest.raises((ConfigCompositionException, OmegaConfBaseException)) as err:
+        load_config([bad])
+    text = str(err.value) + str(err.value.__cause__ or "")
+    assert bad.split("=")[0].split(".")[-1] in text
+
+
+def test_cli_misspelt_key_exits_nonzero():
+    proc = subprocess.run(
+        [sys.executable, "-c", "from mt.cli import prepare_main; prepare_main()", "model.d_modle=3"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "d_modle" in proc.stderr + proc.stdout
