@@ -1,0 +1,60 @@
+"""The learning-rate schedule of the paper ("Noam"): linear warm-up, then inverse square root.
+
+    lr(step) = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
+
+The peak is at ``step = warmup``: ``factor * (d_model * warmup)^-0.5``. Setting a peak ``lr``
+instead chooses ``factor = lr * (d_model * warmup)^0.5`` so the peak equals ``lr`` exactly.
+Steps count updates from 1 (the first update uses ``lr(1)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional
+
+
+def noam_lr(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
+    """The Noam learning rate of update ``step`` (1-based; step 0 is treated as 1).
+
+    Args:
+        step: the update number.
+        d_model: model width.
+        warmup: warm-up updates (> 0).
+        factor: scale of the whole curve.
+
+    Returns:
+        The learning rate.
+    """
+    if warmup <= 0:
+        raise ValueError(f"warmup must be positive, got {warmup}")
+    step = max(step, 1)
+    return factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+
+
+def noam_factor(
+    d_model: int, warmup: int, factor: float = 1.0, lr: Optional[float] = None
+) -> float:
+    """The factor to use: ``factor`` itself, or the one whose peak (at ``warmup``) equals ``lr``."""
+    if lr is None:
+        return factor
+    return lr * (d_model * warmup) ** 0.5
+
+
+def noam_lambda(
+    d_model: int, warmup: int, factor: float = 1.0, lr: Optional[float] = None
+) -> Callable[[int], float]:
+    """A ``torch.optim.lr_scheduler.LambdaLR`` function (use the optimiser with base lr 1.0).
+
+    LambdaLR evaluates the function at 0 when created and at k after the k-th
+    ``scheduler.step()``; the lr in force for update k+1 is therefore ``noam_lr(k + 1)``.
+
+    Example:
+        >>> opt = torch.optim.Adam(params, lr=1.0)
+        >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, noam_lambda(512, 4000))
+    """
+    f = noam_factor(d_model, warmup, factor, lr)
+
+    def lr_lambda(scheduler_step: int) -> float:
+        return noam_lr(scheduler_step + 1, d_model, warmup, f)
+
+    return lr_lambda
