@@ -1,0 +1,415 @@
+"""The run report: ``run_dir/report.md`` with the PNG figures it shows, written beside it.
+
+A report is built from what a run leaves on disk, so it needs no model and no data:
+
+- ``metrics.jsonl``: one JSON record per line. Training records carry ``step``, ``epoch``,
+  ``loss``, ``nll``, ``lr``, ``tgt_tok_per_s``, ``wall``; validation records add ``valid_loss``,
+  ``valid_nll``, ``valid_bleu``; records with ``stage`` and ``seconds`` give the wall time of a
+  pipeline stage.
+- ``timings.json`` (optional): ``{stage: seconds}``, merged with the stage records above.
+- ``results.json`` (optional): the final scores (``bleu``, ``chrf``, ``signature``,
+  ``chrf_signature``, ``split``, ``checkpoint``).
+- ``translations/<split>.txt`` (optional): the system output of the scored split.
+- ``config.yaml`` (optional): shown folded at the end.
+
+Example translations need the sources and references, and the attention heatmap needs a model;
+the caller passes both in (``examples``, ``attention``), typically ``mt.evaluate`` with
+``mt.translate.Translator``. Every piece is optional: a missing file or an empty series skips its
+section and the report still builds.
+
+matplotlib is imported lazily (Agg backend), so ``import mt.report`` costs nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MAX_EXAMPLES = 5  # example translations shown in the report
+
+
+# --------------------------------------------------------------------------- reading the run dir
+
+
+def load_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Read a JSONL metrics file; a missing file gives ``[]`` and a corrupt line is skipped.
+
+    A run killed mid-write can leave a truncated last line, so bad lines are logged, not fatal.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            log.warning("%s:%d: not JSON, skipped", path, lineno)
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(steps, values)`` of every record holding a finite number under ``key`` and a ``step``.
+
+    Records are sorted by step; on a repeated step (a resumed run re-logging it) the last wins.
+    """
+    points: dict[float, float] = {}
+    for record in records:
+        step, value = record.get("step"), record.get(key)
+        if _is_number(step) and _is_number(value) and math.isfinite(value):
+            points[float(step)] = float(value)
+    steps = np.array(sorted(points), dtype=np.float64)
+    return steps, np.array([points[s] for s in steps], dtype=np.float64)
+
+
+def stage_times(run_dir: str | Path, records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Wall seconds per stage: ``stage``/``seconds`` records, then ``timings.json`` (wins)."""
+    times: dict[str, float] = {}
+    for record in records:
+        if isinstance(record.get("stage"), str) and _is_number(record.get("seconds")):
+            times[record["stage"]] = float(record["seconds"])
+    path = Path(run_dir) / "timings.json"
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            log.warning("%s: not JSON, skipped", path)
+            data = {}
+        for stage, seconds in data.items() if isinstance(data, dict) else ():
+            if _is_number(seconds):
+                times[str(stage)] = float(seconds)
+    return times
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        log.warning("%s: not JSON, skipped", path)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def _pyplot():
+    """matplotlib's pyplot on the non-interactive Agg backend (imported on first use)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_lines(
+    curves: Sequence[tuple[str, np.ndarray, np.ndarray]],
+    path: str | Path,
+    ylabel: str,
+    title: str,
+    logy: bool = False,
+) -> Path | None:
+    """Draw ``(label, steps, values)`` curves against the step; ``None`` when all are empty."""
+    curves = [c for c in curves if len(c[1])]
+    if not curves:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for label, steps, values in curves:
+        marker = "o" if len(steps) <= 30 else None
+        ax.plot(steps, values, label=label, marker=marker, markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if logy and all(np.all(v > 0) for _, _, v in curves):
+        ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    if len(curves) > 1:
+        ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_attention(
+    src_tokens: Sequence[str], tgt_tokens: Sequence[str], matrix: Any, path: str | Path
+) -> Path:
+    """Draw encoder-decoder attention as a heatmap (the picture known from the paper).
+
+    Args:
+        src_tokens: the S source pieces (columns), e.g. SentencePiece pieces plus ``</s>``.
+        tgt_tokens: the T generated pieces (rows).
+        matrix: (T, S) attention weights, each row a distribution over the source, e.g. the last
+            decoder layer's cross-attention averaged over heads. A numpy array or a torch tensor.
+        path: the PNG file to write.
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        ValueError: when the matrix is not (len(tgt_tokens), len(src_tokens)).
+    """
+    if hasattr(matrix, "detach"):  # a torch tensor, without importing torch here
+        matrix = matrix.detach().float().cpu().numpy()
+    weights = np.asarray(matrix, dtype=np.float64)
+    expected = (len(tgt_tokens), len(src_tokens))
+    if weights.shape != expected:
+        raise ValueError(f"attention matrix is {weights.shape}, tokens give (T, S) = {expected}")
+    plt = _pyplot()
+    S, T = expected[1], expected[0]
+    fig, ax = plt.subplots(figsize=(min(2.0 + 0.35 * S, 30), min(1.5 + 0.35 * T, 30)))
+    image = ax.imshow(weights, cmap="viridis", aspect="auto", vmin=0.0, interpolation="nearest")
+    ax.set_xticks(range(S))
+    ax.set_xticklabels(list(src_tokens), rotation=90, fontsize=8)
+    ax.set_yticks(range(T))
+    ax.set_yticklabels(list(tgt_tokens), fontsize=8)
+    ax.set_xlabel("source")
+    ax.set_ylabel("output")
+    ax.xaxis.set_ticks_position("top")
+    ax.xaxis.set_label_position("top")
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_curves(records: Sequence[Mapping[str, Any]], out_dir: str | Path) -> dict[str, Path]:
+    """Write the standard figures of a run into ``out_dir``; returns ``{name: png}`` drawn.
+
+    Names: ``loss`` (training and validation loss/NLL), ``lr``, ``bleu`` (validation BLEU),
+    ``throughput`` (target tokens per second). A figure without data is not drawn.
+    """
+    out_dir = Path(out_dir)
+    specs = {
+        "loss": (
+            [
+                ("train loss", "loss"),
+                ("train nll", "nll"),
+                ("valid loss", "valid_loss"),
+                ("valid nll", "valid_nll"),
+            ],
+            "loss (nats per token)",
+            "Training and validation loss",
+        ),
+        "lr": ([("lr", "lr")], "learning rate", "Learning rate"),
+        "bleu": ([("valid BLEU", "valid_bleu")], "BLEU", "Validation BLEU"),
+        "throughput": (
+            [("target tokens/s", "tgt_tok_per_s")],
+            "target tokens / s",
+            "Training throughput",
+        ),
+    }
+    figures = {}
+    for name, (keys, ylabel, title) in specs.items():
+        curves = [(label, *series(records, key)) for label, key in keys]
+        png = plot_lines(curves, out_dir / f"{name}.png", ylabel, title)
+        if png is not None:
+            figures[name] = png
+    return figures
+
+
+# --------------------------------------------------------------------------- markdown
+
+
+def _cell(text: Any) -> str:
+    """One markdown table cell: pipes escaped, newlines flattened."""
+    return str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+def _fmt(x: Any) -> str:
+    if _is_number(x) and isinstance(x, float):
+        return f"{x:.4g}" if abs(x) < 1e4 else f"{x:,.0f}"
+    return str(x)
+
+
+def _duration(seconds: float) -> str:
+    minutes, sec = divmod(seconds, 60)
+    return f"{int(minutes)} min {sec:04.1f} s" if minutes else f"{sec:.1f} s"
+
+
+def _results_section(results: Mapping[str, Any]) -> list[str]:
+    lines = ["## Final scores", ""]
+    split = results.get("split")
+    if split is not None:
+        lines.append(
+            f"Split: `{split}`"
+            + (f", checkpoint `{results['checkpoint']}`" if results.get("checkpoint") else "")
+        )
+        lines.append("")
+    lines += ["| metric | score | signature |", "|---|---|---|"]
+    for metric, sig in (("bleu", "signature"), ("chrf", "chrf_signature")):
+        if metric in results:
+            lines.append(
+                f"| {metric.upper() if metric == 'bleu' else 'chrF'} | {_fmt(results[metric])} "
+                f"| `{_cell(results.get(sig, ''))}` |"
+            )
+    shown = {"bleu", "chrf", "signature", "chrf_signature", "split", "checkpoint"}
+    for key, value in results.items():
+        if key not in shown and (_is_number(value) or isinstance(value, str)):
+            lines.append(f"| {_cell(key)} | {_cell(_fmt(value))} | |")
+    return lines + [""]
+
+
+def _training_summary(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    steps, _ = series(records, "loss")
+    if not len(steps):
+        return []
+    lines = ["## Training", ""]
+    facts = [("updates", int(steps[-1]))]
+    _, epochs = series(records, "epoch")
+    if len(epochs):
+        facts.append(("epochs", _fmt(epochs[-1])))
+    _, wall = series(records, "wall")
+    if len(wall):
+        facts.append(("training wall time", _duration(wall[-1])))
+    _, loss = series(records, "loss")
+    facts.append(("last training loss", _fmt(loss[-1])))
+    vsteps, vloss = series(records, "valid_loss")
+    if len(vloss):
+        i = int(np.argmin(vloss))
+        facts.append(("best validation loss", f"{_fmt(vloss[i])} (step {int(vsteps[i])})"))
+    bsteps, bleu = series(records, "valid_bleu")
+    if len(bleu):
+        i = int(np.argmax(bleu))
+        facts.append(("best validation BLEU", f"{_fmt(bleu[i])} (step {int(bsteps[i])})"))
+    _, tps = series(records, "tgt_tok_per_s")
+    if len(tps):
+        facts.append(("median target tokens/s", f"{np.median(tps):,.0f}"))
+    lines += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in facts]
+    return lines + [""]
+
+
+def _examples_section(
+    hypotheses: Sequence[str] | None, examples: Mapping[str, Sequence[str]] | None
+) -> list[str]:
+    sources = list((examples or {}).get("sources") or [])
+    references = list((examples or {}).get("references") or [])
+    hyps = list((examples or {}).get("hypotheses") or hypotheses or [])
+    if not hyps:
+        return []
+    n = min(MAX_EXAMPLES, len(hyps))
+    columns = [("source", sources), ("reference", references), ("translation", hyps)]
+    columns = [(name, col) for name, col in columns if len(col) >= n]
+    lines = ["## Example translations", ""]
+    lines.append("| # | " + " | ".join(name for name, _ in columns) + " |")
+    lines.append("|---|" + "---|" * len(columns))
+    for i in range(n):
+        lines.append(f"| {i + 1} | " + " | ".join(_cell(col[i]) for _, col in columns) + " |")
+    return lines + [""]
+
+
+def _attention_arg(attention: Any) -> tuple[list[str], list[str], Any]:
+    if isinstance(attention, Mapping):
+        return list(attention["src_tokens"]), list(attention["tgt_tokens"]), attention["matrix"]
+    src_tokens, tgt_tokens, matrix = attention
+    return list(src_tokens), list(tgt_tokens), matrix
+
+
+def write_report(
+    run_dir: str | Path,
+    examples: Mapping[str, Sequence[str]] | None = None,
+    attention: Any = None,
+) -> Path:
+    """Build ``run_dir/report.md`` and its PNG figures from the files of a run.
+
+    Args:
+        run_dir: the run directory (see the module docstring for the files read).
+        examples: optional ``{"sources": [...], "references": [...]}`` of the scored split, line
+            by line; ``"hypotheses"`` may be given too, else ``translations/<split>.txt`` is read.
+        attention: optional heatmap input, ``{"src_tokens", "tgt_tokens", "matrix" (T, S)}`` or
+            the tuple ``(src_tokens, tgt_tokens, matrix)`` (see ``plot_attention``).
+
+    Returns:
+        The path of ``report.md``.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    records = load_metrics(run_dir / "metrics.jsonl")
+    results = _read_json(run_dir / "results.json")
+    config_path = run_dir / "config.yaml"
+
+    title = run_dir.resolve().name
+    lines = [f"# Run report: {title}", ""]
+    if results:
+        lines += _results_section(results)
+    lines += _training_summary(records)
+
+    figures = plot_curves(records, run_dir)
+    captions = {
+        "loss": "Loss against updates (label-smoothed loss and NLL, nats per target token)",
+        "lr": "Learning rate against updates",
+        "bleu": "Validation BLEU against updates",
+        "throughput": "Training throughput (non-pad target tokens per second)",
+    }
+    if figures:
+        lines += ["## Curves", ""]
+        for name, png in figures.items():
+            lines += [f"### {captions[name]}", "", f"![{name}]({png.name})", ""]
+
+    times = stage_times(run_dir, records)
+    if times:
+        lines += ["## Wall time per stage", "", "| stage | time |", "|---|---|"]
+        lines += [f"| {_cell(stage)} | {_duration(sec)} |" for stage, sec in times.items()]
+        lines += [f"| **total** | {_duration(sum(times.values()))} |", ""]
+
+    split = results.get("split", "test")
+    hyp_path = run_dir / "translations" / f"{split}.txt"
+    hypotheses = None
+    if hyp_path.is_file():
+        hypotheses = hyp_path.read_text(encoding="utf-8").splitlines()
+    lines += _examples_section(hypotheses, examples)
+
+    if attention is not None:
+        try:
+            src_tokens, tgt_tokens, matrix = _attention_arg(attention)
+            png = plot_attention(src_tokens, tgt_tokens, matrix, run_dir / "attention.png")
+        except (ValueError, KeyError, TypeError) as err:
+            log.warning("attention heatmap skipped: %s", err)
+        else:
+            lines += [
+                "## Encoder-decoder attention",
+                "",
+                "Last decoder layer, averaged over heads; rows are output pieces, columns source "
+                "pieces.",
+                "",
+                f"![attention]({png.name})",
+                "",
+            ]
+
+    if config_path.is_file():
+        text = config_path.read_text(encoding="utf-8").rstrip()
+        lines += ["## Configuration", "", "<details><summary>config.yaml</summary>", ""]
+        lines += ["```yaml", text, "```", "", "</details>", ""]
+
+    path = run_dir / "report.md"
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text("\n".join(lines), encoding="utf-8")
+    tmp.replace(path)
+    log.info("report written to %s", path)
+    return path

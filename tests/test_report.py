@@ -1,0 +1,167 @@
+"""The run report: a synthetic run directory in, report.md and valid PNG files out."""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mt.report import load_metrics, plot_attention, series, stage_times, write_report
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) read from the IHDR chunk, checking signature and CRC by hand."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
+    length, kind = struct.unpack(">I4s", data[8:16])
+    assert kind == b"IHDR" and length == 13
+    body = data[16 : 16 + length]
+    (crc,) = struct.unpack(">I", data[16 + length : 20 + length])
+    assert zlib.crc32(kind + body) == crc, "IHDR CRC mismatch"
+    assert data.rstrip(b"\0").endswith(b"IEND\xaeB`\x82"), "PNG truncated"
+    width, height = struct.unpack(">II", body[:8])
+    return width, height
+
+
+def make_run(tmp_path: Path, with_extras: bool = True) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [json.dumps({"stage": "prepare", "seconds": 12.5})]
+    for step in range(10, 210, 10):
+        rec = {
+            "step": step,
+            "epoch": step / 100,
+            "loss": 8.0 / (1 + step / 50),
+            "nll": 7.0 / (1 + step / 50),
+            "lr": 1e-3 * min(step / 100, (100 / step) ** 0.5),
+            "tgt_tok_per_s": 1900.0 + step,
+            "wall": step * 0.5,
+        }
+        if step % 50 == 0:
+            rec.update(
+                valid_loss=rec["loss"] + 0.3, valid_nll=rec["nll"] + 0.2, valid_bleu=step / 10
+            )
+        lines.append(json.dumps(rec))
+    lines.append('{"step": 210, "loss": 0.1')  # a truncated last line (killed run)
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    if with_extras:
+        (run / "timings.json").write_text(json.dumps({"train": 100.0, "evaluate": 30.0}))
+        results = {
+            "bleu": 41.23,
+            "chrf": 63.4,
+            "signature": "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.4.0",
+            "chrf_signature": "nrefs:1|case:mixed|eff:yes|nc:6|nw:0|space:no|version:2.4.0",
+            "split": "test",
+            "checkpoint": "runs/x/checkpoints/best.pt",
+        }
+        (run / "results.json").write_text(json.dumps(results))
+        (run / "translations").mkdir()
+        (run / "translations" / "test.txt").write_text("A dog | runs.\nTwo men talk.\n")
+        (run / "config.yaml").write_text("model:\n  d_model: 256\n")
+    return run
+
+
+def test_full_report(tmp_path):
+    run = make_run(tmp_path)
+    examples = {
+        "sources": ["Ein Hund rennt.", "Zwei Männer reden."],
+        "references": ["A dog runs.", "Two men talk."],
+    }
+    src, tgt = ["Ein", "Hund", "rennt", ".", "</s>"], ["A", "dog", "runs", ".", "</s>"]
+    attn = np.full((5, 5), 0.02) + np.eye(5) * 0.9
+    path = write_report(run, examples=examples, attention=(src, tgt, attn))
+    assert path == run / "report.md"
+    text = path.read_text()
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert set(images) == {"loss.png", "lr.png", "bleu.png", "throughput.png", "attention.png"}
+    for name in images:
+        width, height = png_size(run / name)
+        assert width > 100 and height > 100
+    # Final scores with both signatures, the run's split and checkpoint.
+    assert "41.23" in text and "63.4" in text
+    assert "tok:13a" in text and "nc:6" in text and "best.pt" in text
+    # Stage times from the stage record and timings.json; total = 12.5 + 100 + 30.
+    assert "prepare" in text and "evaluate" in text and "2 min 22.5 s" in text
+    # Examples: source, reference and translation side by side; the pipe is escaped.
+    assert "| 1 | Ein Hund rennt. | A dog runs. | A dog \\| runs. |" in text
+    # Summary: last update, best validation BLEU (step 200 -> 20.0).
+    assert "| updates | 200 |" in text and "20 (step 200)" in text
+    assert "d_model: 256" in text
+
+
+def test_minimal_run_dir_skips_missing_pieces(tmp_path):
+    run = make_run(tmp_path, with_extras=False)
+    # Only training records: drop the validation fields to check those figures are skipped.
+    records = [
+        {k: v for k, v in r.items() if not k.startswith("valid")}
+        for r in load_metrics(run / "metrics.jsonl")
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = write_report(run).read_text()
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert set(images) == {"loss.png", "lr.png", "throughput.png"}
+    assert not (run / "bleu.png").exists() and not (run / "attention.png").exists()
+    assert "Final scores" not in text and "Example translations" not in text
+
+
+def test_empty_run_dir(tmp_path):
+    path = write_report(tmp_path / "empty")
+    text = path.read_text()
+    assert text.startswith("# Run report")
+    assert "![" not in text
+    assert list(path.parent.glob("*.png")) == []
+
+
+def test_bad_attention_is_skipped_not_fatal(tmp_path):
+    run = make_run(tmp_path)
+    text = write_report(run, attention=(["a", "b"], ["x"], np.ones((2, 2)))).read_text()
+    assert "attention.png" not in text
+
+
+def test_hypotheses_alone(tmp_path):
+    run = make_run(tmp_path)
+    text = write_report(run).read_text()
+    assert "| 2 | Two men talk. |" in text
+
+
+def test_load_metrics_and_series(tmp_path):
+    run = make_run(tmp_path, with_extras=False)
+    records = load_metrics(run / "metrics.jsonl")
+    assert len(records) == 21  # the stage record + 20 steps; the truncated line is dropped
+    steps, bleu = series(records, "valid_bleu")
+    np.testing.assert_array_equal(steps, [50, 100, 150, 200])
+    np.testing.assert_allclose(bleu, [5.0, 10.0, 15.0, 20.0])
+    # Repeated step after a resume: the last record wins; non-finite values are ignored.
+    recs = [{"step": 2, "loss": 3.0}, {"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}]
+    recs.append({"step": 3, "loss": float("nan")})
+    steps, loss = series(recs, "loss")
+    np.testing.assert_array_equal(steps, [1, 2])
+    np.testing.assert_array_equal(loss, [5.0, 4.0])
+    assert load_metrics(tmp_path / "nope.jsonl") == []
+
+
+def test_stage_times_merge(tmp_path):
+    (tmp_path / "timings.json").write_text(json.dumps({"train": 5.0, "decode": 2}))
+    recs = [{"stage": "train", "seconds": 1.0}, {"stage": "prepare", "seconds": 3}]
+    assert stage_times(tmp_path, recs) == {"train": 5.0, "prepare": 3.0, "decode": 2.0}
+
+
+def test_plot_attention_shapes(tmp_path):
+    src, tgt = ["a", "b", "c"], ["x", "y"]
+    out = plot_attention(src, tgt, np.random.default_rng(0).random((2, 3)), tmp_path / "a.png")
+    assert png_size(out)[0] > 50
+    with pytest.raises(ValueError, match="attention matrix"):
+        plot_attention(src, tgt, np.ones((3, 2)), tmp_path / "b.png")
+
+
+def test_plot_attention_accepts_torch(tmp_path):
+    torch = pytest.importorskip("torch")
+    out = plot_attention(["a", "b"], ["x"], torch.tensor([[0.25, 0.75]]), tmp_path / "t.png")
+    png_size(out)
