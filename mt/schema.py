@@ -47,6 +47,7 @@ class DataConfig:
     hf_name: Optional[str] = None  # datasets config name, e.g. de-en
     hf_schema: str = "translation"  # translation: {lang: text} column | columns: one per lang
     hf_splits: Optional[SplitsConfig] = None  # HF split names when they differ from `splits`
+    hf_data_files: Optional[Any] = None  # local files for hf_path=parquet|json: {split: path(s)}
     src_lang: str = "de"
     tgt_lang: str = "en"
     splits: SplitsConfig = field(default_factory=SplitsConfig)
@@ -65,6 +66,7 @@ class TokenizerConfig:
     input_sentence_size: int = 1_000_000  # train on a random sample of at most this many lines
     joint: bool = True  # one model for both languages (false: one per language)
     threads: int = 0  # encoding/training threads (0 = all cores)
+    byte_fallback: bool = True  # unknown characters become UTF-8 byte pieces (no <unk>)
 
 
 @dataclass
