@@ -72,7 +72,12 @@ def test_bad_override_names_the_key(bad):
 
 def test_cli_misspelt_key_exits_nonzero():
     proc = subprocess.run(
-        [sys.executable, "-c", "from mt.cli import prepare_main; prepare_main()", "model.d_modle=3"],
+        [
+            sys.executable,
+            "-c",
+            "from mt.cli import prepare_main; prepare_main()",
+            "model.d_modle=3",
+        ],
         capture_output=True,
         text=True,
         cwd=Path(__file__).resolve().parents[1],
