@@ -1,0 +1,284 @@
+"""Checkpoints: self-describing, atomically written, loadable with ``weights_only=True``.
+
+A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts (no pickled objects),
+so ``torch.load(weights_only=True)`` reads it. The keys:
+
+- ``model`` (state_dict of the unwrapped, uncompiled model), ``model_cfg`` (ModelConfig fields),
+  ``vocab_size``, ``specials`` ({pad, unk, bos, eos}), ``tokenizer`` ({"joint": bool, "models":
+  list of uint8 tensors}), ``step``, ``epoch``: everything decoding needs.
+- training state adds ``optimizer``, ``scheduler``, ``scaler``, ``rng``, ``data`` ({epoch,
+  batch}), ``train_cfg``, ``best``.
+
+Writes go to a temporary file in the same directory, are flushed and fsynced, then renamed over
+the target (``os.replace`` is atomic on POSIX): a crash mid-save leaves the previous file intact.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mt.schema import ModelConfig
+from mt.vocab import SPECIALS
+
+log = logging.getLogger(__name__)
+
+MODEL_KEYS = ("model", "model_cfg", "vocab_size", "specials", "tokenizer", "step")
+TRAINING_KEYS = ("optimizer", "scheduler", "rng", "data")
+PERIODIC = re.compile(r"^checkpoint_(\d+)\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A file that is not a usable mt checkpoint (missing, truncated, wrong format, mismatch)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving and loading
+# ---------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
+    """Write ``state`` to ``path`` atomically (tmp file in the same dir, fsync, os.replace).
+
+    Args:
+        path: destination file; its directory is created if needed.
+        state: a dict of tensors / numbers / strings / lists / dicts.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename itself durable (best effort: not every filesystem allows it)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(
+    path: str | Path, map_location: str | torch.device = "cpu", require_training: bool = False
+) -> dict[str, Any]:
+    """Read a checkpoint with ``torch.load(weights_only=True)`` and check its keys.
+
+    Args:
+        path: the checkpoint file.
+        map_location: where tensors go.
+        require_training: also require the training-state keys (resume).
+
+    Returns:
+        The checkpoint dict.
+
+    Raises:
+        CheckpointError: missing file, not a checkpoint, truncated, missing keys, or specials
+            that differ from mt.vocab.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # torch raises many types for garbage (KeyError, EOFError, ...)
+        raise CheckpointError(
+            f"{path} is not a readable mt checkpoint (not a torch file, truncated, or written "
+            f"with pickled objects): {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        ) from e
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(f"{path} holds a {type(ckpt).__name__}, not a checkpoint dict")
+    required = MODEL_KEYS + (TRAINING_KEYS if require_training else ())
+    missing = [k for k in required if k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{path} is missing checkpoint keys {missing}")
+    if dict(ckpt["specials"]) != SPECIALS:
+        raise CheckpointError(
+            f"{path} was written with special ids {dict(ckpt['specials'])}, but this code uses "
+            f"{SPECIALS}: the model and the vocabulary would disagree"
+        )
+    return ckpt
+
+
+def model_cfg_from(ckpt: dict[str, Any]) -> ModelConfig:
+    """The ModelConfig stored in a checkpoint (unknown keys from other versions are ignored)."""
+    known = {f.name for f in fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in ckpt["model_cfg"].items() if k in known})
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu"):
+    """Build the model and tokenizer a checkpoint describes (no training config needed).
+
+    Args:
+        path: a checkpoint written by mt-train (or the averaging script).
+        device: where the model goes.
+
+    Returns:
+        ``(model, tokenizer, ckpt)``: the model in eval mode on ``device``, the
+        mt.tokenizer.Tokenizer embedded in the checkpoint, and the checkpoint dict.
+    """
+    from mt.model import build_model
+    from mt.tokenizer import Tokenizer
+
+    ckpt = load_checkpoint(path, map_location="cpu")
+    model = build_model(model_cfg_from(ckpt), int(ckpt["vocab_size"]))
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise CheckpointError(f"{path}: weights do not fit the stored model config: {e}") from e
+    tokenizer = Tokenizer.from_bytes(tokenizer_blobs(ckpt))
+    return model.to(device).eval(), tokenizer, ckpt
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the self-describing parts
+# ---------------------------------------------------------------------------------------------
+
+
+def model_state(model: torch.nn.Module, model_cfg: ModelConfig, tokenizer, vocab_size: int):
+    """The parts of a checkpoint that decoding needs (``step``/``epoch`` added by the caller).
+
+    Args:
+        model: the unwrapped, uncompiled model.
+        model_cfg: its configuration.
+        tokenizer: an mt.tokenizer.Tokenizer (embedded via ``to_bytes``).
+        vocab_size: the vocabulary size the model was built with.
+    """
+    return {
+        "model": model.state_dict(),
+        "model_cfg": asdict(model_cfg),
+        "vocab_size": int(vocab_size),
+        "specials": dict(SPECIALS),
+        "tokenizer": {
+            "joint": bool(tokenizer.joint),
+            "models": [
+                torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in tokenizer.to_bytes()
+            ],
+        },
+    }
+
+
+def tokenizer_blobs(ckpt: dict[str, Any]) -> list[bytes]:
+    """The serialized SentencePiece model(s) stored in a checkpoint."""
+    return [t.numpy().tobytes() for t in ckpt["tokenizer"]["models"]]
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG state (python, numpy, torch, cuda) as tensors, lists and numbers."""
+    version, internal, gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state = {
+        "python": [version, list(internal), gauss],
+        "numpy": [
+            np_name,
+            torch.from_numpy(np_keys.astype(np.int64)),
+            int(np_pos),
+            int(np_has_gauss),
+            float(np_gauss),
+        ],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured."""
+    version, internal, gauss = state["python"]
+    random.setstate((int(version), tuple(int(x) for x in internal), gauss))
+    name, keys, pos, has_gauss, gauss_np = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss_np))
+    torch.set_rng_state(state["torch"].cpu())
+    cuda = state.get("cuda") or []
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([t.cpu() for t in cuda])
+
+
+# ---------------------------------------------------------------------------------------------
+# Periodic checkpoints: rotation and averaging
+# ---------------------------------------------------------------------------------------------
+
+
+def periodic_checkpoints(directory: str | Path) -> list[Path]:
+    """The ``checkpoint_<step>.pt`` files of a directory, oldest (lowest step) first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := PERIODIC.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def rotate_checkpoints(directory: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` periodic checkpoints; returns the deleted paths."""
+    if keep_last <= 0:
+        return []
+    old = periodic_checkpoints(directory)[:-keep_last]
+    for p in old:
+        p.unlink(missing_ok=True)
+    return old
+
+
+def average_checkpoints(paths: list[str | Path]) -> dict[str, Any]:
+    """The element-wise mean of the models' parameters (the paper averages the last 5 or 20).
+
+    Floating-point tensors are averaged in float64 and cast back; other tensors (integer
+    buffers) are taken from the last checkpoint. The result carries the last checkpoint's
+    description (model_cfg, tokenizer, step, ...) but no training state, and an ``averaged``
+    list naming its inputs.
+
+    Args:
+        paths: checkpoint files of the same model.
+
+    Raises:
+        CheckpointError: no paths, or models with different parameter names or shapes.
+    """
+    if not paths:
+        raise CheckpointError("no checkpoints to average")
+    total: dict[str, torch.Tensor] = {}
+    last: dict[str, Any] = {}
+    for i, path in enumerate(paths):
+        ckpt = load_checkpoint(path)
+        weights = ckpt["model"]
+        if i == 0:
+            total = {k: v.double() if v.is_floating_point() else v for k, v in weights.items()}
+        else:
+            if weights.keys() != total.keys():
+                raise CheckpointError(f"{path} holds different parameters from {paths[0]}")
+            for k, v in weights.items():
+                if v.shape != total[k].shape:
+                    raise CheckpointError(
+                        f"{path}: {k} has shape {tuple(v.shape)}, not {tuple(total[k].shape)}"
+                    )
+                total[k] = total[k] + v.double() if v.is_floating_point() else v
+        last = ckpt
+    n = len(paths)
+    averaged = {
+        k: (total[k] / n).to(v.dtype) if v.is_floating_point() else v
+        for k, v in last["model"].items()
+    }
+    out = {k: v for k, v in last.items() if k in MODEL_KEYS or k in ("epoch", "train_cfg")}
+    out["model"] = averaged
+    out["averaged"] = [str(p) for p in paths]
+    return out

@@ -1,0 +1,134 @@
+"""Everything distributed, in one place: DDP set-up from torchrun's environment and collectives.
+
+``torchrun`` (``python -m torch.distributed.run``) sets RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR and MASTER_PORT in each process; :func:`setup` reads them, picks the device
+(``cuda:LOCAL_RANK`` when CUDA is there) and the backend (NCCL on GPUs, gloo on CPU). Without
+torchrun (WORLD_SIZE unset or 1) every function here is a cheap no-op, so the rest of ``mt`` is
+single-process code that calls them unconditionally.
+
+Example (one machine, 8 GPUs; two machines: ``--nnodes=2 --node_rank=i
+--rdzv_backend=c10d --rdzv_endpoint=HOST:PORT`` on each):
+    torchrun --standalone --nproc_per_node=8 $(which mt-train) experiment=wmt14_en_de_base
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """This process's place in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
+    """``auto`` -> ``cuda:LOCAL_RANK`` if CUDA is available else ``cpu``; ``cuda`` -> the same
+    GPU selection; anything else (``cpu``, ``cuda:1``) as given."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        return torch.device("cuda", local_rank)
+    return torch.device(device)
+
+
+def setup(device: str = "auto", timeout_minutes: float = 30.0) -> DistInfo:
+    """Join the process group torchrun describes (if any) and pick this process's device.
+
+    Args:
+        device: auto | cpu | cuda | cuda:N (see :func:`resolve_device`).
+        timeout_minutes: collective timeout (rank 0 prepares data while the others wait).
+
+    Returns:
+        The :class:`DistInfo` of this process.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = resolve_device(device, local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+            device_id=dev if dev.type == "cuda" else None,
+        )
+        log.info("DDP: rank %d/%d (local %d) on %s, %s", rank, world_size, local_rank, dev, backend)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def is_main() -> bool:
+    """True on rank 0 (and in a single process): the one process that writes files and logs."""
+    return not is_initialized() or dist.get_rank() == 0
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op in a single process)."""
+    if is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over ranks in place and return it (no-op in a single process)."""
+    if is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True if ``flag`` is true on any rank (e.g. a stop request seen by one process)."""
+    if not is_initialized():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    return bool(all_reduce_sum(t).item() > 0)
+
+
+def wrap(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
+    """Wrap the model in DistributedDataParallel when there are several ranks."""
+    if not info.distributed:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ids = [info.device.index] if info.device.type == "cuda" else None
+    return DDP(model, device_ids=ids)
+
+
+def no_sync(model: torch.nn.Module, skip: bool):
+    """``model.no_sync()`` when ``skip`` and the model is DDP (accumulation steps before the
+    last one need no gradient all-reduce); otherwise a null context."""
+    if skip and hasattr(model, "no_sync"):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def cleanup() -> None:
+    """Leave the process group (safe to call twice or without one)."""
+    if is_initialized():
+        dist.destroy_process_group()
