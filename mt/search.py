@@ -1,0 +1,414 @@
+"""Greedy and beam search over a trained Transformer, batched over sentences and beams.
+
+Both searches run the encoder once and then the decoder one token at a time with its key/value
+cache (``model.decode(new_tokens, enc, cache)``); ``model.reorder(enc, cache, index)`` makes the
+cache follow the surviving beams and drops the rows of sentences whose search has ended. They use
+nothing else of the model, so stub models with hand-set probabilities can test them.
+
+Conventions (the paper's, made exact):
+
+* Length penalty (GNMT): ``lp(Y) = ((5 + |Y|) / 6) ** alpha`` where ``|Y|`` counts the output
+  tokens *including* the final EOS when the hypothesis has one. A hypothesis' score is
+  ``sum(log p(y_t)) / lp(Y)``, the sum including the EOS log-probability.
+* Maximum length: ``max_len = int(a * src_len + b)`` where ``src_len`` is the number of source
+  tokens *without* the EOS appended to every source (and without padding), capped at the model's
+  ``max_positions``. Every hypothesis has ``|Y| <= max_len``: a hypothesis that reaches
+  ``max_len`` tokens without EOS is finalised as it is (no EOS, no EOS log-probability).
+* A candidate ending in EOS becomes a finished hypothesis only when it ranks within the top
+  ``beam_size`` candidates of its step; the ``beam_size`` best candidates not ending in EOS
+  continue. A sentence's search ends when ``beam_size`` hypotheses are finished (so beam 1 is
+  exactly greedy search) or at its maximum length, where its unfinished beams are finalised.
+* PAD and BOS are never generated; ``min_len`` forbids EOS until that many tokens are out
+  (benchmarks use it to force the output length).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mt.schema import DecodeConfig
+from mt.vocab import BOS, EOS, PAD
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Hypothesis:
+    """One output of the search.
+
+    Attributes:
+        tokens: output ids without BOS and EOS.
+        score: sum of token log-probabilities divided by the length penalty.
+        logprob: the plain sum of token log-probabilities (EOS included when generated).
+    """
+
+    tokens: list[int]
+    score: float
+    logprob: float = 0.0
+
+
+def length_penalty(length: int, alpha: float) -> float:
+    """GNMT length penalty ``((5 + length) / 6) ** alpha`` (``length`` counts EOS when present)."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def max_positions(model: torch.nn.Module) -> int | None:
+    """The longest sequence the model's positional encoding covers, when it says so."""
+    for owner in (model, getattr(model, "cfg", None), getattr(model, "config", None)):
+        value = getattr(owner, "max_positions", None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def max_lengths(src: torch.Tensor, a: float, b: float, model: torch.nn.Module) -> list[int]:
+    """Per-sentence maximum output length ``int(a * src_len + b)``, ``src_len`` without EOS.
+
+    Args:
+        src: (B, S) source ids, each row ``ids + EOS`` right-padded with PAD.
+        a, b: the coefficients (``decode.max_len_a``, ``decode.max_len_b``).
+        model: used only for its ``max_positions`` cap.
+
+    Returns:
+        B lengths, each at least 1 and at most the model's ``max_positions``.
+    """
+    src_len = ((src != PAD).sum(dim=1) - 1).clamp(min=0).tolist()
+    cap = max_positions(model) or 1 << 30
+    return [max(1, min(cap, int(a * n + b))) for n in src_len]
+
+
+def _next_lprobs(model, tokens, enc, cache, step: int, min_len: int) -> torch.Tensor:
+    """Log-probabilities (N, V) of the next token, with PAD/BOS (and early EOS) forbidden."""
+    logits = model.decode(tokens[:, -1:], enc, cache)  # (N, 1, V)
+    lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)  # (N, V)
+    lprobs[:, PAD] = NEG_INF
+    lprobs[:, BOS] = NEG_INF
+    if step < min_len:
+        lprobs[:, EOS] = NEG_INF
+    return lprobs
+
+
+def _hyp(tokens: torch.Tensor, logprob: float, length: int, alpha: float) -> Hypothesis:
+    """A hypothesis from a token row ``BOS y_1 .. y_t`` (BOS dropped)."""
+    return Hypothesis(tokens[1:].tolist(), logprob / length_penalty(length, alpha), logprob)
+
+
+@torch.inference_mode()
+def greedy_search(
+    model: torch.nn.Module,
+    src: torch.Tensor,
+    max_len_a: float = 1.0,
+    max_len_b: float = 50,
+    min_len: int = 0,
+    alpha: float = 0.0,
+) -> list[Hypothesis]:
+    """Greedy decoding of a batch: the most probable token at each step.
+
+    Args:
+        model: has ``encode``, ``decode`` (incremental, with a cache dict) and ``reorder``.
+        src: (B, S) source ids (``ids + EOS``, PAD-padded).
+        max_len_a, max_len_b: maximum output length ``int(a * src_len + b)``.
+        min_len: EOS is forbidden until this many tokens are out.
+        alpha: length penalty exponent for the reported score (0: plain log-probability).
+
+    Returns:
+        One hypothesis per sentence, in input order.
+    """
+    model.eval()
+    limits = max_lengths(src, max_len_a, max_len_b, model)
+    enc, cache = model.encode(src), {}
+    rows = list(range(src.size(0)))  # sentence of each live row
+    tokens = torch.full((len(rows), 1), BOS, dtype=torch.long, device=src.device)  # (N, t+1)
+    cum = torch.zeros(len(rows), device=src.device)
+    out: list[Hypothesis | None] = [None] * len(rows)
+    step = 0
+    while rows:
+        # Sentences at their maximum length are finalised without EOS.
+        keep = [i for i, s in enumerate(rows) if limits[s] > step]
+        if len(keep) < len(rows):
+            logprob = cum.tolist()
+            for i, s in enumerate(rows):
+                if limits[s] <= step:
+                    out[s] = _hyp(tokens[i], logprob[i], step, alpha)
+            rows, tokens, cum, enc, cache = _select(model, keep, rows, tokens, cum, enc, cache)
+            if not rows:
+                break
+        lprobs = _next_lprobs(model, tokens, enc, cache, step, min_len)
+        best, next_tok = lprobs.max(dim=-1)  # (N,), (N,)
+        cum = cum + best
+        tokens = torch.cat([tokens, next_tok[:, None]], dim=1)
+        step += 1
+        ended = (next_tok == EOS).tolist()
+        if any(ended):
+            logprob = cum.tolist()
+            for i, s in enumerate(rows):
+                if ended[i]:
+                    out[s] = _hyp(tokens[i, :-1], logprob[i], step, alpha)
+            keep = [i for i, e in enumerate(ended) if not e]
+            rows, tokens, cum, enc, cache = _select(model, keep, rows, tokens, cum, enc, cache)
+    return out  # type: ignore[return-value]
+
+
+def _select(model, keep: list[int], rows, tokens, cum, enc, cache):
+    """Keep only the rows ``keep`` of the greedy state (and of the model's cache)."""
+    index = torch.tensor(keep, dtype=torch.long, device=tokens.device)
+    rows = [rows[i] for i in keep]
+    if rows:
+        enc, cache = model.reorder(enc, cache, index)
+    return rows, tokens[index], cum[index], enc, cache
+
+
+@torch.inference_mode()
+def beam_search(
+    model: torch.nn.Module,
+    src: torch.Tensor,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    max_len_a: float = 1.0,
+    max_len_b: float = 50,
+    nbest: int = 1,
+    min_len: int = 0,
+) -> list[list[Hypothesis]]:
+    """Beam search of a batch of sentences, all beams of all sentences in one decoder call.
+
+    Args:
+        model: has ``encode``, ``decode`` (incremental, with a cache dict) and ``reorder``.
+        src: (B, S) source ids (``ids + EOS``, PAD-padded).
+        beam_size: K, hypotheses kept per sentence.
+        alpha: length penalty exponent (GNMT form; see the module docstring).
+        max_len_a, max_len_b: maximum output length ``int(a * src_len + b)``.
+        nbest: hypotheses returned per sentence (at most ``beam_size``).
+        min_len: EOS is forbidden until this many tokens are out.
+
+    Returns:
+        For each sentence (input order), up to ``nbest`` hypotheses, best first.
+    """
+    if not 1 <= nbest <= beam_size:
+        raise ValueError(f"nbest must be between 1 and beam_size={beam_size}, got {nbest}")
+    model.eval()
+    K, device = beam_size, src.device
+    limits = max_lengths(src, max_len_a, max_len_b, model)
+    enc = model.encode(src)
+    expand = torch.arange(src.size(0), device=device).repeat_interleave(K)  # (B*K,)
+    enc, cache = model.reorder(enc, {}, expand)
+    sents = list(range(src.size(0)))  # sentence of each live group of K rows
+    scores = torch.full((len(sents), K), NEG_INF, device=device)  # (n, K) summed log-probs
+    scores[:, 0] = 0.0  # all beams start equal: keep one so the first step has no duplicates
+    tokens = torch.full((len(sents) * K, 1), BOS, dtype=torch.long, device=device)  # (n*K, t+1)
+    finished: list[list[Hypothesis]] = [[] for _ in sents]
+    out: list[list[Hypothesis]] = [[] for _ in sents]
+    step = 0
+    while sents:
+        at_max = [i for i, s in enumerate(sents) if limits[s] <= step]
+        if at_max:
+            flat = scores.tolist()
+            for i in at_max:
+                for k in range(K):
+                    if flat[i][k] > NEG_INF:
+                        hyp = _hyp(tokens[i * K + k], flat[i][k], step, alpha)
+                        finished[sents[i]].append(hyp)
+            keep = [i for i in range(len(sents)) if limits[sents[i]] > step]
+            rows = _group_rows(keep, K, device)
+            scores, tokens = scores[keep], tokens[rows]
+            sents = _finish(sents, at_max, finished, out, nbest)
+            if not sents:
+                break
+            enc, cache = model.reorder(enc, cache, rows)
+        n = len(sents)
+        lprobs = _next_lprobs(model, tokens, enc, cache, step, min_len)  # (n*K, V)
+        V = lprobs.size(-1)
+        cand = (scores.view(-1, 1) + lprobs).view(n, K * V)  # (n, K*V)
+        top_scores, top_index = cand.topk(min(2 * K, K * V), dim=1)  # (n, 2K), best first
+        top_beam, top_tok = top_index // V, top_index % V
+        is_eos = top_tok == EOS
+        # Finished: EOS candidates ranked within the top K of this step.
+        ranks = torch.arange(top_index.size(1), device=device)
+        done_mask = is_eos & (ranks < K) & torch.isfinite(top_scores)
+        # Continuing: the K best candidates that do not end in EOS (ranks order them).
+        key = torch.where(is_eos, ranks + top_index.size(1), ranks)  # (n, 2K)
+        sel = key.topk(K, dim=1, largest=False).indices  # (n, K) ascending rank
+        new_scores = top_scores.gather(1, sel)
+        origin = torch.arange(n, device=device)[:, None] * K + top_beam.gather(1, sel)  # (n, K)
+        new_tok = top_tok.gather(1, sel)
+        step += 1
+        ended: list[int] = []
+        if bool(done_mask.any()):
+            for i, j in done_mask.nonzero().tolist():
+                row = i * K + int(top_beam[i, j])
+                logprob = float(top_scores[i, j])
+                finished[sents[i]].append(_hyp(tokens[row], logprob, step, alpha))
+            ended = [i for i in range(n) if len(finished[sents[i]]) >= K]
+        # A sentence whose beams are all dead (-inf) can finish nothing more.
+        alive = torch.isfinite(new_scores).any(dim=1).tolist()
+        ended = sorted(set(ended) | {i for i in range(n) if not alive[i]})
+        keep = [i for i in range(n) if i not in set(ended)]
+        rows = origin[keep].view(-1)
+        tokens = torch.cat([tokens[rows], new_tok[keep].view(-1, 1)], dim=1)
+        scores = new_scores[keep]
+        sents = _finish(sents, ended, finished, out, nbest)
+        if sents:
+            enc, cache = model.reorder(enc, cache, rows)
+    return out
+
+
+def _group_rows(groups: list[int], K: int, device) -> torch.Tensor:
+    """Flat row indices of the given beam groups (each group is K consecutive rows)."""
+    g = torch.tensor(groups, dtype=torch.long, device=device)
+    return (g[:, None] * K + torch.arange(K, device=device)).view(-1)
+
+
+def _finish(sents, ended, finished, out, nbest: int) -> list[int]:
+    """Store the n-best of each ended sentence; return the sentences still searching."""
+    ended_set = set(ended)
+    for i in ended_set:
+        s = sents[i]
+        out[s] = sorted(finished[s], key=lambda h: -h.score)[:nbest]
+        finished[s] = []
+    return [s for i, s in enumerate(sents) if i not in ended_set]
+
+
+def search(
+    model: torch.nn.Module, src: torch.Tensor, cfg: DecodeConfig, min_len: int = 0
+) -> list[list[Hypothesis]]:
+    """Greedy search when ``cfg.beam_size == 1``, else beam search; n-best lists either way."""
+    if cfg.beam_size <= 1:
+        hyps = greedy_search(model, src, cfg.max_len_a, cfg.max_len_b, min_len, cfg.alpha)
+        return [[h] for h in hyps]
+    return beam_search(
+        model, src, cfg.beam_size, cfg.alpha, cfg.max_len_a, cfg.max_len_b,
+        min(cfg.nbest, cfg.beam_size), min_len,
+    )  # fmt: skip
+
+
+def make_batches(lengths: list[int], batch_size: int, max_tokens: int = 0) -> list[list[int]]:
+    """Group sentence indices, longest first, by sentence count and padded source tokens.
+
+    Args:
+        lengths: source lengths (without EOS).
+        batch_size: at most this many sentences per batch.
+        max_tokens: at most this many padded source tokens (EOS included) per batch (0: off).
+
+    Returns:
+        Lists of indices into ``lengths``; every index appears exactly once.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        width = lengths[current[0]] + 1 if current else lengths[i] + 1
+        too_many = len(current) >= max(1, batch_size)
+        too_big = max_tokens > 0 and (len(current) + 1) * width > max_tokens
+        if current and (too_many or too_big):
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def autocast(device: torch.device | str, precision: str):
+    """An autocast context for ``decode.precision`` (fp32: none; bf16: bfloat16 autocast)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision == "bf16":
+        return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+    raise ValueError(f"decode.precision must be fp32 or bf16, got {precision!r}")
+
+
+def translate_nbest(
+    model: torch.nn.Module,
+    src_ids: list[list[int]],
+    decode_cfg: DecodeConfig,
+    device: torch.device | str = "cpu",
+    min_len: int = 0,
+) -> list[list[Hypothesis]]:
+    """Search many sentences in length-sorted batches; n-best lists in input order.
+
+    Args:
+        model: the Transformer (already on ``device``).
+        src_ids: source ids per sentence, without EOS (``make_src`` appends it).
+        decode_cfg: beam size, alpha, lengths, batch size / max tokens, precision.
+        device: where the batches go.
+        min_len: EOS is forbidden until this many tokens are out.
+
+    Returns:
+        ``decode_cfg.nbest`` (at most ``beam_size``) hypotheses per sentence, best first.
+    """
+    from mt.batching import make_src
+
+    lengths = [len(ids) for ids in src_ids]
+    out: list[list[Hypothesis]] = [[] for _ in src_ids]
+    for batch in make_batches(lengths, decode_cfg.batch_size, decode_cfg.max_tokens):
+        src = make_src([list(src_ids[i]) for i in batch]).to(device)
+        with autocast(device, decode_cfg.precision):
+            results = search(model, src, decode_cfg, min_len)
+        for i, hyps in zip(batch, results):
+            out[i] = hyps
+    return out
+
+
+def translate_ids(
+    model: torch.nn.Module,
+    src_ids: list[list[int]],
+    decode_cfg: DecodeConfig,
+    device: torch.device | str = "cpu",
+    min_len: int = 0,
+) -> list[list[int]]:
+    """The best output ids (no BOS/EOS) for each source, in input order (see translate_nbest)."""
+    return [h[0].tokens for h in translate_nbest(model, src_ids, decode_cfg, device, min_len)]
+
+
+def clip_to_length(
+    src_ids: list[list[int]], limit: int | None, policy: str = "error", first_line: int = 1
+) -> list[list[int]]:
+    """Check sources against the model's length limit (``ids + EOS <= limit``).
+
+    Args:
+        src_ids: source ids without EOS.
+        limit: ``model.max_positions`` (None: no limit).
+        policy: ``error`` raises, ``truncate`` cuts the ids to ``limit - 1``.
+        first_line: line number of ``src_ids[0]``, for the error message.
+
+    Returns:
+        The (possibly truncated) ids.
+
+    Raises:
+        ValueError: naming the first line that is too long, when ``policy == "error"``.
+    """
+    if limit is None:
+        return src_ids
+    if policy not in ("error", "truncate"):
+        raise ValueError(f"decode.too_long must be error or truncate, got {policy!r}")
+    out = []
+    for n, ids in enumerate(src_ids):
+        if len(ids) + 1 > limit:
+            if policy == "error":
+                raise ValueError(
+                    f"line {first_line + n} has {len(ids)} tokens, more than the model's "
+                    f"max_positions - 1 = {limit - 1}; set decode.too_long=truncate to cut it"
+                )
+            ids = ids[: limit - 1]
+        out.append(ids)
+    return out
+
+
+def count_truncated(src_ids: list[list[int]], limit: int | None) -> int:
+    """How many sources exceed the model's length limit (for warnings)."""
+    return 0 if limit is None else sum(len(ids) + 1 > limit for ids in src_ids)
+
+
+__all__ = [
+    "Hypothesis",
+    "beam_search",
+    "greedy_search",
+    "length_penalty",
+    "make_batches",
+    "max_lengths",
+    "translate_ids",
+    "translate_nbest",
+]
