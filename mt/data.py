@@ -1,0 +1,364 @@
+"""Stage 1: parallel text in, aligned and cleaned sentence pairs out, one pair at a time.
+
+Three sources share one interface (:class:`Corpus`): a local directory of ``<split>.<lang>`` files
+(the layout of shared/data/multi30k), a local ``<split>.tsv`` (``src<TAB>tgt``), and Hugging Face
+``datasets.load_dataset`` (the hub, or local parquet/JSON files through ``data.hf_data_files``)
+with either schema: a ``translation`` column of ``{lang: text}`` or one column per language.
+
+Everything streams: a corpus yields raw lines pair by pair and :class:`Cleaner` filters them
+pair by pair, so a 40M-pair corpus is never held in memory. Lines split on ``"\\n"`` alone; U+2028,
+U+0085 and friends stay inside their sentence (``str.splitlines`` would split them).
+
+Example:
+    >>> corpus = open_corpus(load_config().data)
+    >>> for src, tgt in corpus.pairs("valid"):
+    ...     ...
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import unicodedata
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from mt.schema import CleanConfig, DataConfig
+
+log = logging.getLogger(__name__)
+
+ROLES = ("train", "valid", "test")
+
+
+class DataError(ValueError):
+    """Bad or missing input data; the message says what was found and what to do."""
+
+
+def split_names(value: Any) -> list[str]:
+    """A split value as a list of names (one prefix, or a list of prefixes to concatenate)."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [str(v) for v in value]
+    return [str(value)]
+
+
+def count_lines(path: Path) -> int:
+    """Lines of a file as :func:`read_lines` sees them (a last line without newline counts)."""
+    n, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            n += block.count(b"\n")
+            last = block[-1:]
+    return n + (last != b"\n")
+
+
+def read_lines(path: Path, errors: str = "strict") -> Iterator[str]:
+    """Yield the lines of a UTF-8 file without their terminator, splitting on ``"\\n"`` only.
+
+    Args:
+        path: the file.
+        errors: ``strict`` raises :class:`DataError` naming the file and 1-based line on bytes
+            that are not UTF-8; ``replace`` substitutes U+FFFD and logs one warning with the
+            number of lines affected.
+    """
+    replaced = 0
+    with open(path, "rb") as f:  # binary iteration splits on b"\n" alone
+        for lineno, raw in enumerate(f, 1):
+            if raw.endswith(b"\n"):
+                raw = raw[:-2] if raw.endswith(b"\r\n") else raw[:-1]
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                if errors != "replace":
+                    raise DataError(
+                        f"{path}, line {lineno}: not valid UTF-8 ({err.reason} at byte "
+                        f"{err.start}); fix the file or set data.errors=replace"
+                    ) from None
+                replaced += 1
+                yield raw.decode("utf-8", errors="replace")
+    if replaced:
+        log.warning("%s: replaced invalid UTF-8 bytes on %d line(s)", path, replaced)
+
+
+class Corpus:
+    """A parallel corpus: ``pairs(role)`` yields (source, target) raw lines in file order."""
+
+    def pairs(self, role: str) -> Iterator[tuple[str, str]]:
+        raise NotImplementedError
+
+    def identity(self) -> Any:
+        """A JSON-able description of the exact input (for the prepared-data cache key)."""
+        raise NotImplementedError
+
+
+def _stat(path: Path) -> list:
+    st = path.stat()
+    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
+
+
+class TextCorpus(Corpus):
+    """``<dir>/<prefix>.<lang>`` files (format ``text``) or ``<dir>/<prefix>.tsv`` (``tsv``)."""
+
+    def __init__(self, cfg: DataConfig):
+        self.cfg = cfg
+        self.dir = Path(cfg.dir)
+        if cfg.format not in ("text", "tsv"):
+            raise DataError(f"data.format={cfg.format!r}: expected text or tsv")
+        self.files = {role: self._files(role) for role in ROLES}
+
+    def check(self) -> None:
+        """Raise :class:`DataError` when the two sides of a text split differ in line count."""
+        if self.cfg.format != "text":
+            return
+        for role in ROLES:
+            for src, tgt in self.files[role]:
+                ns, nt = count_lines(src), count_lines(tgt)
+                if ns != nt:
+                    raise DataError(
+                        f"line counts differ: {src} has {ns} lines, {tgt} has {nt} lines"
+                    )
+
+    def _found(self) -> str:
+        names = sorted(p.name for p in self.dir.iterdir() if p.is_file() and "." in p.name)
+        prefixes = sorted({n.rsplit(".", 1)[0] for n in names})
+        exts = sorted({n.rsplit(".", 1)[1] for n in names})
+        return f"found in {self.dir}: splits {prefixes or 'none'}; languages/extensions {exts}"
+
+    def _files(self, role: str) -> list[tuple[Path, ...]]:
+        names = split_names(getattr(self.cfg.splits, role))
+        if not names:
+            raise DataError(f"data.splits.{role} is empty; {self._found()}")
+        out = []
+        for name in names:
+            if self.cfg.format == "tsv":
+                paths: tuple[Path, ...] = (self.dir / f"{name}.tsv",)
+            else:
+                paths = tuple(self.dir / f"{name}.{lang}" for lang in self._langs())
+            for path in paths:
+                if not path.is_file():
+                    raise DataError(
+                        f"missing {role} split file {path} (data.splits.{role}={name}, "
+                        f"src_lang={self.cfg.src_lang}, tgt_lang={self.cfg.tgt_lang}); "
+                        f"{self._found()}"
+                    )
+            out.append(paths)
+        return out
+
+    def _langs(self) -> tuple[str, str]:
+        return self.cfg.src_lang, self.cfg.tgt_lang
+
+    def pairs(self, role: str) -> Iterator[tuple[str, str]]:
+        errors = self.cfg.errors
+        for paths in self.files[role]:
+            if self.cfg.format == "tsv":
+                yield from _tsv_pairs(paths[0], errors)
+            else:
+                yield from zip(read_lines(paths[0], errors), read_lines(paths[1], errors))
+
+    def identity(self) -> Any:
+        return {r: [[_stat(p) for p in ps] for ps in self.files[r]] for r in ROLES}
+
+
+def _tsv_pairs(path: Path, errors: str) -> Iterator[tuple[str, str]]:
+    for lineno, line in enumerate(read_lines(path, errors), 1):
+        cols = line.split("\t")
+        if len(cols) != 2:
+            raise DataError(
+                f"{path}, line {lineno}: expected 2 tab-separated columns (src<TAB>tgt), "
+                f"found {len(cols)}"
+            )
+        yield cols[0], cols[1]
+
+
+class HFCorpus(Corpus):
+    """A ``datasets.load_dataset`` corpus; ``datasets`` is imported only here.
+
+    With ``hf_path: parquet`` (or ``json``) and ``hf_data_files: {split: file(s)}`` the same code
+    reads local files, which is how this path is tested without the hub.
+    """
+
+    def __init__(self, cfg: DataConfig, cache_dir: str | None = None):
+        import datasets
+
+        self.cfg = cfg
+        data_files = _plain(cfg.hf_data_files)
+        self.ds = datasets.load_dataset(
+            cfg.hf_path, cfg.hf_name, data_files=data_files, cache_dir=cache_dir
+        )
+        hf_splits = cfg.hf_splits or cfg.splits
+        self.names = {role: split_names(getattr(hf_splits, role)) for role in ROLES}
+        langs = (cfg.src_lang, cfg.tgt_lang)
+        for role, names in self.names.items():
+            for name in names:
+                if name not in self.ds:
+                    raise DataError(
+                        f"{cfg.hf_path}: no split {name!r} for {role}; found splits "
+                        f"{sorted(self.ds)} (set data.hf_splits.{role} or data.splits.{role})"
+                    )
+                cols = self.ds[name].column_names
+                if cfg.hf_schema == "translation":
+                    if "translation" not in cols:
+                        raise DataError(
+                            f"{cfg.hf_path}/{name}: no 'translation' column; found "
+                            f"{cols} (set data.hf_schema=columns?)"
+                        )
+                    empty = len(self.ds[name]) == 0
+                    found = sorted(langs if empty else self.ds[name][0]["translation"])
+                elif cfg.hf_schema == "columns":
+                    found = cols
+                else:
+                    raise DataError(f"data.hf_schema={cfg.hf_schema!r}: translation|columns")
+                missing = [lang for lang in langs if lang not in found]
+                if missing:
+                    raise DataError(
+                        f"{cfg.hf_path}/{name}: no language {missing} (schema "
+                        f"{cfg.hf_schema}); found {found}"
+                    )
+
+    def pairs(self, role: str) -> Iterator[tuple[str, str]]:
+        src, tgt = self.cfg.src_lang, self.cfg.tgt_lang
+        for name in self.names[role]:
+            ds = self.ds[name]
+            if self.cfg.hf_schema == "translation":
+                for batch in ds.select_columns(["translation"]).iter(batch_size=1000):
+                    for row in batch["translation"]:
+                        yield _one_line(row[src]), _one_line(row[tgt])
+            else:
+                for batch in ds.select_columns([src, tgt]).iter(batch_size=1000):
+                    yield from zip(map(_one_line, batch[src]), map(_one_line, batch[tgt]))
+
+    def identity(self) -> Any:
+        return hf_identity(self.cfg)
+
+
+def _one_line(text: str | None) -> str:
+    """A dataset field as one line: a newline inside a field would break line alignment."""
+    return "" if text is None else text.replace("\r\n", " ").replace("\n", " ")
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf-free copy of a config value (dicts and lists)."""
+    if isinstance(value, dict) or hasattr(value, "items"):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def hf_identity(cfg: DataConfig) -> Any:
+    """The HF source's identity without loading it (local data files: path, size, mtime)."""
+    files = _plain(cfg.hf_data_files)
+    if isinstance(files, dict):
+        files = {k: [_stat(Path(p)) for p in split_names(v)] for k, v in files.items()}
+    elif files is not None:
+        files = [_stat(Path(p)) for p in split_names(files)]
+    return {"hf_path": cfg.hf_path, "hf_name": cfg.hf_name, "data_files": files}
+
+
+def open_corpus(cfg: DataConfig, hf_cache_dir: str | None = None) -> Corpus:
+    """The corpus that ``data.source`` names, checked up front (splits, languages, line counts).
+
+    ``auto`` takes the local directory when it exists, else the hub; when neither works the error
+    says what to set or download. There is never a silent fallback to a different corpus.
+
+    Raises:
+        DataError: missing files, splits or languages, or unequal line counts.
+    """
+    if cfg.source not in ("auto", "local", "hf"):
+        raise DataError(f"data.source={cfg.source!r}: expected auto, local or hf")
+    has_dir = cfg.dir is not None and Path(cfg.dir).is_dir()
+    if cfg.source == "local" or (cfg.source == "auto" and has_dir):
+        if not has_dir:
+            raise DataError(
+                f"data.dir={cfg.dir!r} is not a directory: set data.dir=PATH (or MT_DATA_DIR "
+                f"for the shipped data configs) to a folder of <split>.<lang> files"
+            )
+        corpus = TextCorpus(cfg)
+        corpus.check()
+        return corpus
+    if cfg.source == "hf":
+        return HFCorpus(cfg, hf_cache_dir)
+    if not cfg.hf_path:
+        raise DataError(
+            f"no corpus for data={cfg.name}: local directory {cfg.dir!r} does not exist and no "
+            f"hub dataset is configured; set MT_DATA_DIR (or data.dir=PATH) to the corpus folder"
+        )
+    try:
+        return HFCorpus(cfg, hf_cache_dir)
+    except DataError:
+        raise
+    except Exception as err:  # no network, unknown dataset, ...
+        raise DataError(
+            f"no corpus for data={cfg.name}: local directory {cfg.dir!r} does not exist and the "
+            f"hub dataset {cfg.hf_path!r} could not be loaded ({type(err).__name__}: {err}). Set "
+            f"MT_DATA_DIR (or data.dir=PATH) to a folder of <split>.<lang> files, or download "
+            f"the dataset with network access (datasets.load_dataset({cfg.hf_path!r}"
+            f"{', ' + repr(cfg.hf_name) if cfg.hf_name else ''})) first"
+        ) from err
+
+
+def corpus_identity(cfg: DataConfig) -> Any:
+    """What identifies the input for the cache key, without loading a HF dataset."""
+    has_dir = cfg.dir is not None and Path(cfg.dir).is_dir()
+    if cfg.source == "local" or (cfg.source == "auto" and has_dir):
+        return TextCorpus(cfg).identity()
+    return hf_identity(cfg)
+
+
+def normalize_line(text: str, nfc: bool = True) -> str:
+    """The pipeline's normalisation: Unicode NFC (when ``nfc``), then strip outer whitespace."""
+    return (unicodedata.normalize("NFC", text) if nfc else text).strip()
+
+
+RULES = ("empty", "min_len", "max_len", "max_ratio", "duplicate")
+
+
+class Cleaner:
+    """Joint filter of training pairs; a pair is kept or dropped whole, so sides never drift.
+
+    Each dropped pair is counted under the first rule it fails (``RULES`` order). Lengths are in
+    whitespace-separated words. De-duplication keeps an 8-byte digest per kept pair.
+    """
+
+    def __init__(self, cfg: CleanConfig):
+        self.cfg = cfg
+        self.counts = {"read": 0, **{r: 0 for r in RULES}, "kept": 0}
+        self._seen: set[bytes] = set()
+
+    def rule(self, src: str, tgt: str) -> str | None:
+        """The first rule the (normalised) pair fails, or None to keep it."""
+        if not src or not tgt:
+            return "empty"
+        ns, nt = len(src.split()), len(tgt.split())
+        if min(ns, nt) < self.cfg.min_len:
+            return "min_len"
+        if self.cfg.max_len and max(ns, nt) > self.cfg.max_len:
+            return "max_len"
+        if self.cfg.max_ratio and max(ns, nt) > self.cfg.max_ratio * max(min(ns, nt), 1):
+            return "max_ratio"
+        if self.cfg.dedup:
+            key = hashlib.blake2b(f"{src}\t{tgt}".encode(), digest_size=8).digest()
+            if key in self._seen:
+                return "duplicate"
+            self._seen.add(key)
+        return None
+
+    def __call__(self, pairs: Iterator[tuple[str, str]]) -> Iterator[tuple[str, str]]:
+        """Normalise and filter ``pairs``; counts accumulate in :attr:`counts`."""
+        nfc = self.cfg.normalize
+        for src, tgt in pairs:
+            self.counts["read"] += 1
+            src, tgt = normalize_line(src, nfc), normalize_line(tgt, nfc)
+            rule = self.rule(src, tgt)
+            if rule is None:
+                self.counts["kept"] += 1
+                yield src, tgt
+            else:
+                self.counts[rule] += 1
+
+    def summary(self) -> str:
+        c = self.counts
+        dropped = ", ".join(f"{r}={c[r]}" for r in RULES)
+        return f"read {c['read']} pairs, dropped {dropped}, kept {c['kept']}"

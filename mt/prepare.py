@@ -1,0 +1,370 @@
+"""Stages 1-2 as one cached step: corpus -> cleaned pairs -> SentencePiece -> encoded splits.
+
+The result lives in ``cfg.cache_dir/<name>-<hash>/`` where the hash covers everything that
+produced it: the data and tokenizer settings and the identity (path, size, mtime) of every
+input file. A hit only loads (cheap and read-only, so DDP ranks after rank 0 just open it); any
+change rebuilds. A build happens in a temporary directory renamed into place at the end, so an
+interrupted prepare never leaves a directory a later run would trust.
+
+Layout of a prepared directory::
+
+    meta.json                      key, settings, counts, vocab size, id dtype
+    spm.model | spm.{src,tgt}.model
+    <role>.<side>.ids              flat ids of all sentences (uint16 if V <= 65536 else int32)
+    <role>.<side>.off              int64 offsets (n + 1): sentence i is ids[off[i]:off[i+1]]
+    {valid,test}.raw.{src,tgt}     the raw lines exactly as read (for sacreBLEU)
+
+Encoding runs on all cores: the text files are cut into byte ranges at line ends and a pool of
+worker processes encodes them; results are appended to the flat files in order, so no stage ever
+holds the corpus as Python objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from mt.data import ROLES, Cleaner, corpus_identity, normalize_line, open_corpus
+from mt.schema import Config
+from mt.tokenizer import SIDES, Tokenizer, num_threads
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1  # bump when the layout or the processing changes
+CHUNK_BYTES = 4 << 20  # text per encoding task
+
+
+class TokenArray:
+    """Variable-length id sequences stored flat: ``ids`` (memory-mapped) plus ``offsets``.
+
+    Args:
+        ids: (total,) all ids, one sequence after another.
+        offsets: (n + 1,) int64; sequence ``i`` is ``ids[offsets[i]:offsets[i + 1]]``.
+    """
+
+    def __init__(self, ids: np.ndarray, offsets: np.ndarray):
+        self.ids = ids
+        self.offsets = offsets
+        self._lengths: np.ndarray | None = None
+
+    @classmethod
+    def open(cls, ids_path: Path, offsets_path: Path, dtype: str) -> TokenArray:
+        """Memory-map a pair of files written by :func:`encode_files` (read-only)."""
+        return cls(_memmap(ids_path, np.dtype(dtype)), _memmap(offsets_path, np.dtype(np.int64)))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        """(L,) int64 ids of sequence ``i`` (no BOS/EOS)."""
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {i} out of range for {n} sequences")
+        return np.asarray(self.ids[self.offsets[i] : self.offsets[i + 1]], dtype=np.int64)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self[i] for i in range(len(self)))
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """(n,) int64 length of each sequence."""
+        if self._lengths is None:
+            self._lengths = np.diff(np.asarray(self.offsets))
+        return self._lengths
+
+
+def _memmap(path: Path, dtype: np.dtype) -> np.ndarray:
+    if path.stat().st_size == 0:  # np.memmap refuses empty files
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+@dataclasses.dataclass
+class EncodedSplit:
+    """One split's encoded (source, target) pairs; ``len`` is the number of pairs."""
+
+    src: TokenArray
+    tgt: TokenArray
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+class Prepared:
+    """A prepared-data directory: the tokenizer, encoded splits and raw references."""
+
+    def __init__(self, path: Path):
+        self.dir = Path(path)
+        self.meta = json.loads((self.dir / "meta.json").read_text(encoding="utf-8"))
+        self.tokenizer = Tokenizer.load([self.dir / n for n in self.meta["tokenizer_files"]])
+        self.vocab_size: int = self.tokenizer.vocab_size
+        self._splits: dict[str, EncodedSplit] = {}
+
+    def split(self, role: str) -> EncodedSplit:
+        """The encoded ``role`` ("train", "valid" or "test"), memory-mapped."""
+        _check_role(role)
+        if role not in self._splits:
+            arrays = [
+                TokenArray.open(
+                    self.dir / f"{role}.{side}.ids",
+                    self.dir / f"{role}.{side}.off",
+                    self.meta["dtype"],
+                )
+                for side in SIDES
+            ]
+            self._splits[role] = EncodedSplit(*arrays)
+        return self._splits[role]
+
+    def references(self, role: str) -> list[str]:
+        """Raw target lines of ``role`` ("valid" or "test") exactly as read, for sacreBLEU."""
+        return self._raw(role, "tgt")
+
+    def sources(self, role: str) -> list[str]:
+        """Raw source lines of ``role`` ("valid" or "test") exactly as read."""
+        return self._raw(role, "src")
+
+    def _raw(self, role: str, side: str) -> list[str]:
+        _check_role(role)
+        if role == "train":
+            raise ValueError("raw lines are kept for valid and test only (train is cleaned)")
+        text = (self.dir / f"{role}.raw.{side}").read_bytes().decode("utf-8")
+        return text.split("\n")[:-1]  # "\n" only: U+2028 etc. stay inside their line
+
+
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+
+
+def cache_key(cfg: Config) -> str:
+    """sha256 over the format version, data and tokenizer settings and the input files' identity."""
+    tok = dataclasses.asdict(cfg.tokenizer)
+    tok.pop("threads")  # changes speed, not the result
+    blob = {
+        "format": FORMAT_VERSION,
+        "data": dataclasses.asdict(cfg.data),
+        "tokenizer": tok,
+        "input": corpus_identity(cfg.data),
+    }
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def prepare(cfg: Config) -> Prepared:
+    """Read, clean, train SentencePiece and encode all splits, or load the cached result.
+
+    Returns:
+        The :class:`Prepared` data.
+
+    Raises:
+        mt.data.DataError: missing or malformed input (nothing is cached then).
+    """
+    key = cache_key(cfg)
+    root = Path(cfg.cache_dir)
+    final = root / f"{cfg.data.name}-{key[:16]}"
+    if _valid(final, key):
+        log.info("prepared data: cache hit %s", final)
+        return Prepared(final)
+    if final.exists():  # no meta.json or a different key: never trust it
+        log.warning("discarding incomplete prepared data at %s", final)
+        shutil.rmtree(final)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    try:
+        _build(cfg, tmp, key, root)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not _valid(final, key):  # another process did not finish it either
+                raise
+            log.info("prepared data: another process finished %s first", final)
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Prepared(final)
+
+
+def _valid(path: Path, key: str) -> bool:
+    try:
+        return json.loads((path / "meta.json").read_text(encoding="utf-8"))["key"] == key
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _build(cfg: Config, out: Path, key: str, root: Path) -> None:
+    """Build everything into ``out``; meta.json is written last."""
+    t0 = time.time()
+    corpus = open_corpus(cfg.data, hf_cache_dir=str(root / "hf"))
+    work = out / "work"
+    work.mkdir()
+    counts: dict[str, dict] = {}
+
+    cleaner = Cleaner(cfg.data.clean)
+    pairs = corpus.pairs("train")
+    if cfg.data.max_train_pairs:
+        pairs = itertools.islice(pairs, cfg.data.max_train_pairs)
+    counts["train"] = {
+        "pairs": _write_pairs(cleaner(pairs), work / "train.src", work / "train.tgt")
+    }
+    counts["train"]["clean"] = dict(cleaner.counts)
+    log.info("train: %s", cleaner.summary())
+    if counts["train"]["pairs"] == 0:
+        raise ValueError("no training pairs left after cleaning: " + cleaner.summary())
+    for role in ("valid", "test"):
+        n = _write_pairs(corpus.pairs(role), out / f"{role}.raw.src", out / f"{role}.raw.tgt")
+        counts[role] = {"pairs": n}
+        log.info("%s: %d pairs (not filtered)", role, n)
+    t_read = time.time()
+
+    tokenizer = Tokenizer.train(work / "train.src", work / "train.tgt", out, cfg.tokenizer)
+    log.info("SentencePiece %s: vocab size %d", cfg.tokenizer.type, tokenizer.vocab_size)
+    t_spm = time.time()
+
+    dtype = "uint16" if tokenizer.vocab_size <= 1 << 16 else "int32"
+    jobs = []
+    for role in ROLES:
+        for side in SIDES:
+            text = work / f"train.{side}" if role == "train" else out / f"{role}.raw.{side}"
+            jobs.append((text, side, out / f"{role}.{side}"))
+    encode_files(
+        tokenizer, jobs, dtype, cfg.data.clean.normalize, num_threads(cfg.tokenizer.threads)
+    )
+    shutil.rmtree(work)
+    t_enc = time.time()
+
+    meta = {
+        "key": key,
+        "format": FORMAT_VERSION,
+        "name": cfg.data.name,
+        "data": dataclasses.asdict(cfg.data),
+        "tokenizer": dataclasses.asdict(cfg.tokenizer),
+        "tokenizer_files": [p.name for p in tokenizer.save(out)],
+        "vocab_size": tokenizer.vocab_size,
+        "dtype": dtype,
+        "counts": counts,
+        "seconds": {"read_clean": t_read - t0, "spm": t_spm - t_read, "encode": t_enc - t_spm},
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=2, default=str), encoding="utf-8")
+    log.info(
+        "prepared %s in %.1fs (read+clean %.1fs, SentencePiece %.1fs, encode %.1fs): %s",
+        cfg.data.name,
+        t_enc - t0,
+        t_read - t0,
+        t_spm - t_read,
+        t_enc - t_spm,
+        ", ".join(f"{r} {c['pairs']} pairs" for r, c in counts.items()),
+    )
+
+
+def _write_pairs(pairs: Iterator[tuple[str, str]], src_path: Path, tgt_path: Path) -> int:
+    """Stream pairs into two line files ("\\n" terminated, UTF-8); returns the pair count."""
+    n = 0
+    with (
+        open(src_path, "w", encoding="utf-8", newline="") as fs,
+        open(tgt_path, "w", encoding="utf-8", newline="") as ft,
+    ):
+        for src, tgt in pairs:
+            fs.write(src + "\n")
+            ft.write(tgt + "\n")
+            n += 1
+    return n
+
+
+# ---- parallel encoding ------------------------------------------------------------------------
+_WORKER: dict = {}
+
+
+def _init_worker(blobs: list[bytes], dtype: str, nfc: bool) -> None:
+    _WORKER.update(tokenizer=Tokenizer.from_bytes(blobs), dtype=np.dtype(dtype), nfc=nfc)
+
+
+def _encode_chunk(task: tuple[str, str, int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Encode the lines in bytes [start, end) of a file -> (flat ids, lengths)."""
+    path, side, start, end = task
+    with open(path, "rb") as f:
+        f.seek(start)
+        text = f.read(end - start).decode("utf-8")
+    lines = [normalize_line(s, _WORKER["nfc"]) for s in text.split("\n")[:-1]]
+    ids = _WORKER["tokenizer"].encode(lines, side=side)
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter(
+        itertools.chain.from_iterable(ids), dtype=_WORKER["dtype"], count=int(lengths.sum())
+    )
+    return flat, lengths
+
+
+def _byte_ranges(path: Path, chunk_bytes: int) -> list[tuple[int, int]]:
+    """Cut a "\\n"-terminated file into ranges of about ``chunk_bytes`` ending at line ends."""
+    size = path.stat().st_size
+    ranges, start = [], 0
+    with open(path, "rb") as f:
+        while start < size:
+            f.seek(min(start + chunk_bytes, size) - 1)
+            f.readline()  # to the end of the line holding the cut
+            end = min(f.tell(), size)
+            ranges.append((start, end))
+            start = end
+    return ranges
+
+
+def encode_files(
+    tokenizer: Tokenizer,
+    jobs: list[tuple[Path, str, Path]],
+    dtype: str,
+    nfc: bool,
+    workers: int,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> None:
+    """Encode text files (one sentence per line) into ``<out>.ids`` / ``<out>.off`` pairs.
+
+    Args:
+        tokenizer: encodes each line (after :func:`mt.data.normalize_line`).
+        jobs: (text file, side, output prefix) triples.
+        dtype: numpy dtype of the flat ids.
+        nfc: NFC-normalise lines before encoding.
+        workers: processes; 1 (or a small input) encodes in this process.
+        chunk_bytes: text per task.
+    """
+    tasks, owner = [], []
+    for j, (path, side, _) in enumerate(jobs):
+        for start, end in _byte_ranges(path, chunk_bytes):
+            tasks.append((str(path), side, start, end))
+            owner.append(j)
+    init = (tokenizer.to_bytes(), dtype, nfc)
+    if workers > 1 and len(tasks) > 2:
+        pool = mp.get_context("spawn").Pool(min(workers, len(tasks)), _init_worker, init)
+        results = pool.imap(_encode_chunk, tasks)  # in order, a few chunks in flight
+    else:
+        pool = None
+        _init_worker(*init)
+        results = map(_encode_chunk, tasks)
+    files = [(open(f"{o}.ids", "wb"), open(f"{o}.off", "wb")) for _, _, o in jobs]
+    try:
+        totals = [0] * len(jobs)
+        for _, f_off in files:
+            f_off.write(np.zeros(1, dtype=np.int64).tobytes())
+        for j, (flat, lengths) in zip(owner, results):
+            f_ids, f_off = files[j]
+            f_ids.write(flat.tobytes())
+            f_off.write((totals[j] + np.cumsum(lengths)).tobytes())
+            totals[j] += int(lengths.sum())
+    finally:
+        for f_ids, f_off in files:
+            f_ids.close()
+            f_off.close()
+        if pool is not None:
+            pool.terminate()

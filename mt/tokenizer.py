@@ -1,0 +1,197 @@
+"""Stage 2: SentencePiece subwords with the project's fixed special ids.
+
+One joint model over source and target text (the shared embedding needs one vocabulary), or
+one model per language (``tokenizer.joint=false``, for pairs with different scripts). Every model
+reserves pad=0, unk=1, bos=2, eos=3 (``mt.vocab``) and is checked for them when loaded.
+
+SentencePiece's own normalisation is switched off (``identity``, extra whitespace kept): the
+pipeline normalises text itself (:meth:`Tokenizer.normalize`, NFC + strip), so
+``decode(encode(normalize(s))) == normalize(s)`` holds exactly (with ``byte_fallback``, even for
+characters never seen in training).
+
+Example:
+    >>> tok = Tokenizer.train("train.de", "train.en", "out/", TokenizerConfig(vocab_size=1000))
+    >>> ids = tok.encode(["Ein Hund läuft."], side="src")
+    >>> tok.decode(ids, side="src")
+    ['Ein Hund läuft.']
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import unicodedata
+from pathlib import Path
+
+import sentencepiece as spm
+
+from mt.schema import TokenizerConfig
+from mt.vocab import BOS, EOS, PAD, SPECIALS, UNK
+
+log = logging.getLogger(__name__)
+
+SIDES = ("src", "tgt")
+
+
+class TokenizerError(ValueError):
+    """A SentencePiece model that does not fit the project (wrong special ids, bad bytes)."""
+
+
+def num_threads(threads: int) -> int:
+    """Threads to use: ``threads`` or, for 0, the cores this process may run on."""
+    if threads > 0:
+        return threads
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _check_specials(sp: spm.SentencePieceProcessor, where: str) -> None:
+    got = {"pad": sp.pad_id(), "unk": sp.unk_id(), "bos": sp.bos_id(), "eos": sp.eos_id()}
+    if got != SPECIALS:
+        raise TokenizerError(f"{where}: special ids {got} differ from the project's {SPECIALS}")
+
+
+class Tokenizer:
+    """One joint SentencePiece model, or a (source, target) pair of them.
+
+    Args:
+        models: one processor (joint) or two (source, target).
+    """
+
+    def __init__(self, models: list[spm.SentencePieceProcessor]):
+        if len(models) not in (1, 2):
+            raise TokenizerError(f"expected 1 (joint) or 2 (src, tgt) models, got {len(models)}")
+        for i, sp in enumerate(models):
+            _check_specials(sp, f"SentencePiece model {i}")
+        self.models = models
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def train(
+        cls,
+        src_texts_path: str | Path,
+        tgt_texts_path: str | Path,
+        out_dir: str | Path,
+        cfg: TokenizerConfig,
+    ) -> Tokenizer:
+        """Train SentencePiece on text files (one sentence per line) and write the model(s).
+
+        SentencePiece samples at most ``cfg.input_sentence_size`` lines at random (shuffled), so
+        memory stays bounded on any corpus size. The vocabulary limit is soft: on very small
+        data the model may have fewer pieces than asked (logged).
+
+        Returns:
+            The tokenizer; ``out_dir`` holds ``spm.model`` (joint) or ``spm.src.model`` and
+            ``spm.tgt.model``.
+        """
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.type not in ("bpe", "unigram"):
+            raise TokenizerError(f"tokenizer.type={cfg.type!r}: expected bpe or unigram")
+        if cfg.joint:
+            jobs = [("spm", [src_texts_path, tgt_texts_path])]
+        else:
+            jobs = [("spm.src", [src_texts_path]), ("spm.tgt", [tgt_texts_path])]
+        spm.set_random_generator_seed(1)  # the sample of input_sentence_size lines
+        models = []
+        for prefix, inputs in jobs:
+            spm.SentencePieceTrainer.train(
+                input=[str(p) for p in inputs],
+                model_prefix=str(out_dir / prefix),
+                model_type=cfg.type,
+                vocab_size=cfg.vocab_size,
+                hard_vocab_limit=False,  # tiny corpora: fewer pieces instead of an error
+                character_coverage=cfg.character_coverage,
+                input_sentence_size=cfg.input_sentence_size,
+                shuffle_input_sentence=True,
+                byte_fallback=cfg.byte_fallback,
+                normalization_rule_name="identity",  # mt normalises (NFC + strip) itself
+                remove_extra_whitespaces=False,
+                pad_id=PAD,
+                unk_id=UNK,
+                bos_id=BOS,
+                eos_id=EOS,
+                pad_piece="<pad>",
+                num_threads=num_threads(cfg.threads),
+                minloglevel=2,
+            )
+            sp = spm.SentencePieceProcessor(model_file=str(out_dir / f"{prefix}.model"))
+            if sp.vocab_size() < cfg.vocab_size:
+                log.warning(
+                    "%s: %d pieces, fewer than vocab_size=%d (small training text)",
+                    prefix,
+                    sp.vocab_size(),
+                    cfg.vocab_size,
+                )
+            models.append(sp)
+        return cls(models)
+
+    @classmethod
+    def load(cls, paths: list[str | Path]) -> Tokenizer:
+        """Load 1 model file (joint) or 2 ([src, tgt])."""
+        return cls([spm.SentencePieceProcessor(model_file=str(p)) for p in paths])
+
+    @classmethod
+    def from_bytes(cls, blobs: list[bytes]) -> Tokenizer:
+        """Rebuild from :meth:`to_bytes` (what a checkpoint embeds)."""
+        models = []
+        for blob in blobs:
+            try:
+                models.append(spm.SentencePieceProcessor(model_proto=bytes(blob)))
+            except (RuntimeError, OSError) as err:
+                raise TokenizerError(f"not a SentencePiece model: {err}") from err
+        return cls(models)
+
+    def to_bytes(self) -> list[bytes]:
+        """The serialized model(s), so a checkpoint is self-contained."""
+        return [sp.serialized_model_proto() for sp in self.models]
+
+    def save(self, out_dir: str | Path) -> list[Path]:
+        """Write the model file(s) into ``out_dir``; returns their paths (for :meth:`load`)."""
+        names = ["spm.model"] if self.joint else ["spm.src.model", "spm.tgt.model"]
+        paths = [Path(out_dir) / n for n in names]
+        for path, blob in zip(paths, self.to_bytes()):
+            path.write_bytes(blob)
+        return paths
+
+    # ---- properties ---------------------------------------------------------------------------
+    @property
+    def joint(self) -> bool:
+        return len(self.models) == 1
+
+    @property
+    def vocab_size(self) -> int:
+        """Joint: the model's size; separate: the larger of the two (one id space per side)."""
+        return max(sp.vocab_size() for sp in self.models)
+
+    def model(self, side: str) -> spm.SentencePieceProcessor:
+        """The SentencePiece processor for ``side`` ("src" or "tgt")."""
+        if side not in SIDES:
+            raise ValueError(f"side must be 'src' or 'tgt', got {side!r}")
+        return self.models[0 if self.joint or side == "src" else 1]
+
+    # ---- text <-> ids -------------------------------------------------------------------------
+    @staticmethod
+    def normalize(text: str) -> str:
+        """The pipeline's normalisation applied before encoding: Unicode NFC, then strip."""
+        return unicodedata.normalize("NFC", text).strip()
+
+    def encode(self, texts: list[str], side: str = "src") -> list[list[int]]:
+        """Piece ids of each text, no BOS/EOS. Texts should already be :meth:`normalize`-d."""
+        return self.model(side).encode(list(texts), out_type=int)
+
+    def decode(self, ids: list[list[int]], side: str = "tgt") -> list[str]:
+        """Text of each id sequence: stops at the first EOS, drops PAD and BOS."""
+        clean = []
+        for seq in ids:
+            seq = [int(i) for i in seq]
+            if EOS in seq:
+                seq = seq[: seq.index(EOS)]
+            clean.append([i for i in seq if i != PAD and i != BOS])
+        return self.model(side).decode(clean)
+
+    def pieces(self, text: str, side: str = "src") -> list[str]:
+        """The pieces of one text (for inspection and attention plots)."""
+        return self.model(side).encode(text, out_type=str)
