@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import unicodedata
 from collections.abc import Iterator
@@ -64,22 +65,25 @@ def read_lines(path: Path, errors: str = "strict") -> Iterator[str]:
             number of lines affected.
     """
     replaced = 0
-    with open(path, "rb") as f:  # binary iteration splits on b"\n" alone
-        for lineno, raw in enumerate(f, 1):
-            if raw.endswith(b"\n"):
-                raw = raw[:-2] if raw.endswith(b"\r\n") else raw[:-1]
-            try:
-                yield raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                if errors != "replace":
-                    raise DataError(
-                        f"{path}, line {lineno}: not valid UTF-8 ({err.reason} at byte "
-                        f"{err.start}); fix the file or set data.errors=replace"
-                    ) from None
-                replaced += 1
-                yield raw.decode("utf-8", errors="replace")
-    if replaced:
-        log.warning("%s: replaced invalid UTF-8 bytes on %d line(s)", path, replaced)
+    try:
+        with open(path, "rb") as f:  # binary iteration splits on b"\n" alone
+            for lineno, raw in enumerate(f, 1):
+                if raw.endswith(b"\n"):
+                    raw = raw[:-2] if raw.endswith(b"\r\n") else raw[:-1]
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    if errors != "replace":
+                        raise DataError(
+                            f"{path}, line {lineno}: not valid UTF-8 ({err.reason} at byte "
+                            f"{err.start}); fix the file or set data.errors=replace"
+                        ) from None
+                    replaced += 1
+                    line = raw.decode("utf-8", errors="replace")
+                yield line
+    finally:  # also when the reader stops early (data.max_train_pairs)
+        if replaced:
+            log.warning("%s: replaced invalid UTF-8 bytes on %d line(s)", path, replaced)
 
 
 class Corpus:
@@ -155,7 +159,10 @@ class TextCorpus(Corpus):
             if self.cfg.format == "tsv":
                 yield from _tsv_pairs(paths[0], errors)
             else:
-                yield from zip(read_lines(paths[0], errors), read_lines(paths[1], errors))
+                src, tgt = read_lines(paths[0], errors), read_lines(paths[1], errors)
+                yield from zip(src, tgt)
+                for _ in itertools.chain(src, tgt):  # equal counts: finishes both readers
+                    pass
 
     def identity(self) -> Any:
         return {r: [[_stat(p) for p in ps] for ps in self.files[r]] for r in ROLES}
