@@ -1,0 +1,314 @@
+"""The Transformer of "Attention Is All You Need": the paper's full encoder-decoder.
+
+- N encoder layers (self-attention, FFN) and N decoder layers (causal self-attention,
+  encoder-decoder attention, FFN), each sub-layer wrapped in a residual connection with
+  LayerNorm after it (post-LN, the paper) or before it (``norm=pre``, plus a final LayerNorm on
+  each stack).
+- Sinusoidal positional encodings, embeddings multiplied by sqrt(d_model).
+- ONE embedding matrix shared by the source embedding, the target embedding and the pre-softmax
+  projection (``share_embeddings=false``: separate source and target embeddings, the projection
+  stays tied to the target one). Its rows are padded to a multiple of ``vocab_multiple`` for
+  fast matrix products; logits are returned for exactly ``vocab_size`` tokens, so padded rows
+  never receive probability.
+- Dropout where the paper puts it: on each sub-layer output before the residual add, on the sum
+  of embeddings and positional encodings, and on the attention weights
+  (``attention_dropout``, default = ``dropout``). ``dropout=0`` turns all of them off.
+
+``encode``/``decode`` are separate so search can cache the encoder output; ``decode`` with a
+cache dict decodes incrementally (keys/values of the target prefix are kept per layer, the
+encoder-decoder keys/values are computed once). Masks are boolean, True = may attend.
+
+Shape letters: B batch, S source length, T target length, D d_model, V vocab_size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mt.attention import CrossAttention, SelfAttention
+from mt.masks import pad_mask
+from mt.schema import ModelConfig
+from mt.vocab import PAD
+
+
+class EncoderOut(NamedTuple):
+    """What the decoder needs from the encoder."""
+
+    memory: torch.Tensor  # (B, S, D) encoder output
+    src_mask: torch.Tensor  # (B, 1, 1, S) bool, True at real source tokens
+
+
+def sinusoidal_positions(max_positions: int, d_model: int) -> torch.Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)).
+
+    Returns:
+        (max_positions, d_model) float32 table (computed in float64 for accuracy).
+    """
+    pos = torch.arange(max_positions, dtype=torch.float64)[:, None]  # (P, 1)
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (D/2,)
+    angle = pos / torch.pow(10000.0, two_i / d_model)  # (P, D/2)
+    pe = torch.zeros(max_positions, d_model, dtype=torch.float64)
+    pe[:, 0::2] = torch.sin(angle)
+    pe[:, 1::2] = torch.cos(angle[:, : d_model // 2])
+    return pe.float()
+
+
+class FeedForward(nn.Module):
+    """FFN(x) = max(0, x W1 + b1) W2 + b2 (no inner dropout: the paper has none there)."""
+
+    def __init__(self, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff)
+        self.w2 = nn.Linear(d_ff, d_model)
+        for lin in (self.w1, self.w2):
+            nn.init.xavier_uniform_(lin.weight)
+            nn.init.zeros_(lin.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, L, D) -> (B, L, D)."""
+        return self.w2(F.relu(self.w1(x)))
+
+
+class _Layer(nn.Module):
+    """Residual wiring shared by encoder and decoder layers."""
+
+    def __init__(self, d_model: int, dropout: float, pre_norm: bool, n_sublayers: int) -> None:
+        super().__init__()
+        self.pre_norm = pre_norm
+        self.dropout = nn.Dropout(dropout)
+        self.norms = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(n_sublayers))
+
+    def residual(self, x: torch.Tensor, i: int, sublayer: Callable) -> torch.Tensor:
+        """post-LN: LayerNorm(x + Dropout(Sublayer(x))); pre-LN: x + Dropout(Sublayer(LN(x)))."""
+        if self.pre_norm:
+            return x + self.dropout(sublayer(self.norms[i](x)))
+        return self.norms[i](x + self.dropout(sublayer(x)))
+
+
+class EncoderLayer(_Layer):
+    """Self-attention then FFN."""
+
+    def __init__(self, cfg: ModelConfig, attention_dropout: float) -> None:
+        super().__init__(cfg.d_model, cfg.dropout, cfg.norm == "pre", 2)
+        self.self_attn = SelfAttention(cfg.d_model, cfg.h, attention_dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x (B, S, D), mask (B, 1, 1, S) -> (B, S, D)."""
+        x = self.residual(x, 0, lambda y: self.self_attn(y, mask=mask))
+        return self.residual(x, 1, self.ffn)
+
+
+class DecoderLayer(_Layer):
+    """Causal self-attention, encoder-decoder attention, then FFN."""
+
+    def __init__(self, cfg: ModelConfig, attention_dropout: float) -> None:
+        super().__init__(cfg.d_model, cfg.dropout, cfg.norm == "pre", 3)
+        self.self_attn = SelfAttention(cfg.d_model, cfg.h, attention_dropout)
+        self.cross_attn = CrossAttention(cfg.d_model, cfg.h, attention_dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        enc: EncoderOut,
+        self_mask: torch.Tensor | None,
+        is_causal: bool,
+        cache: dict | None,
+        prefix: str,
+        need_weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x (B, T, D) -> (B, T, D) and the cross-attention weights (B, H, T, S) or None."""
+        x = self.residual(
+            x, 0, lambda y: self.self_attn(y, self_mask, is_causal, cache, prefix + "self.")
+        )
+        weights = None
+
+        def cross(y: torch.Tensor) -> torch.Tensor:
+            nonlocal weights
+            out, weights = self.cross_attn(
+                y, enc.memory, enc.src_mask, cache, prefix + "cross.", need_weights
+            )
+            return out
+
+        x = self.residual(x, 1, cross)
+        return self.residual(x, 2, self.ffn), weights
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer; see the module docstring. Build with :func:`build_model`."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
+        super().__init__()
+        if cfg.norm not in ("post", "pre"):
+            raise ValueError(f"model.norm must be 'post' or 'pre', got {cfg.norm!r}")
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.d_model = D = cfg.d_model
+        self.max_positions = cfg.max_positions
+        m = max(1, cfg.vocab_multiple)
+        self.padded_vocab = -(-vocab_size // m) * m
+        # Embedding init: normal(0, D^-0.5) as fairseq does for a shared, sqrt(D)-scaled table:
+        # the scaled embedding then has unit variance and the tied projection starts small.
+        # The PAD row starts at zero. Rows >= vocab_size are padding: never looked up or scored.
+        self.embed = self._embedding(self.padded_vocab, D)  # target embedding + projection
+        self.src_embed = None if cfg.share_embeddings else self._embedding(self.padded_vocab, D)
+        self.register_buffer("pe", sinusoidal_positions(cfg.max_positions, D), persistent=False)
+        self.dropout = nn.Dropout(cfg.dropout)
+        attn_p = cfg.dropout if cfg.attention_dropout is None else cfg.attention_dropout
+        self.encoder = nn.ModuleList(EncoderLayer(cfg, attn_p) for _ in range(cfg.N))
+        self.decoder = nn.ModuleList(DecoderLayer(cfg, attn_p) for _ in range(cfg.N_dec or cfg.N))
+        pre = cfg.norm == "pre"
+        self.encoder_norm = nn.LayerNorm(D) if pre else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(D) if pre else nn.Identity()
+
+    @staticmethod
+    def _embedding(rows: int, d_model: int) -> nn.Parameter:
+        weight = torch.empty(rows, d_model)
+        nn.init.normal_(weight, mean=0.0, std=d_model**-0.5)
+        weight[PAD].zero_()
+        return nn.Parameter(weight)
+
+    @property
+    def src_embedding(self) -> nn.Parameter:
+        """The source embedding table (the shared one unless ``share_embeddings=false``)."""
+        return self.embed if self.src_embed is None else self.src_embed
+
+    @property
+    def tgt_embedding(self) -> nn.Parameter:
+        """The target embedding table."""
+        return self.embed
+
+    @property
+    def output_weight(self) -> nn.Parameter:
+        """The pre-softmax projection, tied to the target embedding."""
+        return self.embed
+
+    def _embed(self, tokens: torch.Tensor, weight: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Dropout(Embedding(tokens) * sqrt(D) + PE[start : start + L]): (B, L) -> (B, L, D)."""
+        L = tokens.size(1)
+        if start + L > self.max_positions:
+            raise ValueError(
+                f"sequence of length {start + L} exceeds model.max_positions={self.max_positions}"
+            )
+        x = F.embedding(tokens, weight) * math.sqrt(self.d_model)
+        return self.dropout(x + self.pe[start : start + L])
+
+    def encode(self, src: torch.Tensor) -> EncoderOut:
+        """Encode a right-padded source batch.
+
+        Args:
+            src: (B, S) ids (tokens + EOS, PAD-padded).
+
+        Returns:
+            EncoderOut(memory (B, S, D), src_mask (B, 1, 1, S)).
+        """
+        mask = pad_mask(src)
+        x = self._embed(src, self.src_embedding)
+        for layer in self.encoder:
+            x = layer(x, mask)
+        return EncoderOut(self.encoder_norm(x), mask)
+
+    def _decoder(
+        self, tgt_in: torch.Tensor, enc: EncoderOut, cache: dict | None, need_attn: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decoder stack: (B, T) ids -> (B, T, D) features and (B, T, S) attention or None."""
+        T = tgt_in.size(1)
+        past = 0
+        if cache is not None and "dec0.self.k" in cache:
+            past = cache["dec0.self.k"].size(2)  # positions decoded so far
+        # Targets are right-padded, so the causal mask alone keeps real positions off pad keys.
+        if cache is None or past == 0:
+            self_mask, is_causal = None, T > 1
+        elif T == 1:
+            self_mask, is_causal = None, False  # one new token sees the whole cached prefix
+        else:  # several new tokens after a prefix: new token i sees keys <= past + i
+            ones = torch.ones(T, past + T, dtype=torch.bool, device=tgt_in.device)
+            self_mask, is_causal = ones.tril(diagonal=past)[None, None], False
+        x = self._embed(tgt_in, self.tgt_embedding, past)
+        last = len(self.decoder) - 1
+        weights = None
+        for i, layer in enumerate(self.decoder):
+            want = need_attn and i == last
+            x, weights = layer(x, enc, self_mask, is_causal, cache, f"dec{i}.", want)
+        attn = weights.mean(dim=1) if weights is not None else None  # (B, H, T, S) -> (B, T, S)
+        return self.decoder_norm(x), attn
+
+    def decode(
+        self,
+        tgt_in: torch.Tensor,
+        enc: EncoderOut,
+        cache: dict | None = None,
+        need_attn: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Decode target tokens given the encoder output.
+
+        Args:
+            tgt_in: (B, T) ids (BOS + prefix). With ``cache`` only the NEW token(s); positions
+                continue from what the cache holds.
+            enc: the output of :meth:`encode` (rows matching ``tgt_in``).
+            cache: None (decode the whole prefix) or a dict, ``{}`` at the first step, updated
+                in place with per-layer keys/values.
+            need_attn: also return the last layer's cross-attention averaged over heads.
+
+        Returns:
+            logits (B, T, V), or ``(logits, attn (B, T, S))`` with ``need_attn``.
+        """
+        h, attn = self._decoder(tgt_in, enc, cache, need_attn)
+        logits = self.project(h)
+        return (logits, attn) if need_attn else logits
+
+    def reorder(
+        self, enc: EncoderOut, cache: dict | None, index: torch.Tensor
+    ) -> tuple[EncoderOut, dict | None]:
+        """Select/reorder batch rows of the encoder output and the cache (beam search).
+
+        Args:
+            index: (B',) long row indices into the current batch.
+
+        Returns:
+            The new ``(enc, cache)``; the inputs are left unchanged.
+        """
+        enc = EncoderOut(enc.memory.index_select(0, index), enc.src_mask.index_select(0, index))
+        if cache is not None:
+            cache = {key: value.index_select(0, index) for key, value in cache.items()}
+        return enc, cache
+
+    def features(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        """Decoder output before the projection: (B, S), (B, T) -> (B, T, D)."""
+        return self._decoder(tgt_in, self.encode(src), None, False)[0]
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """Pre-softmax projection with the tied embedding: (..., D) -> (..., V).
+
+        The product uses all padded rows (aligned shapes are faster); the padded columns are
+        then sliced off, so they never receive probability.
+        """
+        logits = F.linear(h, self.output_weight)  # (..., V_padded)
+        return logits if self.padded_vocab == self.vocab_size else logits[..., : self.vocab_size]
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits: src (B, S), tgt_in (B, T) -> (B, T, V)."""
+        return self.project(self.features(src, tgt_in))
+
+
+def build_model(model_cfg: ModelConfig | dict, vocab_size: int) -> Transformer:
+    """The Transformer for ``model_cfg`` (a ModelConfig, or the dict a checkpoint stores).
+
+    Example:
+        >>> model = build_model(ModelConfig(N=1, d_model=16, d_ff=32, h=2), vocab_size=50)
+        >>> model(torch.tensor([[5, 6, 3]]), torch.tensor([[2, 7]])).shape
+        torch.Size([1, 2, 50])
+    """
+    if isinstance(model_cfg, dict):
+        model_cfg = ModelConfig(**model_cfg)
+    if not dataclasses.is_dataclass(model_cfg):
+        raise TypeError(f"model_cfg must be a ModelConfig or dict, got {type(model_cfg)}")
+    return Transformer(model_cfg, vocab_size)
