@@ -1,0 +1,167 @@
+"""Speed benchmarks of mt: training steps, the data loader, decoding.
+
+Run through make (options pass through ARGS):
+
+    make bench                                    # `all`: a quick run of each benchmark
+    make bench ARGS="train --d-model 256 --layers 3 --heads 4 --d-ff 1024 --vocab 8000 \\
+        --batch-size 25 --min-len 20 --max-len 40 --steps 20 --threads 2"
+    make bench ARGS="train --preset small --baseline torch --steps 20 --threads 2"
+    make bench ARGS="train --preset base --data .cache/mt/<hash>/train --max-tokens 4096"
+    make bench ARGS="data --data .cache/mt/<hash>/train --max-tokens 4096"
+    make bench ARGS="decode --model small --vocab 8000 --beam 4 --batch-size 32 --src-len 26 \\
+        --gen-len 30 --threads 2"
+
+Each measurement is printed as one JSON object per line (and appended to ``--output FILE`` as
+JSONL); a short table follows at the end. Training throughput is ``tgt_tok_per_s`` (non-pad
+target tokens incl. EOS per second, median over timed steps); decoding reports ``sent_per_s``.
+See ``bench_train.py`` for the FLOP count behind MFU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import PRESETS, Recorder, pick_device, set_threads  # noqa: E402
+
+log = logging.getLogger("bench")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("run")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
+    g.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    g.add_argument("--seed", type=int, default=1)
+    g.add_argument("--output", help="append each measurement to this JSONL file")
+    g.add_argument("--warmup-steps", type=int, default=None, help="untimed steps first")
+
+
+def _shape(p: argparse.ArgumentParser, default_preset: str | None) -> None:
+    g = p.add_argument_group("model shape (explicit flags override the preset)")
+    g.add_argument("--preset", "--model", dest="preset", choices=PRESETS, default=default_preset)
+    g.add_argument("--d-model", type=int)
+    g.add_argument("--layers", type=int, help="N, encoder and decoder layers")
+    g.add_argument("--heads", type=int, help="h")
+    g.add_argument("--d-ff", type=int)
+    g.add_argument("--dropout", type=float, help="default: the preset's (0.1)")
+    g.add_argument("--norm", choices=("post", "pre"))
+    g.add_argument("--vocab", type=int, default=8000, help="V (random-weight models)")
+
+
+def _batch(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("batches (random tokens, or a prepared split with --data)")
+    g.add_argument("--batch-size", type=int, default=25, help="sentence pairs per batch")
+    g.add_argument("--min-len", type=int, default=20, help="shortest random sentence")
+    g.add_argument("--max-len", type=int, default=40, help="longest random sentence")
+    g.add_argument("--data", help="a prepared split: <cache dir>/<train|valid|test>")
+    g.add_argument("--max-tokens", type=int, default=4096, help="batch size with --data")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command")
+
+    train = sub.add_parser("train", help="full training steps (tgt_tok_per_s, memory, MFU)")
+    _common(train)
+    _shape(train, "small")
+    _batch(train)
+    train.add_argument("--steps", type=int, default=20, help="timed steps")
+    train.add_argument("--compile", action="store_true", help="torch.compile the model")
+    train.add_argument(
+        "--baseline",
+        choices=("none", "torch"),
+        default="none",
+        help="torch: alternate with torch.nn.Transformer on the same batches",
+    )
+    train.add_argument("--smoothing", type=float, default=0.1, help="label smoothing eps")
+    train.add_argument("--noam-warmup", type=int, default=4000, help="Noam schedule warm-up")
+    train.add_argument("--peak-tflops", type=float, help="peak for MFU (GPU default: measured)")
+
+    data = sub.add_parser("data", help="data loader alone (batches/s, tokens/s)")
+    _common(data)
+    data.add_argument("--data", help="a prepared split (default: synthetic token arrays)")
+    data.add_argument("--max-tokens", type=int, default=4096)
+    data.add_argument("--sentences", type=int, default=20000, help="synthetic split size")
+    data.add_argument("--min-len", type=int, default=5)
+    data.add_argument("--max-len", type=int, default=40)
+    data.add_argument("--vocab", type=int, default=8000)
+    data.add_argument("--epochs", type=int, default=1, help="timed passes over the split")
+    data.add_argument("--max-batches", type=int, default=0, help="stop each pass early (0: off)")
+
+    decode = sub.add_parser("decode", help="greedy and beam search (sent_per_s, tok_per_s)")
+    _common(decode)
+    _shape(decode, "small")
+    decode.add_argument("--batch-size", type=int, default=32)
+    decode.add_argument("--batches", type=int, default=2, help="timed batches per search")
+    decode.add_argument("--src-len", type=int, default=26)
+    decode.add_argument("--gen-len", type=int, default=30, help="forced output length")
+    decode.add_argument("--beam", type=int, default=4, help="beam size (1: greedy only)")
+    decode.add_argument("--checkpoint", help="a trained model (real output lengths)")
+    decode.add_argument("--input", help="with --checkpoint: source sentences, one per line")
+
+    every = sub.add_parser("all", help="a quick run of each benchmark (the default)")
+    _common(every)
+    return parser
+
+
+def _defaults_for_all(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """The quick `all` runs: small shapes, few steps, the common options of the `all` call."""
+    parser = build_parser()
+    common = ["--device", args.device, "--threads", str(args.threads), "--precision",
+              args.precision, "--seed", str(args.seed)]  # fmt: skip
+    if args.output:
+        common += ["--output", args.output]
+    runs = [
+        ["train", "--preset", "small", "--batch-size", "8", "--steps", "5", "--warmup-steps", "2"],
+        ["data", "--sentences", "5000", "--max-batches", "200"],
+        ["decode", "--preset", "small", "--batch-size", "8", "--batches", "1", "--src-len", "20",
+         "--gen-len", "20", "--warmup-steps", "1"],
+    ]  # fmt: skip
+    return [parser.parse_args(run + common) for run in runs]
+
+
+def run(args: argparse.Namespace, rec: Recorder) -> None:
+    args.device_obj = pick_device(args.device)
+    if args.command == "train":
+        from bench_train import run_train
+
+        args.warmup_steps = 3 if args.warmup_steps is None else args.warmup_steps
+        run_train(args, rec)
+    elif args.command == "data":
+        from bench_data import run_data
+
+        args.warmup_steps = 0 if args.warmup_steps is None else args.warmup_steps
+        run_data(args, rec)
+    elif args.command == "decode":
+        from bench_decode import run_decode
+
+        args.warmup_steps = 1 if args.warmup_steps is None else args.warmup_steps
+        run_decode(args, rec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s | %(levelname)s | %(message)s",
+        datefmt="%H:%M:%S", stream=sys.stderr,
+    )  # fmt: skip
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["all", *argv]
+    args = build_parser().parse_args(argv)
+    set_threads(args.threads)
+    rec = Recorder(args.output)
+    for one in _defaults_for_all(args) if args.command == "all" else [args]:
+        run(one, rec)
+    print(rec.table(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""Shared pieces of the benchmarks: device, threads, precision, model shape, batches, memory.
+
+Imported by ``scripts/bench.py`` and its ``bench_*`` helpers (the scripts directory is on
+``sys.path`` when ``bench.py`` runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mt.schema import ModelConfig
+
+log = logging.getLogger("bench")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def set_threads(threads: int) -> int:
+    """Set torch's intra-op threads (0 keeps torch's default); returns the count in force."""
+    if threads > 0:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def autocast(device: torch.device, precision: str):
+    """bf16 autocast on CPU or GPU; fp32 = no autocast."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so wall-clock timings are honest."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mb(device: torch.device) -> tuple[float, str]:
+    """Peak memory in MiB and its kind: ``max_memory_allocated`` on GPU, process max RSS on CPU.
+
+    The CPU figure is the whole process's peak so far (it never goes down).
+    """
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_memory_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "max_rss"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        )
+    except OSError:
+        return None
+    return out.stdout.strip() or None
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Fields every measurement carries."""
+    return {
+        "device": str(device),
+        "device_name": device_name(device),
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "commit": git_commit(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+# --------------------------------------------------------------------------- model shape
+
+PRESETS = ("small", "base", "big")
+
+
+def model_config(args) -> ModelConfig:
+    """A ModelConfig from ``--preset`` (conf/model/<preset>.yaml) and explicit shape flags.
+
+    Explicit flags (``--d-model --layers --heads --d-ff --dropout --norm``) override the preset,
+    so a shape can be given exactly even if the presets change.
+    """
+    cfg = ModelConfig()
+    if args.preset:
+        from omegaconf import OmegaConf
+
+        from mt.config import conf_dir
+
+        values = OmegaConf.to_container(
+            OmegaConf.load(conf_dir() / "model" / f"{args.preset}.yaml")
+        )
+        cfg = ModelConfig(**{**asdict(cfg), **values})
+    overrides = {
+        "d_model": args.d_model,
+        "N": args.layers,
+        "h": args.heads,
+        "d_ff": args.d_ff,
+        "dropout": args.dropout,
+        "norm": args.norm,
+    }
+    values = {k: v for k, v in overrides.items() if v is not None}
+    cfg = ModelConfig(**{**asdict(cfg), **values})
+    longest = 2 + max(
+        getattr(args, "max_len", 0) or 0,
+        getattr(args, "src_len", 0) or 0,
+        getattr(args, "gen_len", 0) or 0,
+    )
+    if longest > cfg.max_positions:
+        cfg.max_positions = longest
+    return cfg
+
+
+def shape_fields(cfg: ModelConfig, vocab: int) -> dict[str, Any]:
+    return {
+        "d_model": cfg.d_model,
+        "layers": cfg.N,
+        "dec_layers": cfg.N_dec or cfg.N,
+        "heads": cfg.h,
+        "d_ff": cfg.d_ff,
+        "vocab": vocab,
+        "norm": cfg.norm,
+        "dropout": cfg.dropout,
+    }
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def random_pairs(
+    n: int, min_len: int, max_len: int, vocab: int, seed: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``n`` random (src, tgt) id pairs, each side's length uniform in [min_len, max_len].
+
+    Ids are drawn from the non-special range [4, vocab), without BOS/EOS (collate adds them).
+    """
+    rng = np.random.default_rng(seed)
+    pairs = []
+    for _ in range(n):
+        s, t = rng.integers(min_len, max_len + 1, size=2)
+        pairs.append((rng.integers(4, vocab, size=s), rng.integers(4, vocab, size=t)))
+    return pairs
+
+
+def random_batches(args, count: int) -> list:
+    """``count`` random ``mt.batching.Batch``es of ``--batch-size`` pairs (seeded)."""
+    from mt.batching import collate
+
+    return [
+        collate(
+            random_pairs(args.batch_size, args.min_len, args.max_len, args.vocab, args.seed + i)
+        )
+        for i in range(count)
+    ]
+
+
+# --------------------------------------------------------------------------- output
+
+
+@dataclass
+class Recorder:
+    """Prints each measurement as one JSON line, appends it to ``--output``, keeps it for the
+    final table."""
+
+    output: str | None = None
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def emit(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, sort_keys=False)
+        print(line, flush=True)
+        if self.output:
+            with open(self.output, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+        self.rows.append(record)
+
+    def table(self) -> str:
+        """A short fixed-width summary of all measurements."""
+        head = f"{'bench':<8} {'impl':<10} {'shape':<26} {'prec':<5} {'figure':>22} {'mem MiB':>9}"
+        lines = [head, "-" * len(head)]
+        for r in self.rows:
+            shape = f"{r.get('d_model', '')}x{r.get('layers', '')} h{r.get('heads', '')} " + (
+                f"B{r.get('batch_size', '')}"
+            )
+            if r["bench"] == "train":
+                figure = f"{r['tgt_tok_per_s']:,.0f} tgt tok/s"
+                if r.get("mfu") is not None:
+                    figure += f" {100 * r['mfu']:.1f}%"
+            elif r["bench"] == "decode":
+                figure = f"{r['sent_per_s']:,.1f} sent/s"
+            elif r["bench"] == "data":
+                shape = str(r.get("source", ""))[:26]
+                figure = f"{r['tok_per_s']:,.0f} tok/s"
+            elif r["bench"] == "peak":
+                shape, figure = f"matmul {r['size']}^3", f"{r['peak_tflops']:.1f} TFLOP/s"
+            else:
+                figure = ""
+            impl = str(r.get("impl", r.get("search", "")))
+            mem = r.get("peak_mem_mb")
+            mem_s = f"{mem:,.0f}" if isinstance(mem, (int, float)) else ""
+            lines.append(
+                f"{r['bench']:<8} {impl:<10} {shape:<26} {r.get('precision', ''):<5} "
+                f"{figure:>22} {mem_s:>9}"
+            )
+        return "\n".join(lines)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def measure_peak_tflops(device: torch.device, size: int = 8192, reps: int = 10) -> float:
+    """Dense bf16 matmul throughput (size^3 products), the peak MFU is measured against."""
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    seconds = (time.perf_counter() - start) / reps
+    return 2 * size**3 / seconds / 1e12

@@ -1,0 +1,251 @@
+"""Training-step benchmark: mt's Transformer (and optionally torch.nn.Transformer) on one shape.
+
+A step is what training does: forward, label-smoothed loss, backward, Adam, Noam scheduler.
+Throughput is non-pad target tokens (EOS included; fairseq's ``wps``) per second of a step,
+the median over the timed steps after ``--warmup-steps`` untimed ones. With ``--baseline torch``
+the two implementations alternate step by step on the same batches, so their ratio comes from
+one run on a shared machine.
+
+MFU (model FLOPs utilisation) counts the useful (non-pad) work of a batch:
+
+    FLOPs = 6 * (P_enc * sum(S_i) + (P_dec + D * V) * sum(T_i))
+          + 12 * D * (N_enc * sum(S_i^2) + N_dec * sum(T_i^2 + T_i * S_i))
+
+(6 = 2 forward + 4 backward FLOPs per weight per token; attention: Q K^T and A V are 2 * L * D
+FLOPs each per query token and layer forward, times 3 with backward; the causal half is not
+discounted), divided by the step time and by the peak (a measured bf16 matmul or --peak-tflops).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from bench_common import (
+    Recorder,
+    autocast,
+    environment,
+    measure_peak_tflops,
+    median,
+    model_config,
+    peak_memory_mb,
+    random_batches,
+    reset_peak_memory,
+    shape_fields,
+    sync,
+)
+from torch import nn
+
+from mt.loss import label_smoothed_nll_loss
+from mt.model import build_model, sinusoidal_positions
+from mt.schedule import noam_lambda
+from mt.schema import ModelConfig
+from mt.vocab import PAD
+
+log = logging.getLogger("bench")
+
+FLOPS_FORMULA = (
+    "6*(P_enc*sum(S_i) + (P_dec + d_model*V)*sum(T_i)) + 12*d_model*(N_enc*sum(S_i^2) + "
+    "N_dec*sum(T_i^2 + T_i*S_i)), per non-pad target token (incl. EOS); S_i, T_i non-pad "
+    "lengths incl. EOS; P_enc/P_dec = encoder/decoder layer parameters (no embeddings)"
+)
+
+
+class TorchTransformer(nn.Module):
+    """The same shape with ``torch.nn.Transformer``: shared sqrt(D)-scaled embedding, sinusoidal
+    positions, tied output projection (note: nn.Transformer adds a final LayerNorm per stack
+    even in post-LN mode)."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
+        super().__init__()
+        self.d_model = cfg.d_model
+        self.embed = nn.Embedding(vocab_size, cfg.d_model, padding_idx=PAD)
+        nn.init.normal_(self.embed.weight, std=cfg.d_model**-0.5)
+        self.register_buffer("pe", sinusoidal_positions(cfg.max_positions, cfg.d_model), False)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.transformer = nn.Transformer(
+            d_model=cfg.d_model,
+            nhead=cfg.h,
+            num_encoder_layers=cfg.N,
+            num_decoder_layers=cfg.N_dec or cfg.N,
+            dim_feedforward=cfg.d_ff,
+            dropout=cfg.dropout,
+            batch_first=True,
+            norm_first=cfg.norm == "pre",
+        )
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) * math.sqrt(self.d_model)  # (B, L, D)
+        return self.dropout(x + self.pe[: tokens.size(1)])
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        """src (B, S), tgt_in (B, T) -> logits (B, T, V)."""
+        T = tgt_in.size(1)
+        causal = nn.Transformer.generate_square_subsequent_mask(T, device=src.device)
+        src_pad = src == PAD  # torch's polarity: True = ignore
+        h = self.transformer(
+            self._embed(src),
+            self._embed(tgt_in),
+            tgt_mask=causal,
+            src_key_padding_mask=src_pad,
+            memory_key_padding_mask=src_pad,
+            tgt_is_causal=True,
+        )
+        return F.linear(h, self.embed.weight)
+
+    def stack_params(self) -> tuple[int, int]:
+        enc = sum(p.numel() for p in self.transformer.encoder.parameters())
+        dec = sum(p.numel() for p in self.transformer.decoder.parameters())
+        return enc, dec
+
+
+def mt_stack_params(model: nn.Module) -> tuple[int, int]:
+    """(encoder, decoder) parameters of mt's Transformer, layers and final norms, no embeddings."""
+    enc = sum(p.numel() for m in (model.encoder, model.encoder_norm) for p in m.parameters())
+    dec = sum(p.numel() for m in (model.decoder, model.decoder_norm) for p in m.parameters())
+    return enc, dec
+
+
+def batch_flops(batch, p_enc: int, p_dec: int, cfg: ModelConfig, vocab: int) -> float:
+    """Training FLOPs of one batch (see the module docstring)."""
+    S = (batch.src != PAD).sum(dim=1).double()  # (B,) non-pad source lengths incl. EOS
+    T = (batch.tgt_out != PAD).sum(dim=1).double()  # (B,)
+    D, n_enc, n_dec = cfg.d_model, cfg.N, cfg.N_dec or cfg.N
+    dense = 6 * (p_enc * S.sum() + (p_dec + D * vocab) * T.sum())
+    attn = 12 * D * (n_enc * (S * S).sum() + n_dec * (T * T + T * S).sum())
+    return float(dense + attn)
+
+
+class Runner:
+    """One implementation under test: model, Adam, Noam scheduler and its timings."""
+
+    def __init__(self, name: str, model: nn.Module, args, cfg: ModelConfig, device) -> None:
+        self.name, self.args, self.device = name, args, device
+        self.model = model.to(device).train()
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, noam_lambda(cfg.d_model, args.noam_warmup)
+        )
+        self.forward = torch.compile(self.model) if args.compile else self.model
+        self.tok_per_s: list[float] = []
+        self.seconds: list[float] = []
+        self.tokens = 0
+        self.flops = 0.0
+        self.peak_mem = 0.0
+        self.losses: list[float] = []
+
+    def step(self, batch) -> tuple[float, float]:
+        """One full training update; returns (seconds, loss per target token)."""
+        V = self.args.vocab
+        sync(self.device)
+        start = time.perf_counter()
+        with autocast(self.device, self.args.precision):
+            logits = self.forward(batch.src, batch.tgt_in)  # (B, T, V)
+        lprobs = F.log_softmax(logits.float(), dim=-1).view(-1, V)  # (B*T, V)
+        loss, _ = label_smoothed_nll_loss(lprobs, batch.tgt_out.reshape(-1), self.args.smoothing)
+        (loss / batch.ntokens).backward()
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        value = loss.item() / batch.ntokens  # .item() waits for the step on GPU as well
+        sync(self.device)
+        return time.perf_counter() - start, value
+
+
+def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
+    """Benchmark training steps; emits one record per implementation."""
+    device = args.device_obj
+    cfg = model_config(args)
+    torch.manual_seed(args.seed)
+    mt_model = build_model(cfg, args.vocab)
+    p_enc, p_dec = mt_stack_params(mt_model)
+    runners = [Runner("mt", mt_model, args, cfg, device)]
+    if args.baseline == "torch":
+        runners.append(Runner("torch", TorchTransformer(cfg, args.vocab), args, cfg, device))
+
+    n = args.warmup_steps + args.steps
+    if args.data:
+        from bench_data import real_batches
+
+        batches = real_batches(args.data, args.max_tokens, n, args.seed)
+        source = args.data
+    else:
+        batches = random_batches(args, n)
+        source = f"random B={args.batch_size} len=[{args.min_len},{args.max_len}]"
+
+    peak_tflops = args.peak_tflops
+    peak_source = "--peak-tflops" if peak_tflops else None
+    if peak_tflops is None and device.type == "cuda":
+        peak_tflops = measure_peak_tflops(device)
+        peak_source = "measured bf16 matmul 8192^3"
+        rec.emit({"bench": "peak", "size": 8192, "peak_tflops": peak_tflops, **environment(device)})
+
+    log.info("train: %d warm-up + %d timed steps, %s", args.warmup_steps, args.steps, source)
+    for i, batch in enumerate(batches):
+        batch = batch.to(device)
+        flops = batch_flops(batch, p_enc, p_dec, cfg, args.vocab)
+        # Alternate the order too, so neither implementation always runs on a warmer cache.
+        order = runners if i % 2 == 0 else runners[::-1]
+        for r in order:
+            reset_peak_memory(device)
+            seconds, loss = r.step(batch)
+            r.peak_mem = max(r.peak_mem, peak_memory_mb(device)[0])
+            if not math.isfinite(loss):
+                raise RuntimeError(f"{r.name}: non-finite loss at step {i}")
+            r.losses.append(loss)
+            if i >= args.warmup_steps:
+                r.seconds.append(seconds)
+                r.tok_per_s.append(batch.ntokens / seconds)
+                r.tokens += batch.ntokens
+                r.flops += flops
+
+    records = []
+    for r in runners:
+        tok_s = median(r.tok_per_s)
+        flops_per_tok = r.flops / max(r.tokens, 1)
+        record = {
+            "bench": "train",
+            "impl": r.name,
+            **shape_fields(cfg, args.vocab),
+            "params": r.n_params,
+            "precision": args.precision,
+            "compile": args.compile,
+            "source": source,
+            "batch_size": args.batch_size if not args.data else None,
+            "min_len": args.min_len if not args.data else None,
+            "max_len": args.max_len if not args.data else None,
+            "max_tokens": args.max_tokens if args.data else None,
+            "steps": args.steps,
+            "warmup_steps": args.warmup_steps,
+            "tgt_tok_per_s": tok_s,
+            "tgt_tok_per_s_mean": r.tokens / sum(r.seconds) if r.seconds else float("nan"),
+            "step_ms_median": 1000 * median(r.seconds),
+            "tgt_tokens_per_step": r.tokens / max(len(r.seconds), 1),
+            "first_loss": r.losses[0],
+            "last_loss": r.losses[-1],
+            "peak_mem_mb": r.peak_mem,
+            "peak_mem_kind": peak_memory_mb(device)[1],
+            "flops_formula": FLOPS_FORMULA,
+            "flops_per_tgt_tok": flops_per_tok,
+            "achieved_tflops": tok_s * flops_per_tok / 1e12,
+            "peak_tflops": peak_tflops,
+            "peak_source": peak_source,
+            "mfu": tok_s * flops_per_tok / (peak_tflops * 1e12) if peak_tflops else None,
+            **environment(device),
+        }
+        if device.type == "cpu" and len(runners) > 1:
+            record["peak_mem_note"] = "max RSS of the whole process (both implementations)"
+        records.append(record)
+    if len(records) == 2:
+        ratio = records[0]["tgt_tok_per_s"] / records[1]["tgt_tok_per_s"]
+        log.info("mt / torch.nn.Transformer throughput ratio: %.3f", ratio)
+        for record in records:
+            record["ratio_mt_over_torch"] = ratio
+    for record in records:
+        rec.emit(record)
+    return records

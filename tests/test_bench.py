@@ -1,0 +1,107 @@
+"""scripts/bench.py: each subcommand runs at a tiny shape and prints well-formed JSON records.
+
+No timing assertions: speed is measured by running the benchmark, never by a test. The records'
+bookkeeping (token counts, FLOPs) is checked against independent computations.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "scripts" / "bench.py"
+TINY = ["--d-model", "16", "--layers", "1", "--heads", "2", "--d-ff", "32", "--vocab", "64"]
+
+
+def run_bench(args: list[str], tmp_path: Path) -> tuple[list[dict], str]:
+    """Run bench.py in a subprocess; returns (JSON records on stdout, the whole stdout)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), *args, "--threads", "1", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return records, proc.stdout
+
+
+def test_train_random_batches_with_baseline(tmp_path):
+    out = tmp_path / "bench.jsonl"
+    args = ["train", *TINY, "--batch-size", "3", "--min-len", "2", "--max-len", "5"]
+    args += ["--steps", "2", "--warmup-steps", "1", "--baseline", "torch", "--output", str(out)]
+    args += ["--peak-tflops", "1.0"]
+    records, stdout = run_bench(args, tmp_path)
+    assert [r["impl"] for r in records] == ["mt", "torch"]
+    for r in records:
+        assert r["bench"] == "train"
+        assert (r["d_model"], r["layers"], r["heads"], r["d_ff"], r["vocab"]) == (16, 1, 2, 32, 64)
+        assert r["tgt_tok_per_s"] > 0 and math.isfinite(r["tgt_tok_per_s"])
+        assert r["peak_mem_mb"] > 0 and r["peak_mem_kind"] == "max_rss"
+        assert r["precision"] == "fp32" and r["compile"] is False and r["threads"] == 1
+        assert "flops_formula" in r and r["peak_tflops"] == 1.0
+        # MFU is achieved FLOP/s over the given peak (1 TFLOP/s).
+        assert r["mfu"] == pytest.approx(r["tgt_tok_per_s"] * r["flops_per_tgt_tok"] / 1e12)
+        assert math.isfinite(r["first_loss"]) and r["ratio_mt_over_torch"] > 0
+        # Target tokens per step: 3 pairs of 2..5 tokens, +EOS each.
+        assert 3 * 3 <= r["tgt_tokens_per_step"] <= 3 * 6
+    # The JSONL file holds the same records; the table closes stdout.
+    assert [json.loads(line) for line in out.read_text().splitlines()] == records
+    assert "tgt tok/s" in stdout.splitlines()[-1]
+
+
+def test_train_flops_formula_matches_hand_count():
+    """batch_flops against a hand count for a two-sentence batch of a 1-layer model."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import torch
+    from bench_train import batch_flops, mt_stack_params
+
+    from mt.model import build_model
+    from mt.schema import ModelConfig
+    from mt.vocab import EOS, PAD
+
+    cfg = ModelConfig(N=1, d_model=8, d_ff=16, h=2)
+    model = build_model(cfg, 40)
+    p_enc, p_dec = mt_stack_params(model)
+    # Encoder layer: qkv 8*24+24, out 8*8+8, ffn 8*16+16 + 16*8+8, 2 LayerNorms 2*16.
+    assert p_enc == (8 * 24 + 24) + (64 + 8) + (128 + 16) + (128 + 8) + 2 * 16
+    # Decoder layer adds cross-attention (q 72, kv 8*16+16, out 72) and a third LayerNorm.
+    assert p_dec == p_enc + 72 + (128 + 16) + 72 + 16
+
+    class B:
+        src = torch.tensor([[5, 6, EOS], [7, EOS, PAD]])  # S = 3, 2
+        tgt_out = torch.tensor([[5, EOS], [EOS, PAD]])  # T = 2, 1
+
+    expected = 6 * (p_enc * 5 + (p_dec + 8 * 40) * 3)
+    expected += 12 * 8 * ((9 + 4) + (4 + 2 * 3) + (1 + 1 * 2))
+    assert batch_flops(B, p_enc, p_dec, cfg, 40) == pytest.approx(expected)
+
+
+def test_data_synthetic(tmp_path):
+    args = ["data", "--sentences", "300", "--min-len", "2", "--max-len", "9", "--vocab", "50"]
+    args += ["--max-tokens", "64"]
+    (r,), _ = run_bench(args, tmp_path)
+    assert r["bench"] == "data" and r["pairs"] == 300 and r["batches"] > 0
+    assert r["batches_per_s"] > 0 and r["tok_per_s"] > 0 and r["src_tok_per_s"] > 0
+    assert 0 <= r["padding_fraction"] < 1
+
+
+def test_decode_forced_length(tmp_path):
+    args = ["decode", *TINY, "--batch-size", "3", "--batches", "1", "--src-len", "4"]
+    args += ["--gen-len", "5", "--beam", "2", "--warmup-steps", "0"]
+    records, _ = run_bench(args, tmp_path)
+    assert [(r["search"], r["beam"]) for r in records] == [("greedy", 1), ("beam", 2)]
+    for r in records:
+        assert r["bench"] == "decode" and r["forced_length"] is True
+        assert r["mean_out_len"] == 5  # EOS suppressed until --gen-len, then the length cap
+        assert r["sent_per_s"] > 0 and r["tok_per_s"] == pytest.approx(5 * r["sent_per_s"])
