@@ -25,7 +25,8 @@ Conventions (the paper's, made exact):
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -363,6 +364,58 @@ def translate_ids(
     return [h[0].tokens for h in translate_nbest(model, src_ids, decode_cfg, device, min_len)]
 
 
+@torch.inference_mode()
+def cross_attention(
+    model: torch.nn.Module, src_ids: list[int], out_ids: list[int], device="cpu"
+) -> torch.Tensor:
+    """Encoder-decoder attention of one sentence pair, for heatmaps.
+
+    Teacher-forces ``BOS + out_ids`` and returns the last decoder layer's cross-attention
+    averaged over heads (``model.decode(..., need_attn=True)``).
+
+    Args:
+        src_ids: source ids without EOS (S - 1 of them).
+        out_ids: output ids without BOS/EOS (T - 1 of them).
+
+    Returns:
+        (T, S) weights on the CPU: rows predict ``out_ids + [EOS]``, columns are
+        ``src_ids + [EOS]``.
+    """
+    from mt.batching import make_src
+
+    model.eval()
+    src = make_src([list(src_ids)]).to(device)  # (1, S)
+    tgt_in = torch.tensor([[BOS, *out_ids]], dtype=torch.long, device=device)  # (1, T)
+    _, attn = model.decode(tgt_in, model.encode(src), None, need_attn=True)
+    return attn[0].float().cpu()  # (T, S)
+
+
+def attention_map(
+    model: torch.nn.Module, tokenizer, sentence: str, decode_cfg: DecodeConfig, device="cpu"
+) -> tuple[list[str], list[str], Any]:
+    """Translate one sentence and return its attention, for heatmaps.
+
+    Args:
+        tokenizer: an mt.tokenizer.Tokenizer (``encode``, ``normalize``, ``model(side)``).
+        sentence: raw source text (cut to the model's ``max_positions``).
+        decode_cfg: the search settings.
+
+    Returns:
+        ``(src_pieces (S), tgt_pieces (T), matrix (T, S))``: SentencePiece pieces plus ``</s>``
+        on both sides; the last decoder layer's cross-attention averaged over heads (see
+        :func:`cross_attention`), one row per generated piece.
+    """
+    (src_ids,) = tokenizer.encode([tokenizer.normalize(sentence)], side="src")
+    limit = max_positions(model)
+    src_ids = src_ids[: limit - 1] if limit else src_ids
+    (out_ids,) = translate_ids(model, [src_ids], replace(decode_cfg, nbest=1), device)
+    matrix = cross_attention(model, src_ids, out_ids, device)
+    src_sp, tgt_sp = tokenizer.model("src"), tokenizer.model("tgt")
+    src_pieces = [src_sp.id_to_piece(i) for i in src_ids] + ["</s>"]
+    tgt_pieces = [tgt_sp.id_to_piece(i) for i in out_ids] + ["</s>"]
+    return src_pieces, tgt_pieces, matrix.numpy()
+
+
 def clip_to_length(
     src_ids: list[list[int]], limit: int | None, policy: str = "error", first_line: int = 1
 ) -> list[list[int]]:
@@ -404,7 +457,9 @@ def count_truncated(src_ids: list[list[int]], limit: int | None) -> int:
 
 __all__ = [
     "Hypothesis",
+    "attention_map",
     "beam_search",
+    "cross_attention",
     "greedy_search",
     "length_penalty",
     "make_batches",

@@ -1,0 +1,234 @@
+"""Stage 6: scoring translations with sacreBLEU, and ``mt-evaluate``.
+
+Scores are computed on detokenized text against the raw references, with sacreBLEU's defaults:
+BLEU with the 13a tokenizer and chrF (character 6-grams, beta 2). Each score is reported with
+its sacreBLEU signature, which says exactly how it was computed (and so whether two numbers can
+be compared).
+
+``mt-evaluate`` has two modes:
+
+* ``mt-evaluate hyp=FILE ref=FILE`` (``ref=[A,B]`` for several references): score a translation
+  file anyone produced; prints BLEU, chrF and the signatures; ``output=FILE`` writes the JSON.
+* ``mt-evaluate`` (with the usual ``experiment=``/``run_dir=``): decode ``split`` (valid | test)
+  of the run's prepared data with ``checkpoint`` (default ``run_dir/checkpoints/best.pt``), write
+  ``run_dir/translations/<split>.txt`` and ``run_dir/results.json`` (and ``report.md``), print
+  ``BLEU = ...`` with the signature and, as the last line, the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from mt.schema import Config
+from mt.search import attention_map, max_positions
+
+log = logging.getLogger(__name__)
+
+
+def score(hyps: list[str], refs: list[str] | list[list[str]], chrf: bool = True) -> dict[str, Any]:
+    """Corpus BLEU (13a) and chrF of detokenized hypotheses against raw references.
+
+    Args:
+        hyps: one translation per segment.
+        refs: one reference per segment, or several reference *streams* (each a list with one
+            reference per segment, sacreBLEU's convention).
+        chrf: also compute chrF (the slower of the two; validation during training may skip it,
+            and then ``chrf`` and ``chrf_signature`` are None).
+
+    Returns:
+        ``{"bleu": float, "chrf": float, "signature": str (BLEU's), "chrf_signature": str,
+        "bleu_details": "BLEU = 20.80 54.4/26.6/... (BP = ...)", "n_sentences": int}``.
+
+    Raises:
+        ValueError: when a reference stream and the hypotheses differ in length.
+    """
+    from sacrebleu.metrics import BLEU, CHRF
+
+    streams = [list(refs)] if not refs or isinstance(refs[0], str) else [list(r) for r in refs]
+    for i, stream in enumerate(streams):
+        if len(stream) != len(hyps):
+            raise ValueError(
+                f"{len(hyps)} hypotheses but reference stream {i + 1} has {len(stream)} lines"
+            )
+    bleu = BLEU()
+    bleu_score = bleu.corpus_score(list(hyps), streams)
+    chrf_metric = CHRF() if chrf else None
+    chrf_score = chrf_metric.corpus_score(list(hyps), streams) if chrf_metric else None
+    return {
+        "bleu": float(bleu_score.score),
+        "chrf": float(chrf_score.score) if chrf_score else None,
+        "signature": str(bleu.get_signature()),
+        "chrf_signature": str(chrf_metric.get_signature()) if chrf_metric else None,
+        "bleu_details": str(bleu_score),
+        "n_sentences": len(hyps),
+    }
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """The lines of a UTF-8 text file, split on ``\\n`` only (a BOM or U+2028 stays in the text).
+
+    sacreBLEU's own command line reads files the same way, so scores match its published ones.
+    """
+    with open(path, encoding="utf-8", newline="\n") as f:
+        return [line.rstrip("\n") for line in f]
+
+
+def write_lines(path: str | Path, lines: list[str]) -> None:
+    """Write one line per item (UTF-8, ``\\n`` after each) atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+        f.writelines(line.replace("\n", " ") + "\n" for line in lines)
+    tmp.replace(path)
+
+
+def write_json(path: str | Path, data: dict[str, Any]) -> None:
+    """Write ``data`` as indented JSON atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def score_files(hyp: str | Path, ref: str | Path | list) -> dict[str, Any]:
+    """Score a translation file against one or several reference files."""
+    ref_paths = [ref] if isinstance(ref, (str, Path)) else list(ref)
+    if not ref_paths:
+        raise ValueError("mt-evaluate hyp=FILE needs ref=FILE (or ref=[FILE1,FILE2])")
+    result = score(read_lines(hyp), [read_lines(p) for p in ref_paths])
+    result.update(hyp=str(hyp), ref=[str(p) for p in ref_paths])
+    return result
+
+
+def _print_scores(result: dict[str, Any]) -> None:
+    out = sys.stdout
+    out.write(f"{result['bleu_details']}\n")
+    out.write(f"BLEU signature: {result['signature']}\n")
+    out.write(f"chrF2 = {result['chrf']:.2f}\n")
+    out.write(f"chrF signature: {result['chrf_signature']}\n")
+    out.flush()
+
+
+def evaluate_main(cfg: Config) -> dict[str, Any]:
+    """``mt-evaluate``: score ``hyp=`` against ``ref=``, or decode and score a run's split.
+
+    Args:
+        cfg: the configuration (``hyp``, ``ref``, ``output``; or ``run_dir``, ``split``,
+            ``checkpoint``, ``decode``, ``data``...).
+
+    Returns:
+        The results dict (what results.json / ``output=`` holds).
+    """
+    if cfg.hyp is not None:
+        if cfg.ref is None:
+            raise ValueError("mt-evaluate hyp=FILE needs ref=FILE (or ref=[FILE1,FILE2])")
+        result = score_files(cfg.hyp, cfg.ref)
+        _print_scores(result)
+        if cfg.output:
+            write_json(cfg.output, result)
+            log.info("scores written to %s", cfg.output)
+        return result
+    return evaluate_run(cfg)
+
+
+def evaluate_run(cfg: Config) -> dict[str, Any]:
+    """Decode ``cfg.split`` with the run's checkpoint, score it and write the run's results."""
+    import torch
+
+    from mt.checkpoint import CheckpointError, load_model
+    from mt.prepare import prepare
+    from mt.search import clip_to_length, count_truncated, translate_ids
+
+    if cfg.split not in ("valid", "test"):
+        raise ValueError(f"split must be valid or test, got {cfg.split!r}")
+    run_dir = Path(cfg.run_dir)
+    ckpt_path = Path(cfg.checkpoint) if cfg.checkpoint else run_dir / "checkpoints" / "best.pt"
+    device = _device(cfg.train.device)
+    model, tokenizer, ckpt = load_model(ckpt_path, device)
+    prepared = prepare(cfg)
+    refs = prepared.references(cfg.split)
+    if tokenizer.to_bytes() == prepared.tokenizer.to_bytes():
+        split = prepared.split(cfg.split)
+        src_ids = [split.src[i].tolist() for i in range(len(split))]
+    else:  # the checkpoint's own vocabulary decides; the data's encoding would not fit it
+        log.warning("%s has its own tokenizer, not the prepared data's: re-encoding", ckpt_path)
+        src_ids = tokenizer.encode(
+            [tokenizer.normalize(s) for s in prepared.sources(cfg.split)], side="src"
+        )
+    if len(src_ids) != len(refs):
+        raise CheckpointError(f"{len(src_ids)} sources but {len(refs)} references")
+    limit = max_positions(model)
+    if count_truncated(src_ids, limit):
+        log.warning(
+            "%d %s sources exceed max_positions=%s and are truncated",
+            count_truncated(src_ids, limit), cfg.split, limit,
+        )  # fmt: skip
+        src_ids = clip_to_length(src_ids, limit, "truncate")
+
+    log.info(
+        "decoding %d %s sentences with %s (beam %d, alpha %.2f, %s)",
+        len(src_ids), cfg.split, ckpt_path, cfg.decode.beam_size, cfg.decode.alpha,
+        cfg.decode.precision,
+    )  # fmt: skip
+    start = time.perf_counter()
+    out_ids = translate_ids(model, src_ids, cfg.decode, device)
+    seconds = time.perf_counter() - start
+    hyps = tokenizer.decode(out_ids, side="tgt")
+
+    write_lines(run_dir / "translations" / f"{cfg.split}.txt", hyps)
+    result = score(hyps, refs)
+    result.update(
+        split=cfg.split,
+        checkpoint=str(ckpt_path),
+        step=int(ckpt.get("step", 0)),
+        beam_size=cfg.decode.beam_size,
+        alpha=cfg.decode.alpha,
+        max_len_a=cfg.decode.max_len_a,
+        max_len_b=cfg.decode.max_len_b,
+        precision=cfg.decode.precision,
+        device=str(device),
+        decode_seconds=round(seconds, 3),
+        sent_per_s=round(len(src_ids) / max(seconds, 1e-9), 2),
+        tgt_tok_per_s=round(sum(map(len, out_ids)) / max(seconds, 1e-9), 1),
+        torch_threads=torch.get_num_threads(),
+    )
+    write_json(run_dir / "results.json", result)
+    log.info("%s on %s: %s | chrF2 %.2f", ckpt_path.name, cfg.split, result["bleu_details"],
+             result["chrf"])  # fmt: skip
+    if cfg.report:
+        _write_report(run_dir, prepared, cfg.split, hyps, model, tokenizer, cfg.decode, device)
+    _print_scores(result)
+    sys.stdout.write(f"{run_dir}\n")
+    sys.stdout.flush()
+    return result
+
+
+def _write_report(run_dir, prepared, split, hyps, model, tokenizer, decode_cfg, device) -> None:
+    """report.md with example translations and the first sentence's attention (best effort)."""
+    from mt.report import write_report
+
+    sources = prepared.sources(split)
+    attention = None
+    try:
+        if sources:
+            attention = attention_map(model, tokenizer, sources[0], decode_cfg, device)
+    except Exception as err:  # the report must never fail an evaluation
+        log.warning("attention heatmap skipped: %s", err)
+    examples = {"sources": sources, "references": prepared.references(split), "hypotheses": hyps}
+    write_report(run_dir, examples=examples, attention=attention)
+
+
+def _device(name: str):
+    """``auto`` (cuda when available, else cpu) or an explicit torch device name."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
