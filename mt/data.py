@@ -98,7 +98,10 @@ class Corpus:
 
 
 def _stat(path: Path) -> list:
-    st = path.stat()
+    try:
+        st = path.stat()
+    except OSError as err:
+        raise DataError(f"data file {path} cannot be read: {err}") from None
     return [str(path.resolve()), st.st_size, st.st_mtime_ns]
 
 

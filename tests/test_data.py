@@ -222,3 +222,15 @@ def test_cleaning_min_len_no_dedup_no_ratio():
     assert cleaner.counts["min_len"] == 2 and cleaner.counts["kept"] == 2
     nfc_off = Cleaner(CleanConfig(normalize=False))
     assert list(nfc_off(iter([(" e\u0301 ", "x")]))) == [("e\u0301", "x")]
+
+
+def test_auto_uses_hf_when_no_local_dir_and_says_what_to_set_when_both_fail(tmp_path):
+    files = _hf_files(tmp_path / "hf", "json", "columns")
+    no_dir = f"data.dir={tmp_path / 'nowhere'}"
+    cfg = hf_cfg(files, "json", "columns", "data.source=auto", no_dir)
+    assert list(open_corpus(cfg, str(tmp_path / "hfc")).pairs("test")) == TEST
+    files["test"] = str(tmp_path / "missing.json")
+    cfg = hf_cfg(files, "json", "columns", "data.source=auto", no_dir)
+    with pytest.raises(DataError, match="MT_DATA_DIR") as err:
+        open_corpus(cfg, str(tmp_path / "hfc"))
+    assert "data.dir=PATH" in str(err.value) and "'json'" in str(err.value)
