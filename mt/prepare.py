@@ -183,6 +183,7 @@ def prepare(cfg: Config) -> Prepared:
         shutil.rmtree(final)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide the cache from other users
     try:
         _build(cfg, tmp, key, root)
         try:
@@ -345,7 +346,8 @@ def encode_files(
             tasks.append((str(path), side, start, end))
             owner.append(j)
     init = (tokenizer.to_bytes(), dtype, nfc)
-    if workers > 1 and len(tasks) > 2:
+    total = sum(end - start for _, _, start, end in tasks)
+    if workers > 1 and total > chunk_bytes:  # else a pool's start-up costs more than it saves
         pool = mp.get_context("spawn").Pool(min(workers, len(tasks)), _init_worker, init)
         results = pool.imap(_encode_chunk, tasks)  # in order, a few chunks in flight
     else:
