@@ -286,9 +286,10 @@ def real_model():
     torch.manual_seed(0)
     cfg = ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.0, max_positions=128)
     model = build_model(cfg, vocab_size=40).eval()
-    with torch.no_grad():  # sharpen the random distribution so EOS and ranks vary
-        for p in model.parameters():
-            p.mul_(3.0)
+    with torch.no_grad():  # sharper distributions, and EOS likely enough that some sentences
+        for p in model.parameters():  # end early while others run to their maximum length
+            p.mul_(1.5)
+        model.embed[EOS] *= 3.0
     return model
 
 
@@ -311,9 +312,11 @@ def test_real_model_beam_one_equals_greedy(real_model):
 
 def test_real_model_batched_equals_one_by_one(real_model):
     pytest.importorskip("mt.batching")
-    ids = random_sources(1, [2, 40, 7, 25, 1, 13])
+    ids = random_sources(1, [2, 40, 7, 25, 1, 13, 3, 9])
     cfg = DecodeConfig(beam_size=4, alpha=0.6, max_len_a=0.5, max_len_b=6, nbest=4, batch_size=64)
     batched = translate_nbest(real_model, ids, cfg)
+    lengths = [len(h[0].tokens) for h in batched]
+    assert min(lengths) < 3 and max(lengths) > 12  # early EOS and long outputs in one batch
     alone_cfg = DecodeConfig(**{**cfg.__dict__, "batch_size": 1})
     alone = translate_nbest(real_model, ids, alone_cfg)
     for a, b in zip(alone, batched):

@@ -1,0 +1,268 @@
+"""Using a trained model: the :class:`Translator` Python API and ``mt-translate``.
+
+A checkpoint carries its model configuration and its SentencePiece model(s), so it is all that
+decoding needs:
+
+    >>> from mt.translate import Translator
+    >>> t = Translator.from_checkpoint("runs/multi30k_de_en/checkpoints/best.pt")
+    >>> t.translate(["Ein Hund rennt im Schnee."], beam_size=4)  # doctest: +SKIP
+    ['A dog runs in the snow.']
+
+``mt-translate checkpoint=PATH`` reads stdin (or ``input=FILE``) and writes stdout (or
+``output=FILE``), one translation per input line in input order. It reads and translates in
+chunks, so an input of any size is never held in memory at once. An empty line gives an empty
+line. A line longer than the model's ``max_positions`` is an error naming the line, or with
+``decode.too_long=truncate`` is cut (with a warning). With ``decode.nbest=N > 1`` each input line
+gives N lines ``<line index> ||| <translation> ||| <score>`` (Moses n-best format, index from 0).
+``attention=FILE.png`` draws the first non-empty sentence's encoder-decoder attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from mt.checkpoint import CheckpointError, load_model
+from mt.schema import Config, DecodeConfig
+from mt.search import (
+    Hypothesis,
+    attention_map,
+    clip_to_length,
+    count_truncated,
+    max_positions,
+    translate_ids,
+    translate_nbest,
+)
+from mt.tokenizer import TokenizerError
+
+log = logging.getLogger(__name__)
+
+CHUNK_LINES = 2048  # lines read, translated and written at a time by mt-translate
+
+
+class Translator:
+    """A model, its tokenizer and decoding settings: text in, text out.
+
+    Args:
+        model: an mt Transformer (eval mode, on ``device``).
+        tokenizer: its mt.tokenizer.Tokenizer.
+        device: where decoding runs.
+        decode_cfg: default search settings (beam 4, alpha 0.6, ... when None).
+    """
+
+    def __init__(self, model, tokenizer, device="cpu", decode_cfg: DecodeConfig | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.decode_cfg = decode_cfg or DecodeConfig()
+        self.max_positions = max_positions(model)
+
+    @classmethod
+    def from_checkpoint(
+        cls, path: str | Path, device: str = "cpu", decode_cfg: DecodeConfig | None = None
+    ) -> Translator:
+        """Load a checkpoint written by mt-train.
+
+        Raises:
+            CheckpointError: the file is missing, not a checkpoint, truncated, or its model and
+                vocabulary do not fit together.
+        """
+        try:
+            model, tokenizer, ckpt = load_model(path, device)
+        except TokenizerError as err:
+            raise CheckpointError(f"{path}: the embedded tokenizer is unusable: {err}") from err
+        if tokenizer.vocab_size != int(ckpt["vocab_size"]):
+            raise CheckpointError(
+                f"{path}: its tokenizer has {tokenizer.vocab_size} pieces but the model was "
+                f"built for a vocabulary of {ckpt['vocab_size']}: different vocabularies"
+            )
+        log.info("loaded %s (step %s) on %s", path, ckpt.get("step"), device)
+        return cls(model, tokenizer, device, decode_cfg)
+
+    def settings(self, **overrides: Any) -> DecodeConfig:
+        """The decode settings with keyword overrides (None values are ignored)."""
+        changes = {k: v for k, v in overrides.items() if v is not None}
+        return dataclasses.replace(self.decode_cfg, **changes)
+
+    def encode(self, sentences: list[str], cfg: DecodeConfig, first_line: int = 1):
+        """Source ids of each sentence, checked (or truncated) against ``max_positions``."""
+        ids = self.tokenizer.encode([self.tokenizer.normalize(s) for s in sentences], side="src")
+        n_long = count_truncated(ids, self.max_positions)
+        if n_long and cfg.too_long == "truncate":
+            log.warning("%d input line(s) longer than max_positions=%d truncated",
+                        n_long, self.max_positions)  # fmt: skip
+        return clip_to_length(ids, self.max_positions, cfg.too_long, first_line)
+
+    def translate_nbest(
+        self, sentences: list[str], first_line: int = 1, **overrides: Any
+    ) -> list[list[tuple[str, float]]]:
+        """``decode.nbest`` (translation, score) pairs per sentence, best first.
+
+        Empty (or all-space) sentences give ``[("", 0.0)]`` without decoding.
+        """
+        cfg = self.settings(**overrides)
+        keep = [i for i, s in enumerate(sentences) if self.tokenizer.normalize(s)]
+        out: list[list[tuple[str, float]]] = [[("", 0.0)] for _ in sentences]
+        if not keep:
+            return out
+        try:
+            ids = self.encode([sentences[i] for i in keep], cfg)
+        except ValueError as err:  # re-raise naming the caller's line numbers
+            raise ValueError(_renumber(str(err), keep, first_line)) from None
+        results: list[list[Hypothesis]] = translate_nbest(self.model, ids, cfg, self.device)
+        for i, hyps in zip(keep, results):
+            texts = self.tokenizer.decode([h.tokens for h in hyps], side="tgt")
+            out[i] = [(text, h.score) for text, h in zip(texts, hyps)]
+        return out
+
+    def translate(
+        self,
+        sentences: list[str],
+        beam_size: int | None = None,
+        alpha: float | None = None,
+        first_line: int = 1,
+        **overrides: Any,
+    ) -> list[str]:
+        """Translate sentences (best hypothesis each), in input order.
+
+        Args:
+            sentences: raw source sentences.
+            beam_size: 1 = greedy (default: the Translator's decode settings, 4).
+            alpha: length penalty (default 0.6).
+            first_line: the line number of ``sentences[0]`` in error messages.
+            **overrides: any other DecodeConfig field (``max_len_a``, ``batch_size``,
+                ``too_long``, ``precision``, ...).
+
+        Returns:
+            One translation per sentence; an empty sentence gives "".
+
+        Raises:
+            ValueError: a sentence longer than ``max_positions`` with ``too_long=error``.
+        """
+        cfg = self.settings(beam_size=beam_size, alpha=alpha, nbest=1, **overrides)
+        keep = [i for i, s in enumerate(sentences) if self.tokenizer.normalize(s)]
+        out = [""] * len(sentences)
+        if keep:
+            try:
+                ids = self.encode([sentences[i] for i in keep], cfg)
+            except ValueError as err:
+                raise ValueError(_renumber(str(err), keep, first_line)) from None
+            texts = self.tokenizer.decode(translate_ids(self.model, ids, cfg, self.device))
+            for i, text in zip(keep, texts):
+                out[i] = text
+        return out
+
+    def attention(self, sentence: str, **overrides: Any) -> tuple[list[str], list[str], Any]:
+        """Translate one sentence and return its encoder-decoder attention.
+
+        Returns:
+            ``(src_pieces (S), tgt_pieces (T), matrix (T, S))``: SentencePiece pieces plus
+            ``</s>`` on both sides; the matrix is the last decoder layer's cross-attention
+            averaged over heads, one row per generated piece.
+        """
+        cfg = self.settings(**overrides)
+        self.encode([sentence], cfg)  # the too_long check
+        return attention_map(self.model, self.tokenizer, sentence, cfg, self.device)
+
+
+def _renumber(message: str, keep: list[int], first_line: int) -> str:
+    """Map 'line N' of the non-empty subset back to the caller's numbering."""
+    import re
+
+    match = re.match(r"line (\d+) ", message)
+    if not match:
+        return message
+    original = first_line + keep[int(match.group(1)) - 1]
+    return f"line {original} " + message[match.end() :]
+
+
+def chunks(lines: Iterable[str], size: int) -> Iterator[list[str]]:
+    """Successive lists of at most ``size`` lines (without their newline)."""
+    chunk: list[str] = []
+    for line in lines:
+        chunk.append(line.rstrip("\r\n"))
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def translate_stream(translator: Translator, src: TextIO, dst: TextIO, cfg: DecodeConfig) -> int:
+    """Translate ``src`` line by line into ``dst`` in chunks; returns the number of lines."""
+    n, start = 0, time.perf_counter()
+    for chunk in chunks(src, max(CHUNK_LINES, cfg.batch_size)):
+        if cfg.nbest > 1:
+            for k, hyps in enumerate(translator.translate_nbest(chunk, first_line=n + 1)):
+                dst.writelines(f"{n + k} ||| {text} ||| {score:.4f}\n" for text, score in hyps)
+        else:
+            dst.writelines(t + "\n" for t in translator.translate(chunk, first_line=n + 1))
+        dst.flush()
+        n += len(chunk)
+        log.info("%d lines translated (%.1f lines/s)", n, n / (time.perf_counter() - start))
+    return n
+
+
+def translate_main(cfg: Config) -> None:
+    """``mt-translate``: stdin or ``input=`` to stdout or ``output=`` with ``checkpoint=``.
+
+    Exits with a one-line error (no traceback) for an unusable checkpoint, a missing input file
+    or a line too long for the model.
+    """
+    path = Path(cfg.checkpoint) if cfg.checkpoint else Path(cfg.run_dir) / "checkpoints/best.pt"
+    device = cfg.train.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.train.threads > 0:
+        torch.set_num_threads(cfg.train.threads)
+    try:
+        translator = Translator.from_checkpoint(path, device, cfg.decode)
+    except CheckpointError as err:
+        raise SystemExit(f"mt-translate: {err}") from None
+    src = sys.stdin
+    dst = sys.stdout
+    try:
+        if cfg.input:
+            src = open(cfg.input, encoding="utf-8")
+        if cfg.output:
+            Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
+            dst = open(cfg.output, "w", encoding="utf-8", newline="\n")
+        first: list[str] = []
+        n = translate_stream(translator, _remember_first(src, first, translator), dst, cfg.decode)
+        if cfg.attention:
+            _draw_attention(translator, first, cfg.attention)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"mt-translate: {cfg.input or 'stdin'}: {err}") from None
+    finally:
+        if src is not sys.stdin:
+            src.close()
+        if dst is not sys.stdout:
+            dst.close()
+    log.info("%d lines translated to %s", n, cfg.output or "stdout")
+
+
+def _remember_first(lines: Iterable[str], first: list[str], translator) -> Iterator[str]:
+    """Pass lines through, keeping the first non-empty one in ``first`` (for the heatmap)."""
+    for line in lines:
+        if not first and translator.tokenizer.normalize(line):
+            first.append(line)
+        yield line
+
+
+def _draw_attention(translator: Translator, first: list[str], path: str) -> None:
+    """Heatmap of the first non-empty input sentence's encoder-decoder attention."""
+    from mt.report import plot_attention
+
+    if not first:
+        log.warning("attention=: the input has no non-empty line; nothing drawn")
+        return
+    src_pieces, tgt_pieces, matrix = translator.attention(first[0])
+    plot_attention(src_pieces, tgt_pieces, matrix, path)
+    log.info("attention of the first sentence drawn in %s", path)
