@@ -1,6 +1,7 @@
 """Training-step benchmark: mt's Transformer (and optionally torch.nn.Transformer) on one shape.
 
-A step is what training does: forward, label-smoothed loss, backward, Adam, Noam scheduler.
+A step is what training does, through the training code itself (``mt.trainer.Updater``):
+forward, label-smoothed loss, backward, gradient norm, Adam, Noam scheduler.
 Throughput is non-pad target tokens (EOS included; fairseq's ``wps``) per second of a step,
 the median over the timed steps after ``--warmup-steps`` untimed ones. With ``--baseline torch``
 the two implementations alternate step by step on the same batches, so their ratio comes from
@@ -27,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from bench_common import (
     Recorder,
-    autocast,
     environment,
     measure_peak_tflops,
     median,
@@ -40,10 +40,10 @@ from bench_common import (
 )
 from torch import nn
 
-from mt.loss import label_smoothed_nll_loss
 from mt.model import build_model, sinusoidal_positions
 from mt.schedule import noam_lambda
-from mt.schema import ModelConfig
+from mt.schema import Config, ModelConfig
+from mt.trainer import TrainState, Updater
 from mt.vocab import PAD
 
 log = logging.getLogger("bench")
@@ -121,17 +121,32 @@ def batch_flops(batch, p_enc: int, p_dec: int, cfg: ModelConfig, vocab: int) -> 
 
 
 class Runner:
-    """One implementation under test: model, Adam, Noam scheduler and its timings."""
+    """One implementation under test, stepped by the training code's own ``mt.trainer.Updater``
+    (forward, label-smoothed loss, backward, gradient norm, Adam, Noam), set up as
+    ``mt.train.setup`` does."""
 
     def __init__(self, name: str, model: nn.Module, args, cfg: ModelConfig, device) -> None:
-        self.name, self.args, self.device = name, args, device
+        self.name, self.device = name, device
         self.model = model.to(device).train()
         self.n_params = sum(p.numel() for p in self.model.parameters())
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, noam_lambda(cfg.d_model, args.noam_warmup)
+        run_cfg = Config(model=cfg)
+        tc = run_cfg.train
+        tc.label_smoothing, tc.precision, tc.compile = args.smoothing, args.precision, args.compile
+        tc.warmup, tc.clip_norm = args.noam_warmup, 0.0
+        opt = torch.optim.Adam(
+            self.model.parameters(),
+            lr=1.0,
+            betas=(tc.beta1, tc.beta2),
+            eps=tc.eps,
+            fused=device.type == "cuda" or None,
         )
-        self.forward = torch.compile(self.model) if args.compile else self.model
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, noam_lambda(cfg.d_model, tc.warmup, tc.factor, tc.lr)
+        )
+        scaler = torch.amp.GradScaler(device.type, enabled=tc.precision == "fp16")
+        forward = torch.compile(self.model) if args.compile else self.model
+        self.update = Updater(forward, self.model.parameters(), opt, sched, scaler, run_cfg, 1)
+        self.state = TrainState()
         self.tok_per_s: list[float] = []
         self.seconds: list[float] = []
         self.tokens = 0
@@ -141,20 +156,12 @@ class Runner:
 
     def step(self, batch) -> tuple[float, float]:
         """One full training update; returns (seconds, loss per target token)."""
-        V = self.args.vocab
         sync(self.device)
         start = time.perf_counter()
-        with autocast(self.device, self.args.precision):
-            logits = self.forward(batch.src, batch.tgt_in)  # (B, T, V)
-        lprobs = F.log_softmax(logits.float(), dim=-1).view(-1, V)  # (B*T, V)
-        loss, _ = label_smoothed_nll_loss(lprobs, batch.tgt_out.reshape(-1), self.args.smoothing)
-        (loss / batch.ntokens).backward()
-        self.opt.step()
-        self.sched.step()
-        self.opt.zero_grad(set_to_none=True)
-        value = loss.item() / batch.ntokens  # .item() waits for the step on GPU as well
+        result = self.update([batch], self.state)  # ends with .item(): waits for the GPU too
         sync(self.device)
-        return time.perf_counter() - start, value
+        seconds = time.perf_counter() - start
+        return seconds, result.loss if result is not None else float("nan")
 
 
 def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
