@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mt.evaluate import evaluate_main, read_lines, score
-from mt.schema import Config
+from mt.schema import Config, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,3 +137,67 @@ def test_score_rejects_mismatched_lengths():
 def test_hyp_without_ref_is_an_error():
     with pytest.raises(ValueError, match="ref="):
         evaluate_main(Config(hyp="x.txt"))
+
+
+def test_evaluate_run_decodes_scores_and_writes_the_run(tmp_path, capsys):
+    """Mode (b): decode the test split of prepared local data with a checkpoint."""
+    import random
+
+    import sacrebleu
+    import torch
+
+    from mt.checkpoint import model_state, save_checkpoint
+    from mt.config import load_config
+    from mt.model import build_model
+    from mt.prepare import prepare
+
+    rng = random.Random(0)
+    de = "ein mann hund fährt rennt im schnee auf dem fahrrad eine frau".split()
+    en = "a man dog rides runs in the snow on bike woman".split()
+    data = tmp_path / "data"
+    data.mkdir()
+    for split, n in [("train", 200), ("valid", 5), ("test", 7)]:
+        for lang, words in [("de", de), ("en", en)]:
+            lines = [" ".join(rng.choices(words, k=rng.randint(2, 6))) for _ in range(n)]
+            (data / f"{split}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    run_dir = tmp_path / "run"
+    cfg = load_config(
+        [
+            "data=local",
+            f"data.dir={data}",
+            "tokenizer.vocab_size=60",
+            "tokenizer.byte_fallback=false",
+            "tokenizer.threads=1",
+            f"cache_dir={tmp_path / 'cache'}",
+            f"run_dir={run_dir}",
+            "train.device=cpu",
+            "decode.beam_size=2",
+            "decode.max_len_a=0",
+            "decode.max_len_b=4",
+            "report=true",
+        ]
+    )
+    prepared = prepare(cfg)
+    torch.manual_seed(0)
+    mcfg = ModelConfig(N=1, d_model=16, d_ff=32, h=2, dropout=0.0, max_positions=64)
+    model = build_model(mcfg, prepared.vocab_size)
+    state = model_state(model, mcfg, prepared.tokenizer, prepared.vocab_size)
+    save_checkpoint(run_dir / "checkpoints" / "best.pt", {**state, "step": 3, "epoch": 1})
+
+    result = evaluate_main(cfg)
+    stdout = capsys.readouterr().out.strip().splitlines()
+    assert stdout[-1] == str(run_dir)  # the run directory is the last line
+    assert any(line.startswith("BLEU = ") for line in stdout)
+    hyps = read_lines(run_dir / "translations" / "test.txt")
+    refs = read_lines(data / "test.en")
+    assert len(hyps) == len(refs) == 7
+    saved = json.loads((run_dir / "results.json").read_text())
+    expected = sacrebleu.corpus_bleu(hyps, [refs]).score  # independent of mt.evaluate.score
+    assert saved["bleu"] == pytest.approx(expected)
+    for key in ("chrf", "signature", "chrf_signature", "split", "checkpoint", "beam_size",
+                "alpha", "n_sentences", "decode_seconds"):  # fmt: skip
+        assert key in saved
+    assert saved["split"] == "test" and saved["n_sentences"] == 7 and saved["beam_size"] == 2
+    assert result["bleu"] == saved["bleu"]
+    assert (run_dir / "report.md").is_file()
+    assert (run_dir / "attention.png").is_file()  # the first test sentence's heatmap
