@@ -105,3 +105,41 @@ def test_decode_forced_length(tmp_path):
         assert r["bench"] == "decode" and r["forced_length"] is True
         assert r["mean_out_len"] == 5  # EOS suppressed until --gen-len, then the length cap
         assert r["sent_per_s"] > 0 and r["tok_per_s"] == pytest.approx(5 * r["sent_per_s"])
+
+
+def test_decode_checkpoint_real_sentences(tmp_path):
+    """--checkpoint --input: a (tiny, untrained) checkpoint decodes real lines, lengths free."""
+    import random
+
+    import torch
+
+    from mt.checkpoint import model_state, save_checkpoint
+    from mt.model import build_model
+    from mt.schema import ModelConfig, TokenizerConfig
+    from mt.tokenizer import Tokenizer
+
+    rng = random.Random(0)
+    words = "ein mann hund fährt rennt im schnee auf dem fahrrad a man dog runs in the snow".split()
+    text = "".join(" ".join(rng.choices(words, k=6)) + "\n" for _ in range(200))
+    (tmp_path / "t.de").write_text(text)
+    (tmp_path / "t.en").write_text(text)
+    cfg = TokenizerConfig(vocab_size=60, threads=1, byte_fallback=False)
+    tokenizer = Tokenizer.train(tmp_path / "t.de", tmp_path / "t.en", tmp_path / "spm", cfg)
+    torch.manual_seed(0)
+    mcfg = ModelConfig(N=1, d_model=16, d_ff=32, h=2, max_positions=128)
+    model = build_model(mcfg, tokenizer.vocab_size)
+    state = model_state(model, mcfg, tokenizer, tokenizer.vocab_size)
+    save_checkpoint(tmp_path / "m.pt", {**state, "step": 1, "epoch": 0})
+    lines = ["ein mann im schnee", "der hund rennt", "", "auf dem fahrrad"]
+    (tmp_path / "in.txt").write_text("".join(line + "\n" for line in lines))
+    longest = max(len(ids) for ids in tokenizer.encode(lines, side="src"))
+    args = ["decode", "--checkpoint", str(tmp_path / "m.pt"), "--input", str(tmp_path / "in.txt")]
+    args += ["--batch-size", "2", "--batches", "2", "--beam", "2", "--warmup-steps", "0"]
+    records, _ = run_bench(args, tmp_path)
+    assert [r["search"] for r in records] == ["greedy", "beam"]
+    for r in records:
+        assert r["forced_length"] is False and r["gen_len"] is None
+        assert (r["d_model"], r["layers"], r["vocab"]) == (16, 1, tokenizer.vocab_size)
+        assert r["batches"] == 2 and r["sent_per_s"] > 0
+        # Output length is at most max_len_a * src_len + max_len_b (DecodeConfig defaults).
+        assert 0 <= r["mean_out_len"] <= 1.0 * longest + 50
