@@ -1,0 +1,238 @@
+"""Token-based batches of (source, target) pairs, grouped by length, sharded over ranks.
+
+- ``collate`` turns id arrays into padded tensors: ``src`` = ids + EOS, ``tgt_in`` = BOS + ids,
+  ``tgt_out`` = ids + EOS, right-padded with PAD. ``make_src`` builds source tensors the same
+  way for search and translation.
+- ``BatchSampler`` bounds the padded size of every batch (sentences x longest sequence, source
+  and target each) by ``max_tokens``, as the paper's ~25k-token batches. Pairs are sorted by
+  source length then target length (alternating direction) with a random tie-break, chunked
+  greedily, and the batch order is shuffled; all of it is deterministic from (seed, epoch) and
+  identical on every rank. Rank r then takes batches r, r+W, r+2W, ...; when the count does not
+  divide W, zero-weight copies of a real batch fill the shortfall (as fairseq does), so every
+  rank runs the same number of batches (a rank that runs out first would hang DDP) and every
+  pair counts exactly once.
+- Pairs longer than ``max_len`` (the model's positional range) or that cannot fit
+  ``max_tokens`` even alone are skipped and counted (``num_skipped``, logged).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from mt.masks import pad_mask, subsequent_mask
+from mt.vocab import BOS, EOS, PAD
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Batch:
+    """One padded batch. Shape letters: B sentences, S source length, T target length."""
+
+    src: torch.Tensor  # (B, S) ids + EOS, PAD-padded
+    tgt_in: torch.Tensor  # (B, T) BOS + ids, PAD-padded
+    tgt_out: torch.Tensor  # (B, T) ids + EOS, PAD-padded
+    ntokens: int  # non-pad tokens in tgt_out (what the loss is normalised by)
+    nsents: int  # B
+    weight: float = 1.0  # 0.0 for a filler batch (loss and token count must be multiplied)
+
+    @property
+    def src_mask(self) -> torch.Tensor:
+        """(B, 1, 1, S) bool, True at real source tokens (keys the model may attend)."""
+        return pad_mask(self.src)
+
+    @property
+    def tgt_mask(self) -> torch.Tensor:
+        """(B, 1, T, T) bool: target padding and the subsequent mask combined."""
+        return pad_mask(self.tgt_in) & subsequent_mask(self.tgt_in.size(1), self.tgt_in.device)
+
+    def to(self, device: torch.device | str) -> Batch:
+        """A copy with the tensors on ``device``."""
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return dataclasses.replace(
+            self, src=move(self.src), tgt_in=move(self.tgt_in), tgt_out=move(self.tgt_out)
+        )
+
+    def pin_memory(self) -> Batch:
+        """A copy in pinned memory (for asynchronous host-to-GPU copies from worker processes)."""
+        return dataclasses.replace(
+            self,
+            src=self.src.pin_memory(),
+            tgt_in=self.tgt_in.pin_memory(),
+            tgt_out=self.tgt_out.pin_memory(),
+        )
+
+
+def _pad(seqs: Sequence[Sequence[int] | np.ndarray], bos: bool, eos: bool) -> np.ndarray:
+    """(B, L) int64: each sequence with optional BOS before and EOS after, right-padded."""
+    lengths = [len(s) for s in seqs]
+    width = max(lengths) + bos + eos
+    out = np.full((len(seqs), width), PAD, dtype=np.int64)
+    for i, (seq, n) in enumerate(zip(seqs, lengths)):
+        if bos:
+            out[i, 0] = BOS
+        out[i, bos : bos + n] = seq
+        if eos:
+            out[i, bos + n] = EOS
+    return out
+
+
+def collate(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> Batch:
+    """Pad a list of (source ids, target ids) pairs (no BOS/EOS in the inputs) into a Batch.
+
+    Example:
+        >>> b = collate([(np.array([7, 8]), np.array([9]))])
+        >>> b.src.tolist(), b.tgt_in.tolist(), b.tgt_out.tolist()
+        ([[7, 8, 3]], [[2, 9]], [[9, 3]])
+    """
+    if not pairs:
+        raise ValueError("collate needs at least one pair")
+    srcs, tgts = zip(*pairs)
+    return Batch(
+        src=torch.from_numpy(_pad(srcs, bos=False, eos=True)),
+        tgt_in=torch.from_numpy(_pad(tgts, bos=True, eos=False)),
+        tgt_out=torch.from_numpy(_pad(tgts, bos=False, eos=True)),
+        ntokens=sum(len(t) + 1 for t in tgts),
+        nsents=len(pairs),
+    )
+
+
+def make_src(ids_list: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Source tensor for search/translation, as in training: (B, S) = ids + EOS, PAD-padded."""
+    if not ids_list:
+        raise ValueError("make_src needs at least one sentence")
+    return torch.from_numpy(_pad(ids_list, bos=False, eos=True))
+
+
+def _chunk(order: np.ndarray, src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int) -> list:
+    """Greedy: extend the current batch while B x longest stays <= max_tokens on both sides.
+
+    ``src_len``/``tgt_len`` are the padded-tensor lengths (with EOS/BOS) of ``order``'s pairs.
+    """
+    batches, start, longest_s, longest_t = [], 0, 0, 0
+    for i, (s_i, t_i) in enumerate(zip(src_len.tolist(), tgt_len.tolist())):
+        s, t = max(longest_s, s_i), max(longest_t, t_i)
+        if (i - start + 1) * max(s, t) > max_tokens:  # close the batch before pair i
+            batches.append(order[start:i])
+            start, s, t = i, s_i, t_i
+        longest_s, longest_t = s, t
+    if start < len(order):
+        batches.append(order[start:])
+    return batches
+
+
+class BatchSampler:
+    """Deterministic token-based batches for one rank. See the module docstring.
+
+    Args:
+        src_lengths: (n,) source lengths in ids, without EOS.
+        tgt_lengths: (n,) target lengths in ids, without BOS/EOS.
+        max_tokens: bound on B x longest (with EOS/BOS), for source and target each.
+        seed: with the epoch, fixes the tie-break and the batch order.
+        rank, world_size: this process's shard of the batch list.
+        max_len: skip pairs with a side longer than this (ids, without EOS/BOS); pass
+            ``model.max_positions - 1``. None: no length limit.
+    """
+
+    def __init__(
+        self,
+        src_lengths: Sequence[int] | np.ndarray,
+        tgt_lengths: Sequence[int] | np.ndarray,
+        max_tokens: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        max_len: int | None = None,
+    ) -> None:
+        self.src_len = np.asarray(src_lengths, dtype=np.int64)
+        self.tgt_len = np.asarray(tgt_lengths, dtype=np.int64)
+        if self.src_len.shape != self.tgt_len.shape:
+            raise ValueError(f"{len(self.src_len)} source vs {len(self.tgt_len)} target lengths")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        self.max_tokens, self.seed = max_tokens, seed
+        self.rank, self.world_size, self.max_len = rank, world_size, max_len
+        # A pair's tensors are one longer than its ids (EOS on src/tgt_out, BOS on tgt_in).
+        keep = (self.src_len + 1 <= max_tokens) & (self.tgt_len + 1 <= max_tokens)
+        if max_len is not None:
+            keep &= (self.src_len <= max_len) & (self.tgt_len <= max_len)
+        self.indices = np.flatnonzero(keep)
+        self.num_skipped = int(len(keep) - len(self.indices))
+        if self.num_skipped:
+            log.warning(
+                "skipping %d of %d pairs: a side longer than max_len=%s or not fitting "
+                "max_tokens=%d",
+                self.num_skipped,
+                len(keep),
+                max_len,
+                max_tokens,
+            )
+        self._plan_epoch: int | None = None
+        self._plan: tuple[list[np.ndarray], list[float]] = ([], [])
+
+    def global_batches(self, epoch: int) -> list[np.ndarray]:
+        """All ranks' real batches for ``epoch`` in training order (no fillers, no sharding)."""
+        rng = np.random.default_rng([self.seed, epoch])
+        idx = self.indices
+        tie = rng.permutation(len(idx))
+        src, tgt = self.src_len[idx], self.tgt_len[idx]
+        # Sort by source length, then target length in a "snake": ascending for even source
+        # lengths, descending for odd ones, so a batch that straddles two source lengths joins
+        # similar target lengths (Multi30k, 4096 tokens: target padding 12% -> 8.5%).
+        snake = np.where(src % 2 == 0, tgt, -tgt)
+        order = idx[np.lexsort((tie, snake, src))]  # the last key sorts first
+        batches = _chunk(order, self.src_len[order] + 1, self.tgt_len[order] + 1, self.max_tokens)
+        return [batches[i] for i in rng.permutation(len(batches))]
+
+    def _plan_for(self, epoch: int) -> tuple[list[np.ndarray], list[float]]:
+        """This rank's (batches, weights) for ``epoch``, cached for the latest epoch."""
+        if self._plan_epoch != epoch:
+            batches = self.global_batches(epoch)
+            weights = [1.0] * len(batches)
+            short = -len(batches) % self.world_size
+            if short and batches:
+                # Fillers: the cheapest real batch again, weight 0 (the loss ignores it).
+                cheapest = min(range(len(batches)), key=lambda i: len(batches[i]))
+                batches += [batches[cheapest]] * short
+                weights += [0.0] * short
+            self._plan = (
+                batches[self.rank :: self.world_size],
+                weights[self.rank :: self.world_size],
+            )
+            self._plan_epoch = epoch
+        return self._plan
+
+    def batches(self, epoch: int) -> list[np.ndarray]:
+        """Pair indices of this rank's batches for ``epoch`` (the same count on every rank)."""
+        return self._plan_for(epoch)[0]
+
+    def weights(self, epoch: int) -> list[float]:
+        """Weights of :meth:`batches` (1.0 real, 0.0 filler)."""
+        return self._plan_for(epoch)[1]
+
+    def padding_fraction(self, epoch: int = 0) -> tuple[float, float]:
+        """Fraction of padded positions in all real batches of ``epoch``: (source, target)."""
+        pads = np.zeros(2)
+        total = np.zeros(2)
+        for b in self.global_batches(epoch):
+            for side, lengths in enumerate((self.src_len[b] + 1, self.tgt_len[b] + 1)):
+                total[side] += len(b) * lengths.max()
+                pads[side] += len(b) * lengths.max() - lengths.sum()
+        return tuple(float(x) for x in pads / np.maximum(total, 1))
+
+
+def iterate_batches(split, sampler: BatchSampler, epoch: int, start: int = 0) -> Iterator[Batch]:
+    """Yield this rank's Batches of ``epoch`` from ``split`` (an EncodedSplit: ``.src``/``.tgt``
+    TokenArrays), beginning at batch index ``start`` (exact resume mid-epoch)."""
+    batches, weights = sampler.batches(epoch), sampler.weights(epoch)
+    for i in range(start, len(batches)):
+        batch = collate([(split.src[j], split.tgt[j]) for j in batches[i]])
+        batch.weight = weights[i]
+        yield batch
