@@ -23,12 +23,18 @@ from mt.vocab import PAD
 log = logging.getLogger("bench")
 
 
-def load_split(spec: str) -> EncodedSplit:
-    """``DIR/ROLE`` -> the memory-mapped split ``ROLE`` of the prepared directory ``DIR``."""
+def load_prepared(spec: str) -> tuple[Prepared, EncodedSplit]:
+    """``DIR/ROLE`` -> the prepared directory ``DIR`` and its memory-mapped split ``ROLE``."""
     path = Path(spec)
     if not (path.parent / "meta.json").is_file():
         raise SystemExit(f"--data {spec}: expected <prepared cache dir>/<train|valid|test>")
-    return Prepared(path.parent).split(path.name)
+    prepared = Prepared(path.parent)
+    return prepared, prepared.split(path.name)
+
+
+def load_split(spec: str) -> EncodedSplit:
+    """``DIR/ROLE`` -> the memory-mapped split ``ROLE`` of the prepared directory ``DIR``."""
+    return load_prepared(spec)[1]
 
 
 def synthetic_split(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> EncodedSplit:
@@ -44,9 +50,8 @@ def synthetic_split(n: int, min_len: int, max_len: int, vocab: int, seed: int) -
     return EncodedSplit(array(), array())
 
 
-def real_batches(spec: str, max_tokens: int, count: int, seed: int) -> list:
+def real_batches(split: EncodedSplit, spec: str, max_tokens: int, count: int, seed: int) -> list:
     """The first ``count`` batches of a prepared split (epochs repeat if needed)."""
-    split = load_split(spec)
     sampler = BatchSampler(split.src.lengths, split.tgt.lengths, max_tokens, seed)
     out, epoch = [], 1
     while len(out) < count:

@@ -167,6 +167,13 @@ class Runner:
 def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
     """Benchmark training steps; emits one record per implementation."""
     device = args.device_obj
+    if args.data:
+        from bench_data import load_prepared, real_batches
+
+        prepared, split = load_prepared(args.data)
+        if args.vocab != prepared.vocab_size:
+            log.info("--data: vocabulary %d (the prepared tokenizer's)", prepared.vocab_size)
+        args.vocab = prepared.vocab_size
     cfg = model_config(args)
     torch.manual_seed(args.seed)
     mt_model = build_model(cfg, args.vocab)
@@ -177,9 +184,7 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
 
     n = args.warmup_steps + args.steps
     if args.data:
-        from bench_data import real_batches
-
-        batches = real_batches(args.data, args.max_tokens, n, args.seed)
+        batches = real_batches(split, args.data, args.max_tokens, n, args.seed)
         source = args.data
     else:
         batches = random_batches(args, n)

@@ -143,3 +143,47 @@ def test_decode_checkpoint_real_sentences(tmp_path):
         assert r["batches"] == 2 and r["sent_per_s"] > 0
         # Output length is at most max_len_a * src_len + max_len_b (DecodeConfig defaults).
         assert 0 <= r["mean_out_len"] <= 1.0 * longest + 50
+
+
+@pytest.fixture(scope="module")
+def prepared_dir(tmp_path_factory) -> Path:
+    """A prepared cache of a tiny local corpus (what mt-prepare writes)."""
+    from mt.config import load_config
+    from mt.prepare import prepare
+
+    tmp = tmp_path_factory.mktemp("prepared")
+    corpus = tmp / "corpus"
+    corpus.mkdir()
+    lines = {
+        "de": [f"satz {i} mit {'vielen ' * (i % 7)}wörtern" for i in range(120)],
+        "en": [f"sentence {i} with {'many ' * (i % 5)}words" for i in range(120)],
+    }
+    for split, part in (
+        ("train", slice(0, 100)),
+        ("valid", slice(100, 110)),
+        ("test", slice(110, 120)),
+    ):
+        for lang, text in lines.items():
+            (corpus / f"{split}.{lang}").write_text("".join(s + "\n" for s in text[part]))
+    overrides = ["data=local", f"data.dir={corpus}", f"cache_dir={tmp / 'cache'}"]
+    overrides += ["tokenizer.vocab_size=60", "tokenizer.threads=1", "tokenizer.byte_fallback=false"]
+    return prepare(load_config(overrides)).dir
+
+
+def test_data_and_train_from_prepared_split(prepared_dir, tmp_path):
+    from mt.prepare import Prepared
+
+    split = Prepared(prepared_dir).split("train")
+    (r,), _ = run_bench(
+        ["data", "--data", f"{prepared_dir}/train", "--max-tokens", "200"], tmp_path
+    )
+    assert r["pairs"] == len(split) == 100 and r["batches"] > 1
+    assert r["source"] == f"{prepared_dir}/train"
+    args = ["train", *TINY]  # --vocab 64 is replaced by the prepared tokenizer's
+    args += ["--data", f"{prepared_dir}/train", "--max-tokens", "200", "--steps", "2"]
+    args += ["--warmup-steps", "1"]
+    (r,), _ = run_bench(args, tmp_path)
+    assert r["bench"] == "train" and r["max_tokens"] == 200 and r["batch_size"] is None
+    assert r["vocab"] == Prepared(prepared_dir).vocab_size != 64
+    # Each batch holds at most max_tokens padded target tokens.
+    assert 0 < r["tgt_tokens_per_step"] <= 200
