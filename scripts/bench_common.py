@@ -223,7 +223,7 @@ class Recorder:
             elif r["bench"] == "decode":
                 figure = f"{r['sent_per_s']:,.1f} sent/s"
             elif r["bench"] == "data":
-                shape = str(r.get("source", ""))[:26]
+                shape = f"max_tokens {r.get('max_tokens')}"
                 figure = f"{r['tok_per_s']:,.0f} tok/s"
             elif r["bench"] == "peak":
                 shape, figure = f"matmul {r['size']}^3", f"{r['peak_tflops']:.1f} TFLOP/s"
