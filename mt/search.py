@@ -25,6 +25,7 @@ Conventions (the paper's, made exact):
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,6 +34,8 @@ import torch.nn.functional as F
 
 from mt.schema import DecodeConfig
 from mt.vocab import BOS, EOS, PAD
+
+log = logging.getLogger(__name__)
 
 NEG_INF = float("-inf")
 
@@ -332,7 +335,8 @@ def translate_nbest(
 
     Args:
         model: the Transformer (already on ``device``).
-        src_ids: source ids per sentence, without EOS (``make_src`` appends it).
+        src_ids: source ids per sentence, without EOS (``make_src`` appends it); sources
+            longer than the model's ``max_positions`` are truncated with a warning.
         decode_cfg: beam size, alpha, lengths, batch size / max tokens, precision.
         device: where the batches go.
         min_len: EOS is forbidden until this many tokens are out.
@@ -342,6 +346,11 @@ def translate_nbest(
     """
     from mt.batching import make_src
 
+    limit = max_positions(model)
+    if count_truncated(src_ids, limit):  # callers with a policy (mt-translate) check first
+        log.warning("%d sources longer than max_positions=%s truncated",
+                    count_truncated(src_ids, limit), limit)  # fmt: skip
+        src_ids = clip_to_length(src_ids, limit, "truncate")
     lengths = [len(ids) for ids in src_ids]
     out: list[list[Hypothesis]] = [[] for _ in src_ids]
     for batch in make_batches(lengths, decode_cfg.batch_size, decode_cfg.max_tokens):

@@ -335,3 +335,12 @@ def test_real_model_bf16_autocast_runs(real_model):
     cfg = DecodeConfig(beam_size=2, max_len_a=0, max_len_b=4, precision="bf16")
     out = translate_ids(real_model, ids, cfg, min_len=4)
     assert [len(o) for o in out] == [4, 4]
+
+
+def test_translate_ids_truncates_sources_beyond_max_positions(real_model, caplog):
+    pytest.importorskip("mt.batching")
+    ids = random_sources(4, [200, 3])  # the model covers 128 positions
+    cfg = DecodeConfig(beam_size=2, max_len_a=0, max_len_b=3)
+    out = translate_ids(real_model, ids, cfg)
+    assert len(out) == 2 and "truncated" in caplog.text
+    assert out[0] == translate_ids(real_model, [ids[0][:127]], cfg)[0]
