@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -102,12 +103,33 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True if ``flag`` is true on any rank (e.g. a stop request seen by one process)."""
+def all_gather_object(obj: object) -> list:
+    """``[obj of rank 0, obj of rank 1, ...]`` on every rank (``[obj]`` in a single process)."""
     if not is_initialized():
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    return bool(all_reduce_sum(t).item() > 0)
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_float(value: float | None, device: torch.device) -> float | None:
+    """Rank 0's ``value`` on every rank (None stays None; other ranks' inputs are ignored)."""
+    if not is_initialized():
+        return value
+    t = torch.tensor(
+        [math.nan if value is None else float(value)], dtype=torch.float64, device=device
+    )
+    dist.broadcast(t, src=0)
+    out = float(t.item())
+    return None if math.isnan(out) else out
+
+
+def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
+    """For each flag, True if it is true on any rank (e.g. a stop request seen by one process)."""
+    if not is_initialized():
+        return list(flags)
+    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=device)
+    return [bool(x > 0) for x in all_reduce_sum(t).tolist()]
 
 
 def wrap(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:

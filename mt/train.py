@@ -1,0 +1,436 @@
+"""Stage 4, ``mt-train``: the training recipe, setup -> train -> save -> cleanup.
+
+A run directory holds everything a run writes (rank 0 only)::
+
+    run_dir/config.yaml        the resolved configuration
+    run_dir/train.log          the log
+    run_dir/metrics.jsonl      one JSON record per line (training and validation)
+    run_dir/tensorboard/       TensorBoard events (when tensorboard is installed)
+    run_dir/checkpoints/       last.pt (full training state), best.pt, checkpoint_<step>.pt,
+                               averaged.pt (train.average_last)
+
+Starting ``mt-train`` on a run directory that has ``checkpoints/last.pt`` resumes it exactly:
+model, optimiser, schedule, loss scale, every RNG state of every rank and the position in the
+data. ``train.init_from=CKPT`` instead starts a NEW run from a checkpoint's weights (fresh
+optimiser, schedule and data order). SIGTERM or Ctrl-C saves ``last.pt`` and exits cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from mt import distributed
+from mt.batching import BatchSampler, iterate_batches
+from mt.checkpoint import (
+    CheckpointError,
+    average_checkpoints,
+    load_checkpoint,
+    model_cfg_from,
+    periodic_checkpoints,
+    rotate_checkpoints,
+    save_checkpoint,
+    set_rng_state,
+)
+from mt.config import to_yaml
+from mt.model import build_model
+from mt.prepare import prepare
+from mt.schedule import noam_lambda
+from mt.schema import Config
+from mt.trainer import (
+    MetricsLog,
+    TrainState,
+    Updater,
+    better,
+    metric_key,
+    training_state,
+    validate,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """Everything a training run holds between setup and cleanup."""
+
+    cfg: Config
+    info: distributed.DistInfo
+    run_dir: Path
+    prepared: Any
+    raw_model: torch.nn.Module  # unwrapped, uncompiled: what is saved and validated
+    update: Updater
+    sampler: BatchSampler
+    state: TrainState
+    metrics: MetricsLog
+    key: str  # valid_bleu or valid_loss
+    stop_signal: Optional[int] = None
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """Train (or resume) the run in ``cfg.run_dir``; under torchrun, one call per rank.
+
+    Args:
+        cfg: the whole configuration.
+
+    Returns:
+        A summary: ``step``, ``epoch``, ``stop`` (why training ended), ``best`` (the best
+        validation metric), ``metric``, ``run_dir``.
+    """
+    info = distributed.setup(cfg.train.device)
+    file_log = None
+    restore_signals = None
+    try:
+        if info.is_main:
+            Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+            file_log = logging.FileHandler(Path(cfg.run_dir) / "train.log", encoding="utf-8")
+            file_log.setFormatter(logging.Formatter("%(asctime)s | %(levelname)s | %(message)s"))
+            logging.getLogger().addHandler(file_log)
+        run = setup(cfg, info)
+        restore_signals = _install_signal_handlers(run)
+        try:
+            stop = train_loop(run)
+            return finish(run, stop)
+        finally:
+            run.metrics.close()
+    finally:
+        if restore_signals is not None:
+            restore_signals()
+        if file_log is not None:
+            logging.getLogger().removeHandler(file_log)
+            file_log.close()
+        distributed.cleanup()
+
+
+def setup(cfg: Config, info: distributed.DistInfo) -> Run:
+    """Data, model, optimiser, schedule and state, fresh, from ``init_from``, or resumed."""
+    tc = cfg.train
+    run_dir = Path(cfg.run_dir)
+    if tc.threads > 0:
+        torch.set_num_threads(tc.threads)
+    _seed_everything(tc.seed)
+    if info.is_main:
+        (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
+        prepared = prepare(cfg)  # rank 0 builds the cache while the others wait
+    distributed.barrier()
+    if not info.is_main:
+        prepared = prepare(cfg)  # a cache hit: only loads
+
+    last = run_dir / "checkpoints" / "last.pt"
+    resume = load_checkpoint(last, require_training=True) if last.is_file() else None
+    raw = build_model(cfg.model, prepared.vocab_size)  # same init on every rank (same seed)
+    if resume is not None:
+        _check_compatible(resume, cfg, prepared.vocab_size, last)
+        raw.load_state_dict(resume["model"])
+        log.info("resuming %s from step %d", run_dir, resume["step"])
+    elif tc.init_from:
+        init = load_checkpoint(tc.init_from)
+        _check_compatible(init, cfg, prepared.vocab_size, Path(tc.init_from))
+        raw.load_state_dict(init["model"])
+        log.info("initialised from %s (step %d); fresh optimiser", tc.init_from, init["step"])
+    raw.to(info.device)
+    n_params = sum(p.numel() for p in raw.parameters())
+    log.info("model: %s parameters, vocabulary %d", f"{n_params:,}", prepared.vocab_size)
+
+    optimizer = torch.optim.Adam(
+        raw.parameters(),
+        lr=1.0,  # the LambdaLR function returns the learning rate itself
+        betas=(tc.beta1, tc.beta2),
+        eps=tc.eps,
+        weight_decay=tc.weight_decay,
+        fused=info.device.type == "cuda" or None,
+    )
+    lr_lambda = noam_lambda(cfg.model.d_model, tc.warmup, tc.factor, tc.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    scaler = torch.amp.GradScaler(info.device.type, enabled=tc.precision == "fp16")
+    state = TrainState()
+    if resume is not None:
+        optimizer.load_state_dict(resume["optimizer"])
+        scheduler.load_state_dict(resume["scheduler"])
+        if resume.get("scaler"):
+            scaler.load_state_dict(resume["scaler"])
+        state = TrainState(**resume["state"])
+
+    model = torch.compile(raw) if tc.compile else raw
+    model = distributed.wrap(model, info)
+    split = prepared.split("train")
+    sampler = BatchSampler(
+        split.src.lengths,
+        split.tgt.lengths,
+        tc.max_tokens,
+        seed=tc.seed,
+        rank=info.rank,
+        world_size=info.world_size,
+        max_len=cfg.model.max_positions - 1 if tc.skip_long else None,
+    )
+    metrics = MetricsLog(run_dir, state.step, enabled=info.is_main)
+    update = Updater(model, raw.parameters(), optimizer, scheduler, scaler, cfg, info.world_size)
+    # RNG last: from here on the resumed run draws exactly what the uninterrupted one drew.
+    if resume is not None:
+        states = resume["rng"]
+        if len(states) != info.world_size:
+            log.warning(
+                "resuming %d ranks from %d: RNG streams differ", info.world_size, len(states)
+            )
+        set_rng_state(states[info.rank % len(states)])
+    else:
+        _seed_everything(tc.seed + info.rank)  # different dropout masks on each rank
+    return Run(cfg, info, run_dir, prepared, raw, update, sampler, state, metrics, metric_key(cfg))
+
+
+def train_loop(run: Run) -> str:
+    """Updates until a limit, a signal or patience stops training; returns the reason."""
+    tc, state = run.cfg.train, run.state
+    from tqdm.auto import tqdm
+
+    split = run.prepared.split("train")
+    optimizer = run.update.optimizer
+    bar = tqdm(
+        total=tc.max_steps or None,
+        initial=state.step,
+        disable=not run.info.is_main,
+        desc="train",
+        dynamic_ncols=True,
+        mininterval=1.0,
+    )
+    wall0, t0 = state.wall, time.perf_counter()
+    tokens = seconds = 0.0  # since the last log record
+    stop = _limits(run)
+    while stop is None:
+        n_batches = len(run.sampler.batches(state.epoch))
+        if n_batches == 0:
+            raise RuntimeError("no training batches: check the data and train.max_tokens")
+        batches = iterate_batches(split, run.sampler, state.epoch, start=state.batch)
+        for group in _groups(batches, tc.accum_steps):
+            group = [b.to(run.info.device) for b in group]
+            lr = optimizer.param_groups[0]["lr"]
+            t_update = time.perf_counter()
+            result = run.update(group, state)
+            seconds += time.perf_counter() - t_update
+            state.batch += len(group)
+            state.wall = wall0 + time.perf_counter() - t0
+            if result is not None:
+                state.step += 1
+                tokens += result.ntokens
+                bar.update(1)
+                tok_s = tokens / max(seconds, 1e-9)
+                bar.set_postfix_str(f"loss {result.loss:.3f} lr {lr:.2e} tok/s {tok_s:,.0f}")
+                if tc.log_every > 0 and state.step % tc.log_every == 0:
+                    run.metrics.write(
+                        {
+                            "step": state.step,
+                            "epoch": round(state.epoch + state.batch / n_batches, 4),
+                            "loss": result.loss,
+                            "nll": result.nll,
+                            "ppl": math.exp(min(result.nll, 50.0)),
+                            "lr": lr,
+                            "gnorm": result.gnorm,
+                            "tgt_tok_per_s": tok_s,
+                            "wall": round(state.wall, 3),
+                        }
+                    )
+                    tokens = seconds = 0.0
+                if tc.eval_every > 0 and state.step % tc.eval_every == 0:
+                    evaluate(run)
+                if tc.save_every > 0 and state.step % tc.save_every == 0:
+                    save(run, periodic=True)
+            stop = _limits(run)
+            if stop is not None:
+                break
+        else:
+            state.epoch += 1
+            state.batch = 0
+            if tc.max_epochs > 0 and state.epoch >= tc.max_epochs:
+                stop = "max_epochs"
+    bar.close()
+    log.info("training stopped at step %d (%s)", state.step, stop)
+    return stop
+
+
+def evaluate(run: Run) -> dict[str, float]:
+    """Validate on rank 0, share the metric, keep best.pt and the patience count."""
+    state, info = run.state, run.info
+    result = validate(run.raw_model, run.prepared, run.cfg, info.device) if info.is_main else {}
+    value = distributed.broadcast_float(result.get(run.key), info.device)
+    state.last_eval_step = state.step
+    improved = better(run.key, value, state.best)
+    if improved:
+        state.best, state.best_step, state.bad_evals = value, state.step, 0
+    else:
+        state.bad_evals += 1
+    if info.is_main:
+        run.metrics.write({"step": state.step, "epoch": state.epoch, **result})
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in result.items())
+        log.info("validation at step %d: %s%s", state.step, shown, " (best)" if improved else "")
+        if improved:
+            save_checkpoint(run.ckpt_dir / "best.pt", _checkpoint(run, full=False))
+    return result
+
+
+def save(run: Run, periodic: bool) -> None:
+    """``last.pt`` (full state, all ranks take part) and optionally ``checkpoint_<step>.pt``."""
+    ckpt = _checkpoint(run, full=True)
+    if run.info.is_main:
+        save_checkpoint(run.ckpt_dir / "last.pt", ckpt)
+        if periodic:
+            save_checkpoint(
+                run.ckpt_dir / f"checkpoint_{run.state.step}.pt", _checkpoint(run, False)
+            )
+            rotate_checkpoints(run.ckpt_dir, run.cfg.train.keep_last)
+        log.info("saved checkpoints at step %d", run.state.step)
+    distributed.barrier()
+
+
+def finish(run: Run, stop: str) -> dict[str, Any]:
+    """Final validation, checkpoints and averaging (skipped after a stop signal)."""
+    tc, state = run.cfg.train, run.state
+    if stop != "signal":
+        if state.last_eval_step != state.step and state.step > 0:
+            evaluate(run)
+        save(run, periodic=not (run.ckpt_dir / f"checkpoint_{state.step}.pt").is_file())
+        if tc.average_last > 1 and run.info.is_main:
+            _average(run)
+        distributed.barrier()
+    else:
+        save(run, periodic=False)
+    run.metrics.write({"stage": "train", "seconds": round(state.wall, 3)})
+    return {
+        "step": state.step,
+        "epoch": state.epoch,
+        "stop": stop,
+        "best": state.best,
+        "metric": run.key,
+        "run_dir": str(run.run_dir),
+    }
+
+
+def _average(run: Run) -> None:
+    """Average the last N periodic checkpoints into averaged.pt; it becomes best.pt when it
+    validates at least as well as the best single checkpoint (the paper always uses it)."""
+    paths = periodic_checkpoints(run.ckpt_dir)[-run.cfg.train.average_last :]
+    if len(paths) < 2:
+        log.warning("average_last: only %d periodic checkpoint(s), nothing to average", len(paths))
+        return
+    avg = average_checkpoints(paths)
+    save_checkpoint(run.ckpt_dir / "averaged.pt", avg)
+    model = build_model(model_cfg_from(avg), int(avg["vocab_size"]))
+    model.load_state_dict(avg["model"])
+    result = validate(model.to(run.info.device), run.prepared, run.cfg, run.info.device)
+    value = result[run.key]
+    use = (
+        run.state.best is None or value == run.state.best or better(run.key, value, run.state.best)
+    )
+    run.metrics.write(
+        {
+            "step": run.state.step,
+            "averaged": len(paths),
+            **{f"avg_{k}": v for k, v in result.items()},
+        }
+    )
+    log.info(
+        "average of %d checkpoints: %s %.4g%s",
+        len(paths),
+        run.key,
+        value,
+        " -> best.pt" if use else "",
+    )
+    if use:
+        save_checkpoint(run.ckpt_dir / "best.pt", avg)
+
+
+def _checkpoint(run: Run, full: bool) -> dict[str, Any]:
+    update = run.update
+    return training_state(
+        run.raw_model, run.prepared, run.cfg, run.state,
+        update.optimizer, update.scheduler, update.scaler, full,
+    )  # fmt: skip
+
+
+def _limits(run: Run) -> Optional[str]:
+    """Why training should stop now, agreed by every rank (None: go on)."""
+    tc, state = run.cfg.train, run.state
+    if tc.max_steps > 0 and state.step >= tc.max_steps:
+        return "max_steps"
+    if tc.max_epochs > 0 and state.epoch >= tc.max_epochs:
+        return "max_epochs"
+    if tc.patience > 0 and state.bad_evals >= tc.patience:
+        log.info("no improvement in %d validations: early stop", state.bad_evals)
+        return "patience"
+    flags = [run.stop_signal is not None, tc.max_minutes > 0 and state.wall >= tc.max_minutes * 60]
+    if run.info.distributed:
+        flags = distributed.any_rank(flags, run.info.device)
+    if flags[0]:
+        return "signal"
+    if flags[1]:
+        return "max_minutes"
+    return None
+
+
+def _groups(batches, n: int):
+    """Consecutive groups of ``n`` batches (the last one may be shorter): one update each."""
+    group = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == n:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def _check_compatible(ckpt: dict, cfg: Config, vocab_size: int, path: Path) -> None:
+    if int(ckpt["vocab_size"]) != vocab_size:
+        raise CheckpointError(
+            f"{path} has a vocabulary of {ckpt['vocab_size']}, the prepared data {vocab_size}"
+        )
+    stored = model_cfg_from(ckpt)
+    shape = ("N", "N_dec", "d_model", "d_ff", "h", "norm", "share_embeddings")
+    diff = {k: (getattr(stored, k), getattr(cfg.model, k)) for k in shape
+            if getattr(stored, k) != getattr(cfg.model, k)}  # fmt: skip
+    if diff:
+        raise CheckpointError(f"{path} holds a different model shape (stored, config): {diff}")
+    if asdict(stored) != asdict(cfg.model):
+        log.info("model settings differ from %s (dropout etc.): using the configuration", path)
+
+
+def _seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _install_signal_handlers(run: Run):
+    """SIGTERM / first Ctrl-C: finish the current update, save last.pt, exit cleanly.
+    A second Ctrl-C interrupts at once. Returns a function restoring the old handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        if run.stop_signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        run.stop_signal = signum
+        log.warning("%s received: saving last.pt and stopping", signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore() -> None:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+    return restore

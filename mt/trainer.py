@@ -1,0 +1,305 @@
+"""The pieces of a training run: one optimiser update, validation, metrics, training state.
+
+:mod:`mt.train` strings these together into the recipe (setup -> train -> save -> cleanup).
+Everything here works the same in one process and under DDP: the loss of an update is
+normalised by the number of target tokens of the WHOLE update (all accumulation steps, all
+ranks), so 2 ranks x ``max_tokens`` and 1 rank x 2 accumulation steps compute the same gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from mt import distributed
+from mt.batching import Batch, BatchSampler, iterate_batches
+from mt.checkpoint import model_state, rng_state
+from mt.loss import label_smoothed_nll_loss
+from mt.schema import Config
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive updates with a non-finite loss or gradient."""
+
+
+@dataclass
+class TrainState:
+    """Where training stands; saved in every checkpoint and restored on resume."""
+
+    step: int = 0  # optimiser updates applied
+    epoch: int = 0  # current epoch (0-based)
+    batch: int = 0  # index of the next batch within the epoch (exact resume)
+    best: Optional[float] = None  # best validation metric so far
+    best_step: int = 0
+    bad_evals: int = 0  # validations without improvement (patience)
+    last_eval_step: int = -1
+    wall: float = 0.0  # seconds spent training, over all restarts
+    nonfinite: int = 0  # consecutive skipped updates
+
+
+@dataclass
+class UpdateResult:
+    """One update's figures, reduced over accumulation steps and ranks."""
+
+    loss: float  # label-smoothed loss per target token
+    nll: float  # negative log-likelihood per target token
+    ntokens: int  # target tokens of the update (all ranks)
+    gnorm: float  # gradient norm before clipping
+
+
+def autocast(device: torch.device, precision: str):
+    """The autocast context for ``precision`` (fp32: none)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision not in ("bf16", "fp16"):
+        raise ValueError(f"train.precision must be fp32, bf16 or fp16, got {precision!r}")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def batch_loss(
+    model: torch.nn.Module, batch: Batch, eps: float, precision: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed (label-smoothed loss, NLL) of one batch, in float32 (weight 0 for fillers)."""
+    with autocast(batch.src.device, precision):
+        logits = model(batch.src, batch.tgt_in)  # (B, T, V)
+    lprobs = F.log_softmax(logits.float(), dim=-1)
+    loss, nll = label_smoothed_nll_loss(
+        lprobs.view(-1, lprobs.size(-1)), batch.tgt_out.reshape(-1), eps
+    )
+    return loss * batch.weight, nll * batch.weight
+
+
+class Updater:
+    """Applies one optimiser update from a group of batches (gradient accumulation + DDP).
+
+    Args:
+        model: what to call (possibly DDP-wrapped and/or compiled).
+        params: the parameters to clip and check.
+        optimizer, scheduler, scaler: the optimisation state.
+        cfg: the whole configuration (train.* settings are used).
+        world_size: number of DDP ranks.
+    """
+
+    def __init__(self, model, params, optimizer, scheduler, scaler, cfg: Config, world_size: int):
+        self.model = model
+        self.params = list(params)
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.tc = cfg.train
+        self.world_size = world_size
+
+    def __call__(self, batches: list[Batch], state: TrainState) -> Optional[UpdateResult]:
+        """Forward/backward every batch, then step; None when the update was skipped."""
+        device = batches[0].src.device
+        local_tokens = sum(b.ntokens * b.weight for b in batches)
+        ntok = distributed.all_reduce_sum(
+            torch.tensor([local_tokens], dtype=torch.float64, device=device)
+        )
+        total_tokens = max(float(ntok.item()), 1.0)
+        # DDP averages gradients over ranks; scaling by W / tokens gives sum-over-ranks / tokens.
+        scale = self.world_size / total_tokens
+        sums = torch.zeros(2, dtype=torch.float64, device=device)
+        self.optimizer.zero_grad(set_to_none=True)
+        for i, batch in enumerate(batches):
+            with distributed.no_sync(self.model, skip=i < len(batches) - 1):
+                loss, nll = batch_loss(
+                    self.model, batch, self.tc.label_smoothing, self.tc.precision
+                )
+                self.scaler.scale(loss * scale).backward()
+            sums += torch.stack([loss.detach(), nll.detach()]).double()
+        distributed.all_reduce_sum(sums)
+        loss_sum, nll_sum = sums.tolist()
+
+        self.scaler.unscale_(self.optimizer)
+        if self.tc.clip_norm > 0:
+            gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.tc.clip_norm)
+        else:
+            gnorm = torch.nn.utils.get_total_norm(
+                [p.grad for p in self.params if p.grad is not None]
+            )
+        gnorm = float(gnorm)
+        fp16 = self.tc.precision == "fp16"
+        if not (math.isfinite(loss_sum) and math.isfinite(gnorm)):
+            if fp16:
+                self.scaler.update()  # the dynamic loss scale backs off
+            self.optimizer.zero_grad(set_to_none=True)
+            if fp16 and math.isfinite(loss_sum):
+                log.info("fp16 gradient overflow: update skipped, loss scale lowered")
+                return None
+            state.nonfinite += 1
+            log.warning(
+                "non-finite %s at update %d: update skipped (%d consecutive)",
+                "loss" if not math.isfinite(loss_sum) else "gradient",
+                state.step + 1,
+                state.nonfinite,
+            )
+            if state.nonfinite >= self.tc.max_nonfinite:
+                raise NonFiniteError(
+                    f"{state.nonfinite} consecutive updates had a non-finite loss or gradient "
+                    f"(train.max_nonfinite={self.tc.max_nonfinite}); stopping. Try a lower "
+                    "learning rate (train.lr / train.factor), train.clip_norm, or precision=fp32."
+                )
+            return None
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        state.nonfinite = 0
+        return UpdateResult(
+            loss_sum / total_tokens, nll_sum / total_tokens, int(total_tokens), gnorm
+        )
+
+
+@torch.no_grad()
+def valid_loss(
+    model: torch.nn.Module, split, cfg: Config, device: torch.device
+) -> tuple[float, float]:
+    """Label-smoothed loss and NLL per target token over a whole split (one process)."""
+    was_training = model.training
+    model.eval()
+    sampler = BatchSampler(
+        split.src.lengths, split.tgt.lengths, cfg.train.max_tokens, seed=0, rank=0, world_size=1
+    )
+    loss = nll = 0.0
+    ntok = 0
+    for batch in iterate_batches(split, sampler, 0):
+        batch = batch.to(device)
+        lsum, nsum = batch_loss(model, batch, cfg.train.label_smoothing, cfg.train.precision)
+        loss += float(lsum)
+        nll += float(nsum)
+        ntok += int(batch.ntokens)
+    model.train(was_training)
+    return loss / max(ntok, 1), nll / max(ntok, 1)
+
+
+@torch.no_grad()
+def valid_bleu(model: torch.nn.Module, prepared, cfg: Config, device: torch.device) -> float:
+    """Greedy-decode the valid sources and score them: the code path of final evaluation."""
+    from mt.evaluate import score
+    from mt.search import translate_ids
+
+    split = prepared.split("valid")
+    n = len(split)
+    if cfg.train.eval_max_sentences > 0:
+        n = min(n, cfg.train.eval_max_sentences)
+    src_ids = [split.src[i].tolist() for i in range(n)]
+    greedy = dataclasses.replace(cfg.decode, beam_size=1, nbest=1)
+    was_training = model.training
+    model.eval()
+    hyp_ids = translate_ids(model, src_ids, greedy, device)
+    model.train(was_training)
+    hyps = prepared.tokenizer.decode(hyp_ids, side="tgt")
+    return float(score(hyps, prepared.references("valid")[:n])["bleu"])
+
+
+def validate(model: torch.nn.Module, prepared, cfg: Config, device: torch.device) -> dict:
+    """Valid loss, NLL and (with train.eval_bleu) greedy BLEU of ``model``, in this process."""
+    loss, nll = valid_loss(model, prepared.split("valid"), cfg, device)
+    out = {"valid_loss": loss, "valid_nll": nll, "valid_ppl": math.exp(min(nll, 50.0))}
+    if cfg.train.eval_bleu:
+        out["valid_bleu"] = valid_bleu(model, prepared, cfg, device)
+    return out
+
+
+def metric_key(cfg: Config) -> str:
+    """The validation record key that decides best.pt and patience."""
+    if cfg.train.best_metric not in ("bleu", "loss"):
+        raise ValueError(f"train.best_metric must be bleu or loss, got {cfg.train.best_metric!r}")
+    if cfg.train.best_metric == "bleu" and cfg.train.eval_bleu:
+        return "valid_bleu"
+    return "valid_loss"
+
+
+def better(key: str, new: float, old: Optional[float]) -> bool:
+    """Is ``new`` an improvement on ``old`` (higher BLEU or lower loss)?"""
+    if old is None:
+        return True
+    return new > old if key == "valid_bleu" else new < old
+
+
+def training_state(
+    raw_model, prepared, cfg: Config, state: TrainState, optimizer, scheduler, scaler, full: bool
+) -> dict[str, Any]:
+    """A checkpoint dict: the self-describing model part, plus training state when ``full``.
+
+    With ``full`` every rank must call this (the RNG states of all ranks are gathered).
+    """
+    ckpt = model_state(raw_model, cfg.model, prepared.tokenizer, prepared.vocab_size)
+    ckpt.update(step=state.step, epoch=state.epoch, best=state.best)
+    if full:
+        ckpt.update(
+            optimizer=optimizer.state_dict(),
+            scheduler=scheduler.state_dict(),
+            scaler=scaler.state_dict(),
+            rng=distributed.all_gather_object(rng_state()),
+            data={"epoch": state.epoch, "batch": state.batch},
+            train_cfg=dataclasses.asdict(cfg.train),
+            state=dataclasses.asdict(state),
+        )
+    return ckpt
+
+
+class MetricsLog:
+    """``metrics.jsonl`` (one flushed line per record) and TensorBoard, on rank 0 only.
+
+    Args:
+        run_dir: the run directory.
+        resume_step: records with a larger step are dropped (they were written after the
+            checkpoint being resumed, and will be written again).
+        enabled: False on ranks other than 0.
+    """
+
+    def __init__(self, run_dir: Path, resume_step: int, enabled: bool = True):
+        self.enabled = enabled
+        self.file = None
+        self.tb = None
+        if not enabled:
+            return
+        path = run_dir / "metrics.jsonl"
+        if path.exists():
+            kept = []
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by a crash
+                if record.get("step", 0) <= resume_step:
+                    kept.append(line)
+            path.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
+        self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1)
+        except Exception as e:  # tensorboard missing or broken: JSONL is enough
+            log.info("TensorBoard disabled (%s)", e)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record; scalars also go to TensorBoard under their key."""
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None and "step" in record:
+            for key, value in record.items():
+                if key not in ("step", "epoch") and isinstance(value, (int, float)):
+                    self.tb.add_scalar(key, value, record["step"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,293 @@
+"""Training: exact resume after SIGKILL, SIGTERM, init_from, patience, non-finite updates,
+averaging. Tiny model on a slice of real Multi30k, one thread, CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import mt.trainer
+from mt.checkpoint import CheckpointError, load_checkpoint, periodic_checkpoints
+from mt.config import load_config
+from mt.train import train
+from mt.trainer import NonFiniteError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Shared by every test so the prepared-data cache is built once per session.
+TINY = [
+    "experiment=smoke",
+    "data.max_train_pairs=500",
+    "tokenizer.vocab_size=500",
+    "model.N=1",
+    "model.d_model=32",
+    "model.d_ff=64",
+    "model.h=2",
+    "train.max_tokens=400",
+    "train.threads=1",
+    "train.warmup=10",
+    "train.lr=3e-3",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.save_every=0",
+    "train.eval_bleu=false",
+    "train.eval_max_sentences=10",
+]
+
+
+def _cfg(run_dir: Path, *overrides: str):
+    return load_config([*TINY, f"run_dir={run_dir}", *overrides])
+
+
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in _records(run_dir) if "loss" in r}
+
+
+def _spawn(run_dir: Path, env_data: Path, *overrides: str) -> subprocess.Popen:
+    env = dict(os.environ, MT_DATA_DIR=str(env_data))
+    code = "from mt.cli import train_main; train_main()"
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *TINY, f"run_dir={run_dir}", *overrides],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    end = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            pytest.fail(
+                f"training exited ({proc.returncode}) before {path.name}:\n{proc.stdout.read()}"
+            )
+        if time.monotonic() > end:
+            proc.kill()
+            pytest.fail(f"timed out waiting for {path}")
+        time.sleep(0.005)
+
+
+@pytest.fixture(autouse=True)
+def _data_env(real_data, monkeypatch):
+    monkeypatch.setenv("MT_DATA_DIR", str(real_data))
+
+
+def test_exact_resume_after_sigkill(tmp_path, real_data):
+    """A run killed (SIGKILL) after its checkpoint at step N and restarted logs the same losses,
+    step for step, as an uninterrupted run (dropout on, so RNG states matter)."""
+    N, total = 5, 15
+    common = ["model.dropout=0.1", f"train.save_every={N}"]
+    full = tmp_path / "full"
+    train(_cfg(full, *common, f"train.max_steps={total}"))
+    expected = _losses(full)
+    assert sorted(expected) == list(range(1, total + 1))
+
+    run = tmp_path / "killed"
+    proc = _spawn(run, real_data, *common, "train.max_steps=1000")
+    _wait_for(run / "checkpoints" / f"checkpoint_{N}.pt", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    proc.stdout.close()
+    resumed_from = load_checkpoint(run / "checkpoints" / "last.pt")["step"]
+    assert N <= resumed_from < total, "the kill came too late to test anything"
+
+    proc = _spawn(run, real_data, *common, f"train.max_steps={total}")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    got = _losses(run)
+    steps = [r["step"] for r in _records(run) if "loss" in r]
+    assert steps == list(range(1, total + 1)), "each step logged once after the resume"
+    for step in range(1, total + 1):
+        assert got[step] == pytest.approx(expected[step], abs=1e-6, rel=0), step
+    final_a = load_checkpoint(full / "checkpoints" / "last.pt")["model"]
+    final_b = load_checkpoint(run / "checkpoints" / "last.pt")["model"]
+    for k in final_a:
+        torch.testing.assert_close(final_b[k], final_a[k], rtol=0, atol=1e-6)
+
+
+def test_sigterm_saves_last_and_exits_cleanly(tmp_path, real_data):
+    run = tmp_path / "run"
+    proc = _spawn(run, real_data, "train.save_every=3", "train.max_steps=100000")
+    _wait_for(run / "checkpoints" / "checkpoint_3.pt", proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "SIGTERM received" in out
+    ckpt = load_checkpoint(run / "checkpoints" / "last.pt", require_training=True)
+    last_logged = max(_losses(run))
+    assert ckpt["step"] == last_logged >= 3
+    assert ckpt["data"]["batch"] > 0
+
+
+def test_run_directory_and_checkpoint_contents(tmp_path):
+    run = tmp_path / "run"
+    result = train(
+        _cfg(
+            run,
+            "train.max_steps=6",
+            "train.save_every=2",
+            "train.keep_last=2",
+            "train.eval_every=3",
+            "train.eval_bleu=true",
+            "train.average_last=2",
+        )
+    )
+    assert result["step"] == 6 and result["stop"] == "max_steps"
+    assert (run / "config.yaml").is_file() and (run / "train.log").is_file()
+    assert load_config([*TINY, f"run_dir={run}"]).model.d_model == 32
+    records = _records(run)
+    train_records = [r for r in records if "loss" in r]
+    assert {"step", "epoch", "loss", "nll", "ppl", "lr", "tgt_tok_per_s", "wall"} <= set(
+        train_records[0]
+    )
+    for r in train_records:
+        assert r["ppl"] == pytest.approx(math.exp(r["nll"]))
+        assert r["loss"] > r["nll"]  # label smoothing costs something on top of NLL
+    valid = [r for r in records if "valid_loss" in r]
+    assert [r["step"] for r in valid] == [3, 6]
+    assert all("valid_bleu" in r and "valid_nll" in r for r in valid)
+    ckpts = run / "checkpoints"
+    assert [p.name for p in periodic_checkpoints(ckpts)] == ["checkpoint_4.pt", "checkpoint_6.pt"]
+    last = load_checkpoint(ckpts / "last.pt", require_training=True)
+    assert last["step"] == 6 and last["train_cfg"]["max_steps"] == 6
+    # averaged.pt is the element-wise mean of the last two periodic checkpoints
+    avg = load_checkpoint(ckpts / "averaged.pt")
+    a = load_checkpoint(ckpts / "checkpoint_4.pt")["model"]
+    b = load_checkpoint(ckpts / "checkpoint_6.pt")["model"]
+    for k, v in avg["model"].items():
+        if v.is_floating_point():
+            torch.testing.assert_close(v, (a[k] + b[k]) / 2)
+    assert any("avg_valid_loss" in r for r in records)
+    best = load_checkpoint(ckpts / "best.pt")
+    assert best["step"] in (3, 6)
+
+
+def test_lr_follows_the_schedule(tmp_path):
+    from mt.schedule import noam_factor, noam_lr
+
+    run = tmp_path / "run"
+    train(_cfg(run, "train.max_steps=4"))
+    f = noam_factor(32, 10, lr=3e-3)
+    for r in _records(run):
+        if "lr" in r:
+            assert r["lr"] == pytest.approx(noam_lr(r["step"], 32, 10, f), rel=1e-9)
+
+
+def test_init_from_uses_weights_with_fresh_optimizer(tmp_path):
+    first = tmp_path / "first"
+    train(_cfg(first, "train.max_steps=3"))
+    src = first / "checkpoints" / "last.pt"
+    second = tmp_path / "second"
+    # a vanishing learning rate: after one update the weights are still the loaded ones
+    result = train(_cfg(second, "train.max_steps=1", "train.lr=1e-12", f"train.init_from={src}"))
+    assert result["step"] == 1
+    after = load_checkpoint(second / "checkpoints" / "last.pt", require_training=True)
+    before = load_checkpoint(src)["model"]
+    for k in before:
+        torch.testing.assert_close(after["model"][k], before[k], rtol=0, atol=1e-6)
+    adam_steps = {float(s["step"]) for s in after["optimizer"]["state"].values()}
+    assert adam_steps == {1.0}
+    assert _records(second)[0]["step"] == 1
+    with pytest.raises(CheckpointError, match="model shape"):
+        train(_cfg(tmp_path / "third", "model.d_ff=48", f"train.init_from={src}"))
+
+
+def test_patience_stops_and_best_follows_the_metric(tmp_path, monkeypatch):
+    values = iter([5.0, 4.0, 4.5, 4.2, 3.0, 1.0])
+
+    def fake_validate(model, prepared, cfg, device):
+        return {"valid_loss": next(values), "valid_nll": 1.0}
+
+    monkeypatch.setattr("mt.train.validate", fake_validate)
+    run = tmp_path / "run"
+    result = train(
+        _cfg(
+            run,
+            "train.max_steps=50",
+            "train.eval_every=1",
+            "train.patience=2",
+            "train.best_metric=loss",
+        )
+    )
+    # best at step 2 (4.0); steps 3 and 4 do not improve -> stop after step 4
+    assert result["stop"] == "patience" and result["step"] == 4
+    assert result["best"] == 4.0
+    assert load_checkpoint(run / "checkpoints" / "best.pt")["step"] == 2
+
+
+def test_nonfinite_updates_are_skipped_then_stop(tmp_path, monkeypatch, caplog):
+    real = mt.trainer.label_smoothed_nll_loss
+    calls = {"n": 0}
+
+    def sometimes_nan(lprobs, target, eps):
+        calls["n"] += 1
+        loss, nll = real(lprobs, target, eps)
+        if calls["n"] == 3:  # the third update (accum_steps=1, no validation batches yet)
+            return loss * float("nan"), nll
+        return loss, nll
+
+    monkeypatch.setattr(mt.trainer, "label_smoothed_nll_loss", sometimes_nan)
+    run = tmp_path / "run"
+    result = train(_cfg(run, "train.max_steps=4", "train.eval_every=0"))
+    assert result["step"] == 4
+    assert sorted(_losses(run)) == [1, 2, 3, 4]
+    assert "non-finite loss at update 3" in caplog.text
+    assert all(math.isfinite(v) for v in _losses(run).values())
+
+    def always_nan(lprobs, target, eps):
+        loss, nll = real(lprobs, target, eps)
+        return loss * float("nan"), nll
+
+    monkeypatch.setattr(mt.trainer, "label_smoothed_nll_loss", always_nan)
+    with pytest.raises(NonFiniteError, match="3 consecutive updates"):
+        train(_cfg(tmp_path / "nan", "train.max_steps=10", "train.max_nonfinite=3"))
+
+
+def test_accumulation_equals_one_big_batch(tmp_path):
+    """accum_steps=2 with max_tokens=M normalises by the tokens of the whole update: its first
+    update's loss equals the token-weighted mean of the two batches' losses."""
+    from mt.batching import BatchSampler, iterate_batches
+    from mt.loss import label_smoothed_nll_loss
+    from mt.model import build_model
+    from mt.prepare import prepare
+
+    run = tmp_path / "run"
+    cfg = _cfg(run, "train.max_steps=1", "train.accum_steps=2")
+    train(cfg)
+    got = _losses(run)[1]
+
+    prepared = prepare(cfg)
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model, prepared.vocab_size)
+    split = prepared.split("train")
+    sampler = BatchSampler(
+        split.src.lengths,
+        split.tgt.lengths,
+        cfg.train.max_tokens,
+        seed=cfg.train.seed,
+        max_len=cfg.model.max_positions - 1,
+    )
+    batches = list(iterate_batches(split, sampler, 0))[:2]
+    total = ntok = 0.0
+    for b in batches:
+        lp = torch.log_softmax(model(b.src, b.tgt_in), -1)
+        loss, _ = label_smoothed_nll_loss(lp.view(-1, lp.size(-1)), b.tgt_out.reshape(-1), 0.1)
+        total += float(loss)
+        ntok += b.ntokens
+    assert got == pytest.approx(total / ntok, rel=1e-5)
