@@ -22,7 +22,7 @@ import math
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,7 +31,6 @@ import torch
 from mt import distributed
 from mt.batching import BatchSampler, iterate_batches
 from mt.checkpoint import (
-    CheckpointError,
     average_checkpoints,
     load_checkpoint,
     model_cfg_from,
@@ -50,7 +49,9 @@ from mt.trainer import (
     TrainState,
     Updater,
     better,
+    check_compatible,
     metric_key,
+    seed_everything,
     training_state,
     validate,
 )
@@ -120,7 +121,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     run_dir = Path(cfg.run_dir)
     if tc.threads > 0:
         torch.set_num_threads(tc.threads)
-    _seed_everything(tc.seed)
+    seed_everything(tc.seed)
     if info.is_main:
         (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
         prepared = prepare(cfg)  # rank 0 builds the cache while the others wait
@@ -132,12 +133,12 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     resume = load_checkpoint(last, require_training=True) if last.is_file() else None
     raw = build_model(cfg.model, prepared.vocab_size)  # same init on every rank (same seed)
     if resume is not None:
-        _check_compatible(resume, cfg, prepared.vocab_size, last)
+        check_compatible(resume, cfg, prepared.vocab_size, last)
         raw.load_state_dict(resume["model"])
         log.info("resuming %s from step %d", run_dir, resume["step"])
     elif tc.init_from:
         init = load_checkpoint(tc.init_from)
-        _check_compatible(init, cfg, prepared.vocab_size, Path(tc.init_from))
+        check_compatible(init, cfg, prepared.vocab_size, Path(tc.init_from))
         raw.load_state_dict(init["model"])
         log.info("initialised from %s (step %d); fresh optimiser", tc.init_from, init["step"])
     raw.to(info.device)
@@ -186,7 +187,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
             )
         set_rng_state(states[info.rank % len(states)])
     else:
-        _seed_everything(tc.seed + info.rank)  # different dropout masks on each rank
+        seed_everything(tc.seed + info.rank)  # different dropout masks on each rank
     return Run(cfg, info, run_dir, prepared, raw, update, sampler, state, metrics, metric_key(cfg))
 
 
@@ -388,31 +389,6 @@ def _groups(batches, n: int):
             group = []
     if group:
         yield group
-
-
-def _check_compatible(ckpt: dict, cfg: Config, vocab_size: int, path: Path) -> None:
-    if int(ckpt["vocab_size"]) != vocab_size:
-        raise CheckpointError(
-            f"{path} has a vocabulary of {ckpt['vocab_size']}, the prepared data {vocab_size}"
-        )
-    stored = model_cfg_from(ckpt)
-    shape = ("N", "N_dec", "d_model", "d_ff", "h", "norm", "share_embeddings")
-    diff = {k: (getattr(stored, k), getattr(cfg.model, k)) for k in shape
-            if getattr(stored, k) != getattr(cfg.model, k)}  # fmt: skip
-    if diff:
-        raise CheckpointError(f"{path} holds a different model shape (stored, config): {diff}")
-    if asdict(stored) != asdict(cfg.model):
-        log.info("model settings differ from %s (dropout etc.): using the configuration", path)
-
-
-def _seed_everything(seed: int) -> None:
-    import random
-
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def _install_signal_handlers(run: Run):

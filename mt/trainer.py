@@ -13,16 +13,18 @@ import dataclasses
 import json
 import logging
 import math
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from mt import distributed
 from mt.batching import Batch, BatchSampler, iterate_batches
-from mt.checkpoint import model_state, rng_state
+from mt.checkpoint import CheckpointError, model_cfg_from, model_state, rng_state
 from mt.loss import label_smoothed_nll_loss
 from mt.schema import Config
 
@@ -170,7 +172,11 @@ def valid_loss(
     was_training = model.training
     model.eval()
     sampler = BatchSampler(
-        split.src.lengths, split.tgt.lengths, cfg.train.max_tokens, seed=0, rank=0, world_size=1
+        split.src.lengths,
+        split.tgt.lengths,
+        cfg.train.max_tokens,
+        seed=0,
+        max_len=cfg.model.max_positions - 1,
     )
     loss = nll = 0.0
     ntok = 0
@@ -303,3 +309,26 @@ class MetricsLog:
             self.file.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def check_compatible(ckpt: dict, cfg: Config, vocab_size: int, path: Path) -> None:
+    """Raise CheckpointError unless ``ckpt``'s model fits ``cfg.model`` and the vocabulary."""
+    if int(ckpt["vocab_size"]) != vocab_size:
+        raise CheckpointError(
+            f"{path} has a vocabulary of {ckpt['vocab_size']}, the prepared data {vocab_size}"
+        )
+    stored = model_cfg_from(ckpt)
+    shape = ("N", "N_dec", "d_model", "d_ff", "h", "norm", "share_embeddings")
+    diff = {k: (getattr(stored, k), getattr(cfg.model, k)) for k in shape
+            if getattr(stored, k) != getattr(cfg.model, k)}  # fmt: skip
+    if diff:
+        raise CheckpointError(f"{path} holds a different model shape (stored, config): {diff}")
+    if dataclasses.asdict(stored) != dataclasses.asdict(cfg.model):
+        log.info("model settings differ from %s (dropout etc.): using the configuration", path)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

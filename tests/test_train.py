@@ -12,12 +12,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import mt.trainer
 from mt.checkpoint import CheckpointError, load_checkpoint, periodic_checkpoints
 from mt.config import load_config
+from mt.loss import label_smoothed_nll_loss
 from mt.train import train
 from mt.trainer import NonFiniteError
 
@@ -263,7 +265,6 @@ def test_accumulation_equals_one_big_batch(tmp_path):
     """accum_steps=2 with max_tokens=M normalises by the tokens of the whole update: its first
     update's loss equals the token-weighted mean of the two batches' losses."""
     from mt.batching import BatchSampler, iterate_batches
-    from mt.loss import label_smoothed_nll_loss
     from mt.model import build_model
     from mt.prepare import prepare
 
@@ -286,8 +287,71 @@ def test_accumulation_equals_one_big_batch(tmp_path):
     batches = list(iterate_batches(split, sampler, 0))[:2]
     total = ntok = 0.0
     for b in batches:
-        lp = torch.log_softmax(model(b.src, b.tgt_in), -1)
-        loss, _ = label_smoothed_nll_loss(lp.view(-1, lp.size(-1)), b.tgt_out.reshape(-1), 0.1)
+        with torch.no_grad():
+            lp = torch.log_softmax(model(b.src, b.tgt_in), -1)
+            loss, _ = label_smoothed_nll_loss(lp.view(-1, lp.size(-1)), b.tgt_out.reshape(-1), 0.1)
         total += float(loss)
         ntok += b.ntokens
     assert got == pytest.approx(total / ntok, rel=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains(tmp_path, precision):
+    """bf16 autocast and fp16 with a dynamic loss scale run, log finite losses and save the
+    scaler state (fp16) for resume."""
+    run = tmp_path / precision
+    result = train(_cfg(run, "train.max_steps=6", f"train.precision={precision}"))
+    losses = _losses(run)
+    assert result["step"] == 6 and all(math.isfinite(v) for v in losses.values())
+    scaler = load_checkpoint(run / "checkpoints" / "last.pt", require_training=True)["scaler"]
+    if precision == "fp16":
+        assert scaler["scale"] > 0
+    else:
+        assert not scaler
+
+
+class _Bigram(torch.nn.Module):
+    """A stub model: logits depend on the previous target token only."""
+
+    def __init__(self, V: int = 12):
+        super().__init__()
+        self.table = torch.nn.Parameter(
+            torch.randn(V, V, generator=torch.Generator().manual_seed(0))
+        )
+
+    def forward(self, src, tgt_in):
+        return self.table[tgt_in]  # (B, T, V)
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_updater_normalises_by_update_tokens_and_clips(clip):
+    """One update over 2 accumulated batches (one a zero-weight filler) moves the weights by
+    -lr * grad(sum of smoothed losses / real tokens), clipped to clip_norm: checked against
+    autograd on the real batch alone."""
+    from mt.batching import collate
+    from mt.trainer import TrainState, Updater
+
+    cfg = load_config([*TINY, f"train.clip_norm={clip}"])
+    real = collate([(np.array([4, 5]), np.array([6, 7, 8])), (np.array([9]), np.array([5]))])
+    filler = collate([(np.array([4]), np.array([10, 11]))])
+    filler.weight = 0.0
+    model = _Bigram()
+    start = model.table.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    update = Updater(model, model.parameters(), opt, sched, scaler, cfg, world_size=1)
+    result = update([real, filler], TrainState())
+
+    ref = _Bigram()
+    lp = torch.log_softmax(ref(real.src, real.tgt_in), -1)
+    loss, nll = label_smoothed_nll_loss(lp.view(-1, 12), real.tgt_out.reshape(-1), 0.1)
+    (loss / real.ntokens).backward()
+    grad = ref.table.grad
+    assert result.ntokens == real.ntokens == 6  # 3 + EOS, 1 + EOS
+    assert result.loss == pytest.approx(float(loss) / 6, rel=1e-6)
+    assert result.nll == pytest.approx(float(nll) / 6, rel=1e-6)
+    assert result.gnorm == pytest.approx(float(grad.norm()), rel=1e-5)
+    if clip:
+        grad = grad * clip / float(grad.norm())
+    torch.testing.assert_close(start - model.table.detach(), grad)
