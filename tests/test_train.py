@@ -178,6 +178,17 @@ def test_run_directory_and_checkpoint_contents(tmp_path):
     assert any("avg_valid_loss" in r for r in records)
     best = load_checkpoint(ckpts / "best.pt")
     assert best["step"] in (3, 6)
+    # best.pt is self-contained: model and tokenizer come back without the training config
+    from mt.checkpoint import load_model
+    from mt.prepare import prepare
+
+    model, tokenizer, ckpt = load_model(ckpts / "best.pt", "cpu")
+    assert not model.training and ckpt["step"] == best["step"]
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, best["model"][k])
+    prepared = prepare(_cfg(run))
+    lines = prepared.sources("valid")[:5]
+    assert tokenizer.encode(lines, "src") == prepared.tokenizer.encode(lines, "src")
 
 
 def test_lr_follows_the_schedule(tmp_path):
@@ -349,8 +360,8 @@ def test_updater_normalises_by_update_tokens_and_clips(clip):
     (loss / real.ntokens).backward()
     grad = ref.table.grad
     assert result.ntokens == real.ntokens == 6  # 3 + EOS, 1 + EOS
-    assert result.loss == pytest.approx(float(loss) / 6, rel=1e-6)
-    assert result.nll == pytest.approx(float(nll) / 6, rel=1e-6)
+    assert result.loss == pytest.approx(float(loss.detach()) / 6, rel=1e-6)
+    assert result.nll == pytest.approx(float(nll.detach()) / 6, rel=1e-6)
     assert result.gnorm == pytest.approx(float(grad.norm()), rel=1e-5)
     if clip:
         grad = grad * clip / float(grad.norm())
