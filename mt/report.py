@@ -270,9 +270,14 @@ def _results_section(results: Mapping[str, Any]) -> list[str]:
                 f"| `{_cell(results.get(sig, ''))}` |"
             )
     shown = {"bleu", "chrf", "signature", "chrf_signature", "split", "checkpoint"}
-    for key, value in results.items():
-        if key not in shown and (_is_number(value) or isinstance(value, str)):
-            lines.append(f"| {_cell(key)} | {_cell(_fmt(value))} | |")
+    extra = [
+        (key, value)
+        for key, value in results.items()
+        if key not in shown and (_is_number(value) or isinstance(value, str))
+    ]
+    if extra:  # decoding settings and speed, as evaluation recorded them
+        lines += ["", "| detail | value |", "|---|---|"]
+        lines += [f"| {_cell(key)} | {_cell(_fmt(value))} |" for key, value in extra]
     return lines + [""]
 
 

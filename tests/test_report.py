@@ -60,6 +60,7 @@ def make_run(tmp_path: Path, with_extras: bool = True) -> Path:
             "chrf_signature": "nrefs:1|case:mixed|eff:yes|nc:6|nw:0|space:no|version:2.4.0",
             "split": "test",
             "checkpoint": "runs/x/checkpoints/best.pt",
+            "beam_size": 4,
         }
         (run / "results.json").write_text(json.dumps(results))
         (run / "translations").mkdir()
@@ -87,6 +88,7 @@ def test_full_report(tmp_path):
     # Final scores with both signatures, the run's split and checkpoint.
     assert "41.23" in text and "63.4" in text
     assert "tok:13a" in text and "nc:6" in text and "best.pt" in text
+    assert "| beam_size | 4 |" in text  # further scalar results as details
     # Stage times from the stage record and timings.json; total = 12.5 + 100 + 30.
     assert "prepare" in text and "evaluate" in text and "2 min 22.5 s" in text
     # Examples: source, reference and translation side by side; the pipe is escaped.
