@@ -228,7 +228,7 @@ def train_loop(run: Run) -> str:
                 bar.update(1)
                 tok_s = tokens / max(seconds, 1e-9)
                 bar.set_postfix_str(f"loss {result.loss:.3f} lr {lr:.2e} tok/s {tok_s:,.0f}")
-                if tc.log_every > 0 and state.step % tc.log_every == 0:
+                if tc.log_every > 0 and (state.step % tc.log_every == 0 or state.step == 1):
                     run.metrics.write(
                         {
                             "step": state.step,

@@ -117,6 +117,11 @@ def test_exact_resume_after_sigkill(tmp_path, real_data):
     assert steps == list(range(1, total + 1)), "each step logged once after the resume"
     for step in range(1, total + 1):
         assert got[step] == pytest.approx(expected[step], abs=1e-6, rel=0), step
+    worst = max(abs(got[s] - expected[s]) for s in range(resumed_from + 1, total + 1))
+    print(
+        f"resumed from step {resumed_from}; max |loss diff| over steps "
+        f"{resumed_from + 1}..{total}: {worst:.3g}"
+    )
     final_a = load_checkpoint(full / "checkpoints" / "last.pt")["model"]
     final_b = load_checkpoint(run / "checkpoints" / "last.pt")["model"]
     for k in final_a:
@@ -366,3 +371,24 @@ def test_updater_normalises_by_update_tokens_and_clips(clip):
     if clip:
         grad = grad * clip / float(grad.norm())
     torch.testing.assert_close(start - model.table.detach(), grad)
+
+
+def test_max_epochs_is_one_pass_over_the_data(tmp_path):
+    from mt.batching import BatchSampler
+    from mt.prepare import prepare
+
+    run = tmp_path / "run"
+    cfg = _cfg(run, "train.max_epochs=1", "train.accum_steps=3", "train.log_every=1000")
+    result = train(cfg)
+    split = prepare(cfg).split("train")
+    sampler = BatchSampler(
+        split.src.lengths,
+        split.tgt.lengths,
+        cfg.train.max_tokens,
+        seed=cfg.train.seed,
+        max_len=cfg.model.max_positions - 1,
+    )
+    n_batches = len(sampler.batches(0))
+    assert result["stop"] == "max_epochs" and result["epoch"] == 1
+    assert result["step"] == math.ceil(n_batches / 3)
+    assert [r["step"] for r in _records(run) if "loss" in r] == [1]  # step 1 is always logged
