@@ -56,6 +56,36 @@ def attention(
     return out, weights
 
 
+def append_to_cache(
+    cache: dict, prefix: str, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write new keys/values into a preallocated per-layer buffer; return all of them so far.
+
+    The cache holds ``prefix + "k"/"v"``: (B, H, C, d_k) buffers of capacity C >= the length
+    ``cache[prefix + "len"]``. New positions are written in place (no re-concatenation of the
+    whole prefix each step); the capacity doubles when it runs out.
+
+    Args:
+        k, v: (B, H, T, d_k) keys/values of the T new positions.
+
+    Returns:
+        (B, H, S_past + T, d_k) views of the keys/values of every position so far.
+    """
+    past = cache.get(prefix + "len", 0)
+    end = past + k.size(2)
+    buf_k, buf_v = cache.get(prefix + "k"), cache.get(prefix + "v")
+    if buf_k is None or buf_k.size(2) < end or buf_k.dtype != k.dtype:
+        B, H, _, d_k = k.shape
+        capacity = max(end, 2 * past, 16)
+        new_k, new_v = k.new_empty(B, H, capacity, d_k), v.new_empty(B, H, capacity, d_k)
+        if past:
+            new_k[:, :, :past], new_v[:, :, :past] = buf_k[:, :, :past], buf_v[:, :, :past]
+        buf_k, buf_v = cache[prefix + "k"], cache[prefix + "v"] = new_k, new_v
+    buf_k[:, :, past:end], buf_v[:, :, past:end] = k, v
+    cache[prefix + "len"] = end
+    return buf_k[:, :, :end], buf_v[:, :, :end]
+
+
 def _init_chunks(linear: nn.Linear, chunks: int) -> None:
     """Xavier-uniform on each (D, D) block of a fused projection, so a fused QKV (3D, D) is
     initialised exactly like three separate D x D matrices (the paper's reference code)."""
@@ -67,8 +97,9 @@ def _init_chunks(linear: nn.Linear, chunks: int) -> None:
 class SelfAttention(nn.Module):
     """Multi-head self-attention with one fused Q/K/V projection.
 
-    With ``cache`` (a dict) the new keys/values are appended to ``cache[prefix + "k"/"v"]``
-    and the queries attend to everything cached so far: incremental decoding.
+    With ``cache`` (a dict) the new keys/values are appended to the cache (see
+    :func:`append_to_cache`) and the queries attend to everything cached so far: incremental
+    decoding.
     """
 
     def __init__(self, d_model: int, h: int, attention_dropout: float) -> None:
@@ -95,10 +126,7 @@ class SelfAttention(nn.Module):
         # (B, T, 3D) -> (B, T, 3, H, d_k) -> (3, B, H, T, d_k)
         q, k, v = self.qkv(x).view(B, T, 3, self.h, self.d_k).permute(2, 0, 3, 1, 4).unbind(0)
         if cache is not None:
-            if prefix + "k" in cache:
-                k = torch.cat([cache[prefix + "k"], k], dim=2)  # (B, H, S_past + T, d_k)
-                v = torch.cat([cache[prefix + "v"], v], dim=2)
-            cache[prefix + "k"], cache[prefix + "v"] = k, v
+            k, v = append_to_cache(cache, prefix, k, v)  # (B, H, S_past + T, d_k)
         p = self.attention_dropout if self.training else 0.0
         out, _ = attention(q, k, v, mask=mask, is_causal=is_causal, dropout_p=p)
         return self.out(out.transpose(1, 2).reshape(B, T, D))  # (B, H, T, d_k) -> (B, T, D)
@@ -109,6 +137,8 @@ class CrossAttention(nn.Module):
     encoder output ``memory`` through one fused K/V projection.
 
     With ``cache`` the memory's keys/values are computed on the first call and reused after.
+    ``x`` may hold G rows per memory row (beam search: rows ``i*G .. i*G+G-1`` belong to
+    sentence ``i``): the memory and its keys/values are then shared, never copied per beam.
     """
 
     def __init__(self, d_model: int, h: int, attention_dropout: float) -> None:
@@ -133,22 +163,29 @@ class CrossAttention(nn.Module):
         prefix: str = "",
         need_weights: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Args: x (B, T, D); memory (B, S, D); mask (B, 1, 1, S).
+        """Args: x (B, T, D); memory (n, S, D); mask (n, 1, 1, S), where B = G * n (G >= 1).
 
         Returns:
             (B, T, D) output, and the (B, H, T, S) weights when ``need_weights`` else None.
         """
         B, T, D = x.shape
-        q = self.q(x).view(B, T, self.h, self.d_k).transpose(1, 2)  # (B, H, T, d_k)
+        n, S = memory.shape[:2]
+        G = B // n  # query rows per memory row (beams of one sentence share its memory)
+        if G * n != B:
+            raise ValueError(f"{B} query rows do not divide into {n} memory rows")
+        # The G rows of one sentence become G*T query positions of that sentence's attention:
+        # (B, T, D) -> (n, G*T, H, d_k) -> (n, H, G*T, d_k); row i*G+g, position t <-> g*T+t.
+        q = self.q(x).view(n, G * T, self.h, self.d_k).transpose(1, 2)
         if cache is not None and prefix + "k" in cache:
             k, v = cache[prefix + "k"], cache[prefix + "v"]
         else:
-            S = memory.size(1)
-            # (B, S, 2D) -> (B, S, 2, H, d_k) -> (2, B, H, S, d_k)
-            kv = self.kv(memory).view(B, S, 2, self.h, self.d_k).permute(2, 0, 3, 1, 4)
+            # (n, S, 2D) -> (n, S, 2, H, d_k) -> (2, n, H, S, d_k)
+            kv = self.kv(memory).view(n, S, 2, self.h, self.d_k).permute(2, 0, 3, 1, 4)
             k, v = kv.unbind(0)
             if cache is not None:
                 cache[prefix + "k"], cache[prefix + "v"] = k, v
         p = self.attention_dropout if self.training else 0.0
         out, weights = attention(q, k, v, mask=mask, dropout_p=p, need_weights=need_weights)
-        return self.out(out.transpose(1, 2).reshape(B, T, D)), weights
+        if weights is not None and G > 1:  # (n, H, G*T, S) -> (B, H, T, S)
+            weights = weights.view(n, self.h, G, T, S).transpose(1, 2).reshape(B, self.h, T, S)
+        return self.out(out.transpose(1, 2).reshape(B, T, D)), weights  # (n, G*T, H, d_k)

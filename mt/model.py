@@ -168,6 +168,8 @@ class Transformer(nn.Module):
         pre = cfg.norm == "pre"
         self.encoder_norm = nn.LayerNorm(D) if pre else nn.Identity()
         self.decoder_norm = nn.LayerNorm(D) if pre else nn.Identity()
+        # Decoding only: replaces `project` in `decode` when set (mt.quantize's int8 copy).
+        self.decode_head: nn.Module | None = None
 
     @staticmethod
     def _embedding(rows: int, d_model: int) -> nn.Parameter:
@@ -221,9 +223,7 @@ class Transformer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decoder stack: (B, T) ids -> (B, T, D) features and (B, T, S) attention or None."""
         T = tgt_in.size(1)
-        past = 0
-        if cache is not None and "dec0.self.k" in cache:
-            past = cache["dec0.self.k"].size(2)  # positions decoded so far
+        past = 0 if cache is None else cache.get("dec0.self.len", 0)  # positions decoded so far
         # Targets are right-padded, so the causal mask alone keeps real positions off pad keys.
         if cache is None or past == 0:
             self_mask, is_causal = None, T > 1
@@ -253,7 +253,9 @@ class Transformer(nn.Module):
         Args:
             tgt_in: (B, T) ids (BOS + prefix). With ``cache`` only the NEW token(s); positions
                 continue from what the cache holds.
-            enc: the output of :meth:`encode` (rows matching ``tgt_in``).
+            enc: the output of :meth:`encode`: rows matching ``tgt_in``, or one row per G
+                consecutive rows of ``tgt_in`` (beam search: the K beams of a sentence share
+                its encoder row and encoder-decoder keys/values; see :meth:`reorder_beams`).
             cache: None (decode the whole prefix) or a dict, ``{}`` at the first step, updated
                 in place with per-layer keys/values.
             need_attn: also return the last layer's cross-attention averaged over heads.
@@ -262,7 +264,10 @@ class Transformer(nn.Module):
             logits (B, T, V), or ``(logits, attn (B, T, S))`` with ``need_attn``.
         """
         h, attn = self._decoder(tgt_in, enc, cache, need_attn)
-        logits = self.project(h)
+        if self.decode_head is None:
+            logits = self.project(h)
+        else:  # e.g. an int8 copy of the projection (mt.quantize); same padded columns
+            logits = self.decode_head(h)[..., : self.vocab_size]
         return (logits, attn) if need_attn else logits
 
     def reorder(
@@ -276,10 +281,50 @@ class Transformer(nn.Module):
         Returns:
             The new ``(enc, cache)``; the inputs are left unchanged.
         """
-        enc = EncoderOut(enc.memory.index_select(0, index), enc.src_mask.index_select(0, index))
-        if cache is not None:
-            cache = {key: value.index_select(0, index) for key, value in cache.items()}
-        return enc, cache
+        return self.reorder_beams(enc, cache, index, index)
+
+    def reorder_beams(
+        self,
+        enc: EncoderOut,
+        cache: dict | None,
+        index: torch.Tensor,
+        sents: torch.Tensor | None = None,
+    ) -> tuple[EncoderOut, dict | None]:
+        """Reorder the decoder rows, and select encoder rows only when sentences are dropped.
+
+        Beam search keeps one encoder row per sentence for its K decoder rows: a reorder of
+        beams within sentences (the common step) copies only the self-attention cache; the
+        encoder output and the encoder-decoder keys/values move only when ``sents`` is given.
+
+        Args:
+            index: (B',) long rows of the decoder state (self-attention keys/values).
+            sents: (n',) long rows of the encoder state (memory, mask, encoder-decoder keys/
+                values), or None to leave them as they are.
+
+        Returns:
+            The new ``(enc, cache)``; the inputs are left unchanged.
+        """
+        if sents is not None:
+            enc = EncoderOut(enc.memory.index_select(0, sents), enc.src_mask.index_select(0, sents))
+        if cache is None:
+            return enc, None
+        out = {}
+        for key, value in cache.items():
+            if not torch.is_tensor(value):  # lengths
+                out[key] = value
+            elif ".self." in key:  # (B, H, C, d_k) buffer: copy only the filled positions
+                n = cache[key[: key.rindex(".") + 1] + "len"]
+                if value.requires_grad and torch.is_grad_enabled():  # out= has no autograd
+                    out[key] = value[:, :, :n].index_select(0, index)
+                    continue
+                new = value.new_empty(index.numel(), *value.shape[1:])
+                torch.index_select(value[:, :, :n], 0, index, out=new[:, :, :n])
+                out[key] = new
+            elif sents is not None:
+                out[key] = value.index_select(0, sents)
+            else:
+                out[key] = value
+        return enc, out
 
     def features(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         """Decoder output before the projection: (B, S), (B, T) -> (B, T, D)."""

@@ -140,6 +140,7 @@ class DecodeConfig:
     max_tokens: int = 0  # source tokens per decoding batch (0 = use batch_size)
     too_long: str = "error"  # error | truncate: inputs longer than model.max_positions
     precision: str = "fp32"  # fp32 | bf16 (CPU or GPU autocast)
+    quantize: str = "none"  # none | int8: dynamic int8 Linear layers (CPU decoding speed)
 
 
 @dataclass

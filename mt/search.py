@@ -85,9 +85,9 @@ def max_lengths(src: torch.Tensor, a: float, b: float, model: torch.nn.Module) -
     return [max(1, min(cap, int(a * n + b))) for n in src_len]
 
 
-def _next_lprobs(model, tokens, enc, cache, step: int, min_len: int) -> torch.Tensor:
-    """Log-probabilities (N, V) of the next token, with PAD/BOS (and early EOS) forbidden."""
-    logits = model.decode(tokens[:, -1:], enc, cache)  # (N, 1, V)
+def _next_lprobs(model, last, enc, cache, step: int, min_len: int) -> torch.Tensor:
+    """Log-probabilities (N, V) after the tokens ``last`` (N, 1), PAD/BOS (early EOS) forbidden."""
+    logits = model.decode(last, enc, cache)  # (N, 1, V)
     lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)  # (N, V)
     lprobs[:, PAD] = NEG_INF
     lprobs[:, BOS] = NEG_INF
@@ -141,7 +141,7 @@ def greedy_search(
             rows, tokens, cum, enc, cache = _select(model, keep, rows, tokens, cum, enc, cache)
             if not rows:
                 break
-        lprobs = _next_lprobs(model, tokens, enc, cache, step, min_len)
+        lprobs = _next_lprobs(model, tokens[:, -1:], enc, cache, step, min_len)
         best, next_tok = lprobs.max(dim=-1)  # (N,), (N,)
         cum = cum + best
         tokens = torch.cat([tokens, next_tok[:, None]], dim=1)
@@ -196,13 +196,15 @@ def beam_search(
     model.eval()
     K, device = beam_size, src.device
     limits = max_lengths(src, max_len_a, max_len_b, model)
-    enc = model.encode(src)
-    expand = torch.arange(src.size(0), device=device).repeat_interleave(K)  # (B*K,)
-    enc, cache = model.reorder(enc, {}, expand)
+    enc, cache = model.encode(src), {}
+    grouped = hasattr(model, "reorder_beams")  # K decoder rows may share one encoder row
     sents = list(range(src.size(0)))  # sentence of each live group of K rows
     scores = torch.full((len(sents), K), NEG_INF, device=device)  # (n, K) summed log-probs
     scores[:, 0] = 0.0  # all beams start equal: keep one so the first step has no duplicates
     tokens = torch.full((len(sents) * K, 1), BOS, dtype=torch.long, device=device)  # (n*K, t+1)
+    # The model's state holds `width` rows per sentence: 1 at the first step (the K beams are
+    # identical then, so one row each is decoded and broadcast), K after.
+    width, last = 1, tokens[: len(sents)]  # last: (n*width, 1) decoder input
     finished: list[list[Hypothesis]] = [[] for _ in sents]
     out: list[list[Hypothesis]] = [[] for _ in sents]
     step = 0
@@ -216,16 +218,19 @@ def beam_search(
                         hyp = _hyp(tokens[i * K + k], flat[i][k], step, alpha)
                         finished[sents[i]].append(hyp)
             keep = [i for i in range(len(sents)) if limits[sents[i]] > step]
-            rows = _group_rows(keep, K, device)
-            scores, tokens = scores[keep], tokens[rows]
+            scores, tokens = scores[keep], tokens[_group_rows(keep, K, device)]
             sents = _finish(sents, at_max, finished, out, nbest)
             if not sents:
                 break
-            enc, cache = model.reorder(enc, cache, rows)
+            keep_t = torch.tensor(keep, dtype=torch.long, device=device)
+            state_rows = _group_rows(keep, width, device)
+            enc, cache = _reorder(model, grouped, enc, cache, state_rows, keep_t)
+            last = last[state_rows]
         n = len(sents)
-        lprobs = _next_lprobs(model, tokens, enc, cache, step, min_len)  # (n*K, V)
+        lprobs = _next_lprobs(model, last, enc, cache, step, min_len)  # (n*width, V)
         V = lprobs.size(-1)
-        cand = (scores.view(-1, 1) + lprobs).view(n, K * V)  # (n, K*V)
+        # (n, K, 1) + (n, width, V): width 1 broadcasts the one decoded row to all K beams.
+        cand = (scores.view(n, K, 1) + lprobs.view(n, width, V)).view(n, K * V)  # (n, K*V)
         top_scores, top_index = cand.topk(min(2 * K, K * V), dim=1)  # (n, 2K), best first
         top_beam, top_tok = top_index // V, top_index % V
         is_eos = top_tok == EOS
@@ -236,27 +241,49 @@ def beam_search(
         key = torch.where(is_eos, ranks + top_index.size(1), ranks)  # (n, 2K)
         sel = key.topk(K, dim=1, largest=False).indices  # (n, K) ascending rank
         new_scores = top_scores.gather(1, sel)
-        origin = torch.arange(n, device=device)[:, None] * K + top_beam.gather(1, sel)  # (n, K)
+        beam = top_beam.gather(1, sel)  # (n, K)
+        base = torch.arange(n, device=device)[:, None]
+        origin = base * K + beam  # (n, K) rows of `tokens`
+        state_origin = base * K + beam if width == K else base.expand(n, K)  # rows of the state
         new_tok = top_tok.gather(1, sel)
         step += 1
-        ended: list[int] = []
+        ended: set[int] = set()
         if bool(done_mask.any()):
             for i, j in done_mask.nonzero().tolist():
                 row = i * K + int(top_beam[i, j])
                 logprob = float(top_scores[i, j])
                 finished[sents[i]].append(_hyp(tokens[row], logprob, step, alpha))
-            ended = [i for i in range(n) if len(finished[sents[i]]) >= K]
+            ended = {i for i in range(n) if len(finished[sents[i]]) >= K}
         # A sentence whose beams are all dead (-inf) can finish nothing more.
-        alive = torch.isfinite(new_scores).any(dim=1).tolist()
-        ended = sorted(set(ended) | {i for i in range(n) if not alive[i]})
-        keep = [i for i in range(n) if i not in set(ended)]
-        rows = origin[keep].view(-1)
-        tokens = torch.cat([tokens[rows], new_tok[keep].view(-1, 1)], dim=1)
-        scores = new_scores[keep]
-        sents = _finish(sents, ended, finished, out, nbest)
+        alive = torch.isfinite(new_scores).any(dim=1)
+        if not bool(alive.all()):
+            ended |= {i for i, a in enumerate(alive.tolist()) if not a}
+        width = K
+        if not ended:  # the common step: beams reorder within their sentences
+            tokens = torch.cat([tokens[origin.view(-1)], new_tok.view(-1, 1)], dim=1)
+            scores, last = new_scores, new_tok.view(-1, 1)
+            enc, cache = _reorder(model, grouped, enc, cache, state_origin.reshape(-1), None)
+            continue
+        keep = [i for i in range(n) if i not in ended]
+        keep_t = torch.tensor(keep, dtype=torch.long, device=device)
+        tokens = torch.cat([tokens[origin[keep_t].view(-1)], new_tok[keep_t].view(-1, 1)], dim=1)
+        scores, last = new_scores[keep_t], new_tok[keep_t].view(-1, 1)
+        sents = _finish(sents, sorted(ended), finished, out, nbest)
         if sents:
-            enc, cache = model.reorder(enc, cache, rows)
+            rows = state_origin[keep_t].reshape(-1)
+            enc, cache = _reorder(model, grouped, enc, cache, rows, keep_t)
     return out
+
+
+def _reorder(model, grouped: bool, enc, cache, rows: torch.Tensor, sents: torch.Tensor | None):
+    """Follow the surviving beams: decoder rows ``rows``; encoder rows ``sents`` (None: same).
+
+    Models with ``reorder_beams`` keep one encoder row per sentence; others (the contract's
+    ``reorder`` only) keep the encoder output row-aligned with the decoder rows.
+    """
+    if grouped:
+        return model.reorder_beams(enc, cache, rows, sents)
+    return model.reorder(enc, cache, rows)
 
 
 def _group_rows(groups: list[int], K: int, device) -> torch.Tensor:
@@ -337,7 +364,7 @@ def translate_nbest(
         model: the Transformer (already on ``device``).
         src_ids: source ids per sentence, without EOS (``make_src`` appends it); sources
             longer than the model's ``max_positions`` are truncated with a warning.
-        decode_cfg: beam size, alpha, lengths, batch size / max tokens, precision.
+        decode_cfg: beam size, alpha, lengths, batch size / max tokens, precision, quantize.
         device: where the batches go.
         min_len: EOS is forbidden until this many tokens are out.
 
@@ -351,6 +378,9 @@ def translate_nbest(
         log.warning("%d sources longer than max_positions=%s truncated",
                     count_truncated(src_ids, limit), limit)  # fmt: skip
         src_ids = clip_to_length(src_ids, limit, "truncate")
+    from mt.quantize import for_decoding
+
+    model = for_decoding(model, decode_cfg.quantize)
     lengths = [len(ids) for ids in src_ids]
     out: list[list[Hypothesis]] = [[] for _ in src_ids]
     for batch in make_batches(lengths, decode_cfg.batch_size, decode_cfg.max_tokens):

@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--beam", type=int, default=4, help="beam size (1: greedy only)")
     decode.add_argument("--checkpoint", help="a trained model (real output lengths)")
     decode.add_argument("--input", help="with --checkpoint: source sentences, one per line")
+    decode.add_argument(
+        "--quantize", choices=("none", "int8"), default="none",
+        help="int8: dynamic int8 Linear layers (decode.quantize)",
+    )  # fmt: skip
 
     every = sub.add_parser("all", help="a quick run of each benchmark (the default)")
     _common(every)

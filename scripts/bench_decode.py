@@ -28,6 +28,7 @@ from bench_common import (
 
 from mt.batching import make_src
 from mt.model import build_model
+from mt.quantize import for_decoding
 from mt.schema import DecodeConfig
 from mt.search import autocast, beam_search, greedy_search
 
@@ -67,7 +68,7 @@ def run_decode(args, rec: Recorder) -> list[dict[str, Any]]:
     """Benchmark greedy and beam search; emits one record per search."""
     device = args.device_obj
     model, src_ids, shape, forced = _load(args, device)
-    model.eval()
+    model = for_decoding(model.eval(), getattr(args, "quantize", "none"))
     dcfg = DecodeConfig()
     if forced:
         a, b, min_len = 0.0, args.gen_len, args.gen_len
@@ -110,6 +111,7 @@ def run_decode(args, rec: Recorder) -> list[dict[str, Any]]:
             **shape,
             "checkpoint": args.checkpoint,
             "precision": args.precision,
+            "quantize": getattr(args, "quantize", "none"),
             "batch_size": args.batch_size,
             "batches": len(batches),
             "src_len": args.src_len if not args.input else None,

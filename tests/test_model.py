@@ -323,3 +323,53 @@ def test_build_model_from_checkpoint_dict():
     assert len(model.encoder) == 2 and len(model.decoder) == 1
     other = build_model(cfg, V)
     other.load_state_dict(model.state_dict())
+
+
+def test_incremental_decoding_past_cache_capacity():
+    """The self-attention cache starts with 16 positions and grows: 20 steps cross the limit."""
+    model = make()
+    src = rand_tokens(2, 5, 1)
+    tgt = torch.cat([torch.full((2, 1), BOS), rand_tokens(2, 19, 2)], 1)  # (2, 20)
+    enc, cache = model.encode(src), {}
+    with torch.inference_mode():
+        steps = [model.decode(tgt[:, t : t + 1], enc, cache) for t in range(18)]
+        index = torch.tensor([1, 0, 1])  # a reorder after the growth, then two more steps
+        enc, cache = model.reorder(enc, cache, index)
+        steps = [s[index] for s in steps]
+        steps += [model.decode(tgt[index, t : t + 1], enc, cache) for t in range(18, 20)]
+        full = model(src[index], tgt[index])
+    assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
+
+
+def test_reorder_beams_shared_encoder_rows_equal_full_reorder():
+    """K decoder rows per encoder row (reorder_beams) give what expanded rows give (reorder)."""
+    model = make()
+    K = 3
+    src = torch.cat([rand_tokens(2, 6, 1), torch.full((2, 1), EOS)], 1)
+    src[1, 3:] = PAD
+    tgt = torch.cat([torch.full((6, 1), BOS), rand_tokens(6, 6, 2)], 1)  # (2*K, 7)
+    expand = torch.arange(2).repeat_interleave(K)
+    with torch.inference_mode():
+        enc_g, cache_g = model.encode(src), {}  # 2 encoder rows for 6 decoder rows
+        enc_f, cache_f = model.reorder(model.encode(src), {}, expand)
+        for t in range(3):
+            a = model.decode(tgt[:, t : t + 1], enc_g, cache_g)
+            b = model.decode(tgt[:, t : t + 1], enc_f, cache_f)
+            assert torch.allclose(a, b, atol=1e-5)
+        beams = torch.tensor([2, 2, 0, 4, 3, 3])  # reorder within each sentence
+        enc_g, cache_g = model.reorder_beams(enc_g, cache_g, beams)
+        enc_f, cache_f = model.reorder(enc_f, cache_f, beams)
+        a, attn_a = model.decode(tgt[:, 3:4], enc_g, cache_g, need_attn=True)
+        b, attn_b = model.decode(tgt[:, 3:4], enc_f, cache_f, need_attn=True)
+        assert torch.allclose(a, b, atol=1e-5) and torch.allclose(attn_a, attn_b, atol=1e-6)
+        # drop sentence 0 and reorder the beams of sentence 1
+        rows, sents = torch.tensor([5, 3, 3]), torch.tensor([1])
+        enc_g, cache_g = model.reorder_beams(enc_g, cache_g, rows, sents)
+        enc_f, cache_f = model.reorder(enc_f, cache_f, rows)
+        a = model.decode(tgt[rows, 4:5], enc_g, cache_g)
+        b = model.decode(tgt[rows, 4:5], enc_f, cache_f)
+        assert enc_g.memory.size(0) == 1 and torch.allclose(a, b, atol=1e-5)
+        # both equal the full teacher-forced decoder on the rows' histories
+        history = torch.cat([tgt[beams][rows][:, :3], tgt[rows, 3:5]], 1)
+        full = model(src[[1, 1, 1]], history)[:, -1:]
+    assert torch.allclose(a, full, atol=1e-5)

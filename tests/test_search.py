@@ -344,3 +344,60 @@ def test_translate_ids_truncates_sources_beyond_max_positions(real_model, caplog
     out = translate_ids(real_model, ids, cfg)
     assert len(out) == 2 and "truncated" in caplog.text
     assert out[0] == translate_ids(real_model, [ids[0][:127]], cfg)[0]
+
+
+class ContractOnly(nn.Module):
+    """The real model seen through the contract only (encode/decode/reorder): no reorder_beams,
+    so the search keeps the encoder output row-aligned with the beams, as before."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.max_positions = model.max_positions
+
+    def encode(self, src):
+        return self.model.encode(src)
+
+    def decode(self, tgt_in, enc, cache=None):
+        return self.model.decode(tgt_in, enc, cache)
+
+    def reorder(self, enc, cache, index):
+        return self.model.reorder(enc, cache, index)
+
+
+def test_real_model_shared_encoder_rows_equal_contract_path(real_model):
+    pytest.importorskip("mt.batching")
+    from mt.batching import make_src
+
+    src = make_src(random_sources(5, [2, 30, 7, 18, 1, 11]))
+    fast = beam_search(real_model, src, 3, 0.6, 0.5, 6, nbest=3)
+    plain = beam_search(ContractOnly(real_model), src, 3, 0.6, 0.5, 6, nbest=3)
+    assert len({len(h[0].tokens) for h in fast}) > 2  # sentences end at different steps
+    for a, b in zip(fast, plain):
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
+        assert [h.tokens for h in a] == [h.tokens for h in b]
+
+
+@pytest.mark.parametrize("setting", [{"quantize": "int8"}, {"precision": "bf16"}])
+def test_real_model_fast_settings_mostly_agree_with_fp32(real_model, setting):
+    pytest.importorskip("mt.batching")
+    ids = random_sources(6, [4, 9, 13, 6, 20, 3, 11, 8, 15, 7, 5, 12])
+    cfg = DecodeConfig(beam_size=4, max_len_a=0.5, max_len_b=5, batch_size=6)
+    ref = translate_ids(real_model, ids, cfg)
+    out = translate_ids(real_model, ids, DecodeConfig(**{**cfg.__dict__, **setting}))
+    same = sum(a == b for a, b in zip(ref, out))
+    assert same > len(ids) // 2, (same, setting)  # a tiny random model: near-ties abound
+
+
+def test_int8_copy_follows_weight_changes(real_model):
+    from mt.quantize import for_decoding
+
+    int8 = for_decoding(real_model, "int8")
+    assert for_decoding(real_model, "int8") is int8  # cached
+    assert for_decoding(real_model, "none") is real_model
+    assert type(int8.decoder[0].ffn.w1) is not nn.Linear and real_model.decode_head is None
+    with torch.no_grad():
+        real_model.decoder[0].ffn.w1.weight.add_(0.0)  # an in-place update: re-quantize
+    assert for_decoding(real_model, "int8") is not int8
+    with pytest.raises(ValueError, match="quantize"):
+        for_decoding(real_model, "int4")
