@@ -90,6 +90,7 @@ def _data_env(real_data, monkeypatch):
     monkeypatch.setenv("MT_DATA_DIR", str(real_data))
 
 
+@pytest.mark.slow
 def test_exact_resume_after_sigkill(tmp_path, real_data):
     """A run killed (SIGKILL) after its checkpoint at step N and restarted logs the same losses,
     step for step, as an uninterrupted run (dropout on, so RNG states matter)."""
@@ -128,6 +129,7 @@ def test_exact_resume_after_sigkill(tmp_path, real_data):
         torch.testing.assert_close(final_b[k], final_a[k], rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_last_and_exits_cleanly(tmp_path, real_data):
     run = tmp_path / "run"
     proc = _spawn(run, real_data, "train.save_every=3", "train.max_steps=100000")
@@ -392,3 +394,10 @@ def test_max_epochs_is_one_pass_over_the_data(tmp_path):
     assert result["stop"] == "max_epochs" and result["epoch"] == 1
     assert result["step"] == math.ceil(n_batches / 3)
     assert [r["step"] for r in _records(run) if "loss" in r] == [1]  # step 1 is always logged
+
+
+def test_max_minutes_stops_on_time(tmp_path):
+    run = tmp_path / "run"
+    result = train(_cfg(run, "train.max_minutes=1e-5", "train.max_steps=1000"))
+    assert result["stop"] == "max_minutes" and result["step"] == 1
+    assert load_checkpoint(run / "checkpoints" / "last.pt")["step"] == 1
