@@ -124,7 +124,6 @@ class TrainConfig:
     average_last: int = 0  # at the end, average the last N periodic checkpoints (0 = off)
     init_from: Optional[str] = None  # fine-tune: start from these weights, fresh optimiser
     max_nonfinite: int = 10  # stop after this many consecutive non-finite updates
-    num_workers: int = 0  # batch-collation worker processes (0 = in the main process)
 
 
 @dataclass
