@@ -50,9 +50,15 @@ def _hydra_app(task: Callable[[Config], object]) -> Callable[[], None]:
 
 
 def _prepare(cfg: Config) -> None:
-    from mt.prepare import prepare
+    import time
 
+    from mt.prepare import prepare
+    from mt.report import record_stage_time
+
+    start = time.perf_counter()
     prepare(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        record_stage_time(cfg.run_dir, "prepare", time.perf_counter() - start)
 
 
 def _train(cfg: Config) -> None:

@@ -148,6 +148,7 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
 
     if cfg.split not in ("valid", "test"):
         raise ValueError(f"split must be valid or test, got {cfg.split!r}")
+    stage_start = time.perf_counter()
     run_dir = Path(cfg.run_dir)
     ckpt_path = Path(cfg.checkpoint) if cfg.checkpoint else run_dir / "checkpoints" / "best.pt"
     device = _device(cfg.train.device)
@@ -203,6 +204,9 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
     log.info("%s on %s: %s | chrF2 %.2f", ckpt_path.name, cfg.split, result["bleu_details"],
              result["chrf"])  # fmt: skip
     if cfg.report:
+        from mt.report import record_stage_time
+
+        record_stage_time(run_dir, "evaluate", time.perf_counter() - stage_start)
         _write_report(run_dir, prepared, cfg.split, hyps, model, tokenizer, cfg.decode, device)
     _print_scores(result)
     sys.stdout.write(f"{run_dir}\n")

@@ -95,6 +95,17 @@ def stage_times(run_dir: str | Path, records: Sequence[Mapping[str, Any]]) -> di
     return times
 
 
+def record_stage_time(run_dir: str | Path, stage: str, seconds: float) -> None:
+    """Add ``stage``'s wall time to ``run_dir/timings.json`` (written atomically)."""
+    path = Path(run_dir) / "timings.json"
+    times = _read_json(path) if path.is_file() else {}
+    times[stage] = round(float(seconds), 3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(times, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 

@@ -67,4 +67,7 @@ def test_smoke_pipeline_end_to_end(real_data, tmp_path):
     assert isinstance(results["bleu"], float) and results["bleu"] > 0
     assert results["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp")
     assert results["split"] == "test" and "chrf" in results and "checkpoint" in results
-    assert (run_dir / "report.md").is_file()
+    report = (run_dir / "report.md").read_text(encoding="utf-8")
+    assert "Wall time per stage" in report and "prepare" in report and "evaluate" in report
+    timings = json.loads((run_dir / "timings.json").read_text())
+    assert {"prepare", "evaluate"} <= set(timings)

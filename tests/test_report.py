@@ -167,3 +167,13 @@ def test_plot_attention_accepts_torch(tmp_path):
     torch = pytest.importorskip("torch")
     out = plot_attention(["a", "b"], ["x"], torch.tensor([[0.25, 0.75]]), tmp_path / "t.png")
     png_size(out)
+
+
+def test_record_stage_time_merges_stages(tmp_path):
+    from mt.report import record_stage_time, stage_times
+
+    record_stage_time(tmp_path / "run", "prepare", 1.25)
+    record_stage_time(tmp_path / "run", "evaluate", 30.0)
+    record_stage_time(tmp_path / "run", "prepare", 2.5)  # a rerun replaces its own entry
+    times = stage_times(tmp_path / "run", [{"stage": "train", "seconds": 600.0}])
+    assert times == {"train": 600.0, "prepare": 2.5, "evaluate": 30.0}
