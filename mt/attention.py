@@ -10,6 +10,7 @@ Shape letters: B batch, H heads, T query length, S key length, D = d_model, d_k 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -54,6 +55,25 @@ def attention(
     weights = scores.softmax(dim=-1)
     out = F.dropout(weights, p=dropout_p) @ v
     return out, weights
+
+
+def _decoding_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Half-precision attention inputs as float32 on CPU, for cached (incremental) decoding.
+
+    Under bf16 autocast the projections run in bf16, but CPU attention kernels with one query
+    per row are several times slower in bf16 than in float32 (and the cache is small): the
+    cache and the attention stay float32 there. GPUs and training are left as they are.
+    """
+    if tensors[0].device.type != "cpu" or tensors[0].dtype == torch.float32:
+        return tensors
+    return tuple(t.float() for t in tensors)
+
+
+def _float32_on_cpu(active: bool):
+    """Autocast off (attention in the inputs' float32) while ``active``; see _decoding_dtype."""
+    if active and torch.is_autocast_enabled("cpu"):
+        return torch.autocast("cpu", enabled=False)
+    return contextlib.nullcontext()
 
 
 def append_to_cache(
@@ -126,9 +146,11 @@ class SelfAttention(nn.Module):
         # (B, T, 3D) -> (B, T, 3, H, d_k) -> (3, B, H, T, d_k)
         q, k, v = self.qkv(x).view(B, T, 3, self.h, self.d_k).permute(2, 0, 3, 1, 4).unbind(0)
         if cache is not None:
+            q, k, v = _decoding_dtype(q, k, v)
             k, v = append_to_cache(cache, prefix, k, v)  # (B, H, S_past + T, d_k)
         p = self.attention_dropout if self.training else 0.0
-        out, _ = attention(q, k, v, mask=mask, is_causal=is_causal, dropout_p=p)
+        with _float32_on_cpu(cache is not None and q.device.type == "cpu"):
+            out, _ = attention(q, k, v, mask=mask, is_causal=is_causal, dropout_p=p)
         return self.out(out.transpose(1, 2).reshape(B, T, D))  # (B, H, T, d_k) -> (B, T, D)
 
 
@@ -183,9 +205,13 @@ class CrossAttention(nn.Module):
             kv = self.kv(memory).view(n, S, 2, self.h, self.d_k).permute(2, 0, 3, 1, 4)
             k, v = kv.unbind(0)
             if cache is not None:
+                k, v = _decoding_dtype(k, v)
                 cache[prefix + "k"], cache[prefix + "v"] = k, v
+        if cache is not None:
+            (q,) = _decoding_dtype(q)
         p = self.attention_dropout if self.training else 0.0
-        out, weights = attention(q, k, v, mask=mask, dropout_p=p, need_weights=need_weights)
+        with _float32_on_cpu(cache is not None and q.device.type == "cpu"):
+            out, weights = attention(q, k, v, mask=mask, dropout_p=p, need_weights=need_weights)
         if weights is not None and G > 1:  # (n, H, G*T, S) -> (B, H, T, S)
             weights = weights.view(n, self.h, G, T, S).transpose(1, 2).reshape(B, self.h, T, S)
         return self.out(out.transpose(1, 2).reshape(B, T, D)), weights  # (n, G*T, H, d_k)
