@@ -11,16 +11,14 @@ ARGS ?=
 
 ifeq ($(VENV),)
 PY := $(PYTHON)
-BIN := $(dir $(shell command -v $(PYTHON)))
 else
 PY := $(VENV)/bin/python
-BIN := $(VENV)/bin/
 endif
 PIP_OPTS := $(if $(WHEELS),--no-index --find-links $(WHEELS),)
 ifeq ($(GPUS),1)
-LAUNCH := $(PY)
+LAUNCH := $(PY) -m mt
 else
-LAUNCH := $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(GPUS)
+LAUNCH := $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(GPUS) -m mt
 endif
 STAMP := $(if $(VENV),$(VENV),.)/.mt-installed
 
@@ -41,24 +39,24 @@ $(STAMP): pyproject.toml
 
 test: install  ## lint (ruff) and the whole test suite
 	$(PY) -m ruff check mt tests scripts
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=10 $(ARGS)
 
 lint: install  ## ruff alone
 	$(PY) -m ruff check mt tests scripts
 
 prepare: install  ## stages 1-2: data and SentencePiece (cached)
-	$(BIN)mt-prepare $(ARGS)
+	$(PY) -m mt prepare $(ARGS)
 
 train: install  ## the whole pipeline: prepare -> train -> evaluate (test BLEU, run directory)
-	$(BIN)mt-prepare $(ARGS)
-	$(LAUNCH) $(BIN)mt-train $(ARGS)
-	$(BIN)mt-evaluate $(ARGS)
+	$(PY) -m mt prepare $(ARGS)
+	$(LAUNCH) train $(ARGS)
+	$(PY) -m mt evaluate $(ARGS)
 
 smoke: install  ## the whole pipeline on a tiny model and a slice of Multi30k (< 2 min)
 	$(MAKE) --no-print-directory train ARGS="experiment=smoke $(ARGS)"
 
 evaluate: install  ## decode the test split of a run and score it with sacreBLEU
-	$(BIN)mt-evaluate $(ARGS)
+	$(PY) -m mt evaluate $(ARGS)
 
 bench: install  ## speed benchmarks (training, data loader, decoding); ARGS="train --help"
 	$(PY) scripts/bench.py $(ARGS)

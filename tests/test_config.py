@@ -85,3 +85,16 @@ def test_cli_misspelt_key_exits_nonzero():
     )
     assert proc.returncode != 0
     assert "d_modle" in proc.stderr + proc.stdout
+
+
+def test_python_dash_m_mt_runs_a_stage_and_names_a_bad_key():
+    root = Path(__file__).resolve().parents[1]
+    bad = subprocess.run(
+        [sys.executable, "-m", "mt", "prepare", "model.d_modle=3"],
+        capture_output=True, text=True, cwd=root, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "d_modle" in bad.stderr + bad.stdout
+    usage = subprocess.run(
+        [sys.executable, "-m", "mt", "fly"], capture_output=True, text=True, cwd=root, timeout=60
+    )
+    assert usage.returncode != 0 and "prepare,train,translate,evaluate" in usage.stderr

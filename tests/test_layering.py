@@ -16,6 +16,7 @@ MT = Path(__file__).resolve().parents[1] / "mt"
 # Lower number = lower layer. A module may import mt modules of a strictly lower layer.
 LAYERS = {
     "mt": 0,
+    "mt.__main__": 7.5,
     "mt.vocab": 0,
     "mt.schema": 0,
     "mt.masks": 1,
