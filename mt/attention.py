@@ -114,7 +114,18 @@ def _init_chunks(linear: nn.Linear, chunks: int) -> None:
     nn.init.zeros_(linear.bias)
 
 
-class SelfAttention(nn.Module):
+class _MultiHead(nn.Module):
+    """The head bookkeeping shared by self- and cross-attention: h heads of d_k = d_model / h."""
+
+    def __init__(self, d_model: int, h: int, attention_dropout: float) -> None:
+        super().__init__()
+        if d_model % h:
+            raise ValueError(f"d_model={d_model} is not divisible by h={h}")
+        self.h, self.d_k = h, d_model // h
+        self.attention_dropout = attention_dropout
+
+
+class SelfAttention(_MultiHead):
     """Multi-head self-attention with one fused Q/K/V projection.
 
     With ``cache`` (a dict) the new keys/values are appended to the cache (see
@@ -123,11 +134,7 @@ class SelfAttention(nn.Module):
     """
 
     def __init__(self, d_model: int, h: int, attention_dropout: float) -> None:
-        super().__init__()
-        if d_model % h:
-            raise ValueError(f"d_model={d_model} is not divisible by h={h}")
-        self.h, self.d_k = h, d_model // h
-        self.attention_dropout = attention_dropout
+        super().__init__(d_model, h, attention_dropout)
         self.qkv = nn.Linear(d_model, 3 * d_model)  # W^Q, W^K, W^V stacked
         self.out = nn.Linear(d_model, d_model)  # W^O
         _init_chunks(self.qkv, 3)
@@ -154,7 +161,7 @@ class SelfAttention(nn.Module):
         return self.out(out.transpose(1, 2).reshape(B, T, D))  # (B, H, T, d_k) -> (B, T, D)
 
 
-class CrossAttention(nn.Module):
+class CrossAttention(_MultiHead):
     """Multi-head encoder-decoder attention: queries from the decoder, keys/values from the
     encoder output ``memory`` through one fused K/V projection.
 
@@ -164,11 +171,7 @@ class CrossAttention(nn.Module):
     """
 
     def __init__(self, d_model: int, h: int, attention_dropout: float) -> None:
-        super().__init__()
-        if d_model % h:
-            raise ValueError(f"d_model={d_model} is not divisible by h={h}")
-        self.h, self.d_k = h, d_model // h
-        self.attention_dropout = attention_dropout
+        super().__init__(d_model, h, attention_dropout)
         self.q = nn.Linear(d_model, d_model)  # W^Q
         self.kv = nn.Linear(d_model, 2 * d_model)  # W^K, W^V stacked
         self.out = nn.Linear(d_model, d_model)  # W^O
