@@ -52,6 +52,7 @@ from mt.trainer import (
     check_compatible,
     metric_key,
     seed_everything,
+    train_sampler,
     training_state,
     validate,
 )
@@ -167,15 +168,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     model = torch.compile(raw) if tc.compile else raw
     model = distributed.wrap(model, info)
     split = prepared.split("train")
-    sampler = BatchSampler(
-        split.src.lengths,
-        split.tgt.lengths,
-        tc.max_tokens,
-        seed=tc.seed,
-        rank=info.rank,
-        world_size=info.world_size,
-        max_len=cfg.model.max_positions - 1 if tc.skip_long else None,
-    )
+    sampler = train_sampler(split, cfg, info.rank, info.world_size)
     metrics = MetricsLog(run_dir, state.step, enabled=info.is_main)
     update = Updater(model, raw.parameters(), optimizer, scheduler, scaler, cfg, info.world_size)
     # RNG last: from here on the resumed run draws exactly what the uninterrupted one drew.

@@ -164,6 +164,21 @@ class Updater:
         )
 
 
+def train_sampler(split, cfg: Config, rank: int = 0, world_size: int = 1) -> BatchSampler:
+    """The training batches of ``split`` for this rank: ``train.max_tokens``, the run's seed, and
+    pairs beyond the positional range skipped when ``train.skip_long``."""
+    tc = cfg.train
+    return BatchSampler(
+        split.src.lengths,
+        split.tgt.lengths,
+        tc.max_tokens,
+        seed=tc.seed,
+        rank=rank,
+        world_size=world_size,
+        max_len=cfg.model.max_positions - 1 if tc.skip_long else None,
+    )
+
+
 @torch.no_grad()
 def valid_loss(
     model: torch.nn.Module, split, cfg: Config, device: torch.device

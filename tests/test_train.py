@@ -21,7 +21,7 @@ from mt.checkpoint import CheckpointError, load_checkpoint, periodic_checkpoints
 from mt.config import load_config
 from mt.loss import label_smoothed_nll_loss
 from mt.train import train
-from mt.trainer import NonFiniteError
+from mt.trainer import NonFiniteError, train_sampler
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -282,7 +282,7 @@ def test_nonfinite_updates_are_skipped_then_stop(tmp_path, monkeypatch, caplog):
 def test_accumulation_equals_one_big_batch(tmp_path):
     """accum_steps=2 with max_tokens=M normalises by the tokens of the whole update: its first
     update's loss equals the token-weighted mean of the two batches' losses."""
-    from mt.batching import BatchSampler, iterate_batches
+    from mt.batching import iterate_batches
     from mt.model import build_model
     from mt.prepare import prepare
 
@@ -295,13 +295,7 @@ def test_accumulation_equals_one_big_batch(tmp_path):
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, prepared.vocab_size)
     split = prepared.split("train")
-    sampler = BatchSampler(
-        split.src.lengths,
-        split.tgt.lengths,
-        cfg.train.max_tokens,
-        seed=cfg.train.seed,
-        max_len=cfg.model.max_positions - 1,
-    )
+    sampler = train_sampler(split, cfg)
     batches = list(iterate_batches(split, sampler, 0))[:2]
     total = ntok = 0.0
     for b in batches:
@@ -376,20 +370,13 @@ def test_updater_normalises_by_update_tokens_and_clips(clip):
 
 
 def test_max_epochs_is_one_pass_over_the_data(tmp_path):
-    from mt.batching import BatchSampler
     from mt.prepare import prepare
 
     run = tmp_path / "run"
     cfg = _cfg(run, "train.max_epochs=1", "train.accum_steps=3", "train.log_every=1000")
     result = train(cfg)
     split = prepare(cfg).split("train")
-    sampler = BatchSampler(
-        split.src.lengths,
-        split.tgt.lengths,
-        cfg.train.max_tokens,
-        seed=cfg.train.seed,
-        max_len=cfg.model.max_positions - 1,
-    )
+    sampler = train_sampler(split, cfg)
     n_batches = len(sampler.batches(0))
     assert result["stop"] == "max_epochs" and result["epoch"] == 1
     assert result["step"] == math.ceil(n_batches / 3)
