@@ -51,3 +51,77 @@ def label_smoothed_nll_loss(
     eps_i = eps / (V - 1) if V > 1 else 0.0
     loss = (1.0 - eps - eps_i) * nll + eps_i * smooth
     return loss, nll
+
+
+class _SmoothedCrossEntropy(torch.autograd.Function):
+    """The same loss from the logits, fused: forward keeps one float row block at a time, and
+    backward writes ``g * (softmax(z) - q)`` (its closed form) straight into the logits' dtype.
+
+    The unfused path (``log_softmax`` -> gather + sum -> their backward) makes about ten passes
+    over an (N, V) float tensor; on a CPU they cost more than the model's matrix products.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, eps: float, rows: int):
+        N, V = logits.shape
+        eps_i = eps / (V - 1) if V > 1 else 0.0
+        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        lse, nll, smooth = (logits.new_empty(N, dtype=acc) for _ in range(3))
+        for i in range(0, N, rows):
+            z, t = logits[i : i + rows], target[i : i + rows].unsqueeze(-1)
+            lp = torch.log_softmax(z, dim=-1, dtype=acc)  # one block, at least float32
+            nll[i : i + rows] = -lp.gather(-1, t).squeeze(-1)
+            smooth[i : i + rows] = -lp.sum(dim=-1)
+            lse[i : i + rows] = z[:, 0].to(acc) - lp[:, 0]
+        ctx.save_for_backward(logits, target, lse)
+        ctx.eps, ctx.eps_i, ctx.rows = eps, eps_i, rows
+        nll_sum = nll.sum()
+        ctx.mark_non_differentiable(nll_sum)
+        return (1.0 - eps - eps_i) * nll_sum + eps_i * smooth.sum(), nll_sum
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor, grad_nll: torch.Tensor):
+        logits, target, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        g = grad_loss.to(lse.dtype)
+        on_target = -(1.0 - ctx.eps - ctx.eps_i)  # p - q = p - eps_i, minus (1-eps-eps_i) at t
+        for i in range(0, logits.size(0), ctx.rows):
+            z, t = logits[i : i + ctx.rows], target[i : i + ctx.rows].unsqueeze(-1)
+            p = torch.sub(z, lse[i : i + ctx.rows].unsqueeze(-1)).exp_()  # softmax, float
+            p.sub_(ctx.eps_i).scatter_add_(-1, t, p.new_full(t.shape, on_target))
+            torch.mul(p, g, out=grad[i : i + ctx.rows])
+        return grad, None, None, None
+
+
+def label_smoothed_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, eps: float, ignore_index: int = PAD
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`label_smoothed_nll_loss` of ``log_softmax(logits)``, fused (what training uses).
+
+    Computed in float32 whatever the logits' dtype, one block of rows at a time; the gradient
+    has the logits' dtype. Only the loss is differentiable (the NLL is for reporting).
+
+    Args:
+        logits: (N, V) unnormalised scores (float32, bfloat16 or float16).
+        target: (N,) reference ids; rows whose target is ``ignore_index`` are dropped (pass
+            only real positions to avoid that copy).
+        eps: smoothing mass in [0, 1).
+
+    Returns:
+        ``(loss_sum, nll_sum)``, float32 scalars (sums over the kept rows).
+
+    Example:
+        >>> z, t = torch.randn(4, 10, requires_grad=True), torch.tensor([4, 5, 0, 9])
+        >>> loss, nll = label_smoothed_cross_entropy(z, t, 0.1)
+        >>> loss.backward()
+    """
+    if logits.dim() != 2 or target.dim() != 1 or logits.size(0) != target.size(0):
+        raise ValueError(
+            f"expected logits (N,V) and target (N,), got {tuple(logits.shape)} and "
+            f"{tuple(target.shape)}"
+        )
+    keep = target != ignore_index
+    if not bool(keep.all()):
+        logits, target = logits[keep], target[keep]
+    rows = max(1, (1 << 20) // max(logits.size(1), 1))  # ~4 MB of float per block
+    return _SmoothedCrossEntropy.apply(logits, target, float(eps), rows)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -339,9 +339,17 @@ class Transformer(nn.Module):
         logits = F.linear(h, self.output_weight)  # (..., V_padded)
         return logits if self.padded_vocab == self.vocab_size else logits[..., : self.vocab_size]
 
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced logits: src (B, S), tgt_in (B, T) -> (B, T, V)."""
-        return self.project(self.features(src, tgt_in))
+    def forward(
+        self, src: torch.Tensor, tgt_in: torch.Tensor, keep: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """Teacher-forced logits: src (B, S), tgt_in (B, T) -> (B, T, V).
+
+        With ``keep`` (a (B, T) bool mask, e.g. the non-pad target positions) only those
+        positions are projected: -> (n, V), rows in row-major order of the mask. Training uses
+        this, so padding costs nothing in the projection and the loss.
+        """
+        h = self.features(src, tgt_in)
+        return self.project(h if keep is None else h[keep])
 
 
 def build_model(model_cfg: ModelConfig | dict, vocab_size: int) -> Transformer:

@@ -20,13 +20,13 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from mt import distributed
 from mt.batching import Batch, BatchSampler, iterate_batches
 from mt.checkpoint import CheckpointError, model_cfg_from, model_state, rng_state
-from mt.loss import label_smoothed_nll_loss
+from mt.loss import label_smoothed_cross_entropy
 from mt.schema import Config
+from mt.vocab import PAD
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +73,13 @@ def autocast(device: torch.device, precision: str):
 def batch_loss(
     model: torch.nn.Module, batch: Batch, eps: float, precision: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed (label-smoothed loss, NLL) of one batch, in float32 (weight 0 for fillers)."""
+    """Summed (label-smoothed loss, NLL) of one batch, in float32 (weight 0 for fillers).
+
+    Only the non-pad target positions are projected and scored."""
+    keep = batch.tgt_out != PAD
     with autocast(batch.src.device, precision):
-        logits = model(batch.src, batch.tgt_in)  # (B, T, V)
-    lprobs = F.log_softmax(logits.float(), dim=-1)
-    loss, nll = label_smoothed_nll_loss(
-        lprobs.view(-1, lprobs.size(-1)), batch.tgt_out.reshape(-1), eps
-    )
+        logits = model(batch.src, batch.tgt_in, keep)  # (n, V)
+    loss, nll = label_smoothed_cross_entropy(logits, batch.tgt_out[keep], eps)
     return loss * batch.weight, nll * batch.weight
 
 
@@ -92,10 +92,16 @@ class Updater:
         optimizer, scheduler, scaler: the optimisation state.
         cfg: the whole configuration (train.* settings are used).
         world_size: number of DDP ranks.
+        loss_fn: ``(model, batch, eps, precision) -> (loss_sum, nll_sum)``, default
+            :func:`batch_loss` (the benchmark swaps in a textbook one for its baseline).
     """
 
-    def __init__(self, model, params, optimizer, scheduler, scaler, cfg: Config, world_size: int):
+    def __init__(
+        self, model, params, optimizer, scheduler, scaler, cfg: Config, world_size: int,
+        loss_fn=None,
+    ):  # fmt: skip
         self.model = model
+        self.loss_fn = loss_fn or batch_loss
         self.params = list(params)
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -117,7 +123,7 @@ class Updater:
         self.optimizer.zero_grad(set_to_none=True)
         for i, batch in enumerate(batches):
             with distributed.no_sync(self.model, skip=i < len(batches) - 1):
-                loss, nll = batch_loss(
+                loss, nll = self.loss_fn(
                     self.model, batch, self.tc.label_smoothing, self.tc.precision
                 )
                 self.scaler.scale(loss * scale).backward()

@@ -5,7 +5,9 @@ forward, label-smoothed loss, backward, gradient norm, Adam, Noam scheduler.
 Throughput is non-pad target tokens (EOS included; fairseq's ``wps``) per second of a step,
 the median over the timed steps after ``--warmup-steps`` untimed ones. With ``--baseline torch``
 the two implementations alternate step by step on the same batches, so their ratio comes from
-one run on a shared machine.
+one run on a shared machine. The baseline computes its loss the textbook way (fairseq's):
+logits at every position, ``log_softmax`` in float32, padding masked (``textbook_loss``); mt
+projects only the non-pad positions and uses its fused loss (``mt.loss``).
 
 MFU (model FLOPs utilisation) counts the useful (non-pad) work of a batch:
 
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from bench_common import (
     Recorder,
+    autocast,
     environment,
     measure_peak_tflops,
     median,
@@ -40,6 +43,7 @@ from bench_common import (
 )
 from torch import nn
 
+from mt.loss import label_smoothed_nll_loss
 from mt.model import build_model, sinusoidal_positions
 from mt.schedule import noam_lambda
 from mt.schema import Config, ModelConfig
@@ -82,8 +86,8 @@ class TorchTransformer(nn.Module):
         x = self.embed(tokens) * math.sqrt(self.d_model)  # (B, L, D)
         return self.dropout(x + self.pe[: tokens.size(1)])
 
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
-        """src (B, S), tgt_in (B, T) -> logits (B, T, V)."""
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, keep=None) -> torch.Tensor:
+        """src (B, S), tgt_in (B, T) -> logits (B, T, V) (all positions, as fairseq does)."""
         T = tgt_in.size(1)
         causal = nn.Transformer.generate_square_subsequent_mask(T, device=src.device)
         src_pad = src == PAD  # torch's polarity: True = ignore
@@ -120,12 +124,26 @@ def batch_flops(batch, p_enc: int, p_dec: int, cfg: ModelConfig, vocab: int) -> 
     return float(dense + attn)
 
 
+def textbook_loss(model, batch, eps: float, precision: str):
+    """The loss as fairseq and most PyTorch code compute it: logits at every position,
+    ``log_softmax`` in float32, then the label-smoothed NLL with padding masked out."""
+    with autocast(batch.src.device, precision):
+        logits = model(batch.src, batch.tgt_in)  # (B, T, V)
+    lprobs = F.log_softmax(logits.float(), dim=-1)
+    loss, nll = label_smoothed_nll_loss(
+        lprobs.view(-1, lprobs.size(-1)), batch.tgt_out.reshape(-1), eps
+    )
+    return loss * batch.weight, nll * batch.weight
+
+
 class Runner:
     """One implementation under test, stepped by the training code's own ``mt.trainer.Updater``
     (forward, label-smoothed loss, backward, gradient norm, Adam, Noam), set up as
     ``mt.train.setup`` does."""
 
-    def __init__(self, name: str, model: nn.Module, args, cfg: ModelConfig, device) -> None:
+    def __init__(
+        self, name: str, model: nn.Module, args, cfg: ModelConfig, device, loss_fn=None
+    ) -> None:
         self.name, self.device = name, device
         self.model = model.to(device).train()
         self.n_params = sum(p.numel() for p in self.model.parameters())
@@ -145,7 +163,9 @@ class Runner:
         )
         scaler = torch.amp.GradScaler(device.type, enabled=tc.precision == "fp16")
         forward = torch.compile(self.model) if args.compile else self.model
-        self.update = Updater(forward, self.model.parameters(), opt, sched, scaler, run_cfg, 1)
+        self.update = Updater(
+            forward, self.model.parameters(), opt, sched, scaler, run_cfg, 1, loss_fn
+        )
         self.state = TrainState()
         self.tok_per_s: list[float] = []
         self.seconds: list[float] = []
@@ -180,7 +200,8 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
     p_enc, p_dec = mt_stack_params(mt_model)
     runners = [Runner("mt", mt_model, args, cfg, device)]
     if args.baseline == "torch":
-        runners.append(Runner("torch", TorchTransformer(cfg, args.vocab), args, cfg, device))
+        torch_model = TorchTransformer(cfg, args.vocab)
+        runners.append(Runner("torch", torch_model, args, cfg, device, textbook_loss))
 
     n = args.warmup_steps + args.steps
     if args.data:

@@ -142,6 +142,17 @@ def test_causality():
         assert not torch.allclose(out[:, t + 1 :], base[:, t + 1 :], atol=1e-3)
 
 
+def test_keep_projects_only_the_selected_positions():
+    """forward(..., keep) returns exactly the rows of the full logits at the kept positions."""
+    model = make()
+    src, tgt = rand_tokens(3, 6, 1), rand_tokens(3, 5, 2)
+    keep = torch.rand(3, 5, generator=torch.Generator().manual_seed(0)) > 0.4
+    full = model(src, tgt)
+    kept = model(src, tgt, keep)
+    assert kept.shape == (int(keep.sum()), V)
+    torch.testing.assert_close(kept, full[keep])
+
+
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_padding_invariance(norm):
     model = make(norm=norm)

@@ -252,17 +252,17 @@ def test_patience_stops_and_best_follows_the_metric(tmp_path, monkeypatch):
 
 
 def test_nonfinite_updates_are_skipped_then_stop(tmp_path, monkeypatch, caplog):
-    real = mt.trainer.label_smoothed_nll_loss
+    real = mt.trainer.label_smoothed_cross_entropy
     calls = {"n": 0}
 
-    def sometimes_nan(lprobs, target, eps):
+    def sometimes_nan(logits, target, eps):
         calls["n"] += 1
-        loss, nll = real(lprobs, target, eps)
+        loss, nll = real(logits, target, eps)
         if calls["n"] == 3:  # the third update (accum_steps=1, no validation batches yet)
             return loss * float("nan"), nll
         return loss, nll
 
-    monkeypatch.setattr(mt.trainer, "label_smoothed_nll_loss", sometimes_nan)
+    monkeypatch.setattr(mt.trainer, "label_smoothed_cross_entropy", sometimes_nan)
     run = tmp_path / "run"
     result = train(_cfg(run, "train.max_steps=4", "train.eval_every=0"))
     assert result["step"] == 4
@@ -270,11 +270,11 @@ def test_nonfinite_updates_are_skipped_then_stop(tmp_path, monkeypatch, caplog):
     assert "non-finite loss at update 3" in caplog.text
     assert all(math.isfinite(v) for v in _losses(run).values())
 
-    def always_nan(lprobs, target, eps):
-        loss, nll = real(lprobs, target, eps)
+    def always_nan(logits, target, eps):
+        loss, nll = real(logits, target, eps)
         return loss * float("nan"), nll
 
-    monkeypatch.setattr(mt.trainer, "label_smoothed_nll_loss", always_nan)
+    monkeypatch.setattr(mt.trainer, "label_smoothed_cross_entropy", always_nan)
     with pytest.raises(NonFiniteError, match="3 consecutive updates"):
         train(_cfg(tmp_path / "nan", "train.max_steps=10", "train.max_nonfinite=3"))
 
@@ -331,8 +331,9 @@ class _Bigram(torch.nn.Module):
             torch.randn(V, V, generator=torch.Generator().manual_seed(0))
         )
 
-    def forward(self, src, tgt_in):
-        return self.table[tgt_in]  # (B, T, V)
+    def forward(self, src, tgt_in, keep=None):
+        logits = self.table[tgt_in]  # (B, T, V)
+        return logits if keep is None else logits[keep]
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.05])
