@@ -5,6 +5,14 @@
 The peak is at ``step = warmup``: ``factor * (d_model * warmup)^-0.5``. Setting a peak ``lr``
 instead chooses ``factor = lr * (d_model * warmup)^0.5`` so the peak equals ``lr`` exactly.
 Steps count updates from 1 (the first update uses ``lr(1)``).
+
+A run with a fixed budget (``train.max_steps`` or ``train.max_minutes``) can end with a
+cool-down: over the last fraction ``c`` of the budget the rate is multiplied by a factor that
+falls linearly to zero, ``min(1, (1 - progress) / c)``, where ``progress`` in [0, 1] is the
+share of the budget spent before the update. Ending at a small rate instead of the Noam tail's
+large one gives a markedly better final model for the same budget (the "trapezoidal" or
+warm-up/stable/decay schedule; Hägele et al., 2024, "Scaling Laws and Compute-Optimal Training
+Beyond Fixed Training Durations").
 """
 
 from __future__ import annotations
@@ -58,3 +66,25 @@ def noam_lambda(
         return noam_lr(scheduler_step + 1, d_model, warmup, f)
 
     return lr_lambda
+
+
+def cooldown_factor(progress: float, cooldown: float) -> float:
+    """The cool-down multiplier of the rate after spending ``progress`` of the budget.
+
+    Args:
+        progress: share of the budget spent before this update (clamped to [0, 1]).
+        cooldown: final share of the budget over which the rate decays to 0 (0 = off).
+
+    Returns:
+        ``min(1, (1 - progress) / cooldown)``; 1.0 when ``cooldown`` is 0.
+
+    Example:
+        >>> cooldown_factor(0.5, 0.2), cooldown_factor(0.9, 0.2)
+        (1.0, 0.5)
+    """
+    if not 0.0 <= cooldown <= 1.0:
+        raise ValueError(f"train.cooldown must be in [0, 1], got {cooldown}")
+    if cooldown == 0.0:
+        return 1.0
+    progress = min(max(progress, 0.0), 1.0)
+    return min(1.0, (1.0 - progress) / cooldown)

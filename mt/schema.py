@@ -109,6 +109,9 @@ class TrainConfig:
     warmup: int = 4000
     factor: float = 1.0
     lr: Optional[float] = None  # peak lr; when set, overrides factor (peak reached at warmup)
+    # Cool-down: over the last `cooldown` share of the budget (max_steps or max_minutes,
+    # whichever is nearer) the rate falls linearly to 0 (0 = off: the plain Noam tail).
+    cooldown: float = 0.0
     label_smoothing: float = 0.1
     precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 uses a dynamic loss scale)
     compile: bool = False  # torch.compile the model

@@ -42,7 +42,7 @@ from mt.checkpoint import (
 from mt.config import to_yaml
 from mt.model import build_model
 from mt.prepare import prepare
-from mt.schedule import noam_lambda
+from mt.schedule import cooldown_factor, noam_lambda
 from mt.schema import Config
 from mt.trainer import (
     MetricsLog,
@@ -190,7 +190,6 @@ def train_loop(run: Run) -> str:
     from tqdm.auto import tqdm
 
     split = run.prepared.split("train")
-    optimizer = run.update.optimizer
     bar = tqdm(
         total=tc.max_steps or None,
         initial=state.step,
@@ -209,7 +208,7 @@ def train_loop(run: Run) -> str:
         batches = iterate_batches(split, run.sampler, state.epoch, start=state.batch)
         for group in _groups(batches, tc.accum_steps):
             group = [b.to(run.info.device) for b in group]
-            lr = optimizer.param_groups[0]["lr"]
+            lr = _apply_cooldown(run)
             t_update = time.perf_counter()
             result = run.update(group, state)
             seconds += time.perf_counter() - t_update
@@ -350,6 +349,35 @@ def _checkpoint(run: Run, full: bool) -> dict[str, Any]:
         run.raw_model, run.prepared, run.cfg, run.state,
         update.optimizer, update.scheduler, update.scaler, full,
     )  # fmt: skip
+
+
+def budget_progress(tc, state: TrainState) -> float:
+    """Share of the training budget spent: the larger of steps/max_steps and
+    time/max_minutes (0 when neither is set)."""
+    shares = [0.0]
+    if tc.max_steps > 0:
+        shares.append(state.step / tc.max_steps)
+    if tc.max_minutes > 0:
+        shares.append(state.wall / (tc.max_minutes * 60))
+    return min(max(shares), 1.0)
+
+
+def _apply_cooldown(run: Run) -> float:
+    """Set the rate of the coming update, the Noam one times the cool-down factor (the
+    scheduler recomputes the plain Noam rate after each update); returns it. Under DDP rank
+    0's progress is used, so every replica applies the same rate."""
+    tc, optimizer = run.cfg.train, run.update.optimizer
+    if tc.cooldown <= 0:
+        return optimizer.param_groups[0]["lr"]
+    if tc.max_steps <= 0 and tc.max_minutes <= 0:
+        raise ValueError("train.cooldown needs a budget: set train.max_steps or train.max_minutes")
+    progress = budget_progress(tc, run.state)
+    if run.info.distributed and tc.max_minutes > 0:  # wall clocks differ between ranks
+        progress = distributed.broadcast_float(progress, run.info.device)
+    factor = cooldown_factor(progress, tc.cooldown)
+    for group, noam in zip(optimizer.param_groups, run.update.scheduler.get_last_lr()):
+        group["lr"] = noam * factor
+    return optimizer.param_groups[0]["lr"]
 
 
 def _limits(run: Run) -> Optional[str]:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mt.schedule import noam_factor, noam_lambda, noam_lr
+from mt.schedule import cooldown_factor, noam_factor, noam_lambda, noam_lr
 
 
 def _paper(step, d_model, warmup, factor=1.0):
@@ -51,3 +51,14 @@ def test_lambda_lr_gives_update_k_the_rate_of_step_k():
 def test_bad_warmup():
     with pytest.raises(ValueError):
         noam_lr(1, 512, 0)
+
+
+def test_cooldown_factor_is_linear_to_zero_over_the_last_share():
+    c = 0.25
+    for p in (0.0, 0.3, 0.75):
+        assert cooldown_factor(p, c) == 1.0
+    for p, expected in ((0.8, 0.8), (0.875, 0.5), (0.95, 0.2), (1.0, 0.0), (1.5, 0.0)):
+        assert cooldown_factor(p, c) == pytest.approx(expected, abs=1e-12)
+    assert cooldown_factor(0.99, 0.0) == 1.0  # off
+    with pytest.raises(ValueError, match="train.cooldown"):
+        cooldown_factor(0.5, 1.5)

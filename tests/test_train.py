@@ -209,6 +209,42 @@ def test_lr_follows_the_schedule(tmp_path):
             assert r["lr"] == pytest.approx(noam_lr(r["step"], 32, 10, f), rel=1e-9)
 
 
+def test_cooldown_decays_the_rate_to_zero_over_the_end_of_the_budget(tmp_path):
+    """Update k (1-based) of a 10-step budget with cooldown 0.5 uses
+    noam(k) * min(1, (1 - (k - 1) / 10) / 0.5): full rate up to update 6, then 0.8 ... 0.2."""
+    from mt.schedule import noam_factor, noam_lr
+
+    run = tmp_path / "run"
+    train(_cfg(run, "train.max_steps=10", "train.cooldown=0.5"))
+    f = noam_factor(32, 10, lr=3e-3)
+    lrs = {r["step"]: r["lr"] for r in _records(run) if "lr" in r}
+    assert sorted(lrs) == list(range(1, 11))
+    for k, lr in lrs.items():
+        expected = noam_lr(k, 32, 10, f) * min(1.0, (1 - (k - 1) / 10) / 0.5)
+        assert lr == pytest.approx(expected, rel=1e-9)
+    assert lrs[10] == pytest.approx(0.2 * noam_lr(10, 32, 10, f), rel=1e-9)
+
+
+def test_budget_progress_takes_the_nearer_limit():
+    from mt.schema import TrainConfig
+    from mt.train import budget_progress
+    from mt.trainer import TrainState
+
+    state = TrainState(step=30, wall=90.0)
+    assert budget_progress(TrainConfig(max_steps=100), state) == pytest.approx(0.3)
+    assert budget_progress(TrainConfig(max_minutes=2.0), state) == pytest.approx(0.75)
+    assert budget_progress(TrainConfig(max_steps=100, max_minutes=2.0), state) == 0.75
+    assert budget_progress(TrainConfig(max_steps=20), state) == 1.0
+    assert budget_progress(TrainConfig(), state) == 0.0
+
+
+def test_cooldown_without_a_budget_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="train.cooldown needs a budget"):
+        train(
+            _cfg(tmp_path / "run", "train.max_steps=0", "train.max_epochs=1", "train.cooldown=0.2")
+        )
+
+
 def test_init_from_uses_weights_with_fresh_optimizer(tmp_path):
     first = tmp_path / "first"
     train(_cfg(first, "train.max_steps=3"))
