@@ -12,6 +12,12 @@ The sweep itself (see README.md, "Choosing the settings"):
         model.dropout=0.1,0.2 train.lr=1e-3,2e-3 \\
         hydra.sweep.dir=runs/sweep_multi30k_de_en \\
         'run_dir=${hydra:sweep.dir}/${hydra:job.num}'
+
+Decoding settings of a trained model are swept the same way with mt-evaluate on split=valid
+(each trial's results.json is read; other splits are ignored):
+    mt-evaluate -m split=valid report=false checkpoint=RUN/checkpoints/best.pt \\
+        decode.beam_size=1,4,8 decode.alpha=0.6,1.0 \\
+        hydra.sweep.dir=runs/beam_sweep 'run_dir=${hydra:sweep.dir}/${hydra:job.num}'
 """
 
 from __future__ import annotations
@@ -36,11 +42,30 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
+def decode_trial(run_dir: Path) -> dict | None:
+    """A decoding trial: ``mt-evaluate split=valid`` results (None for any other split: the
+    test sets never choose settings)."""
+    result = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
+    if result.get("split") != "valid":
+        return None
+    keys = ("beam_size", "alpha", "max_len_a", "max_len_b", "precision", "checkpoint")
+    return {
+        "run": run_dir.name,
+        "config": {f"decode.{k}" if k != "checkpoint" else k: result.get(k) for k in keys},
+        "valid_bleu": result["bleu"],
+        "valid_loss": None,
+        "steps": result.get("step", 0),
+        "tok_s": None,
+        "sent_s": result.get("sent_per_s"),
+    }
+
+
 def trial(run_dir: Path) -> dict | None:
-    """The settings and figures of one trial (None when it has no metrics yet)."""
+    """The settings and figures of one trial (None when it has no metrics yet): a training run
+    (config.yaml + metrics.jsonl) or a decoding run (results.json of mt-evaluate)."""
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
-        return None
+        return decode_trial(run_dir) if (run_dir / "results.json").is_file() else None
     records = []
     for line in metrics.read_text(encoding="utf-8").splitlines():
         try:
@@ -68,11 +93,21 @@ def table(trials: list[dict]) -> str:
         for k in keys
         if len({json.dumps(t["config"].get(k)) for t in trials}) > 1 and k != "run_dir"
     ]
-    head = ["run", *varied, "valid BLEU", "valid loss", "updates", "tgt tok/s"]
+    decoding = all("sent_s" in t for t in trials)
+    figures = (
+        ["valid BLEU", "step", "sent/s"]
+        if decoding
+        else ["valid BLEU", "valid loss", "updates", "tgt tok/s"]
+    )
+    head = ["run", *varied, *figures]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     ranked = sorted(trials, key=lambda t: -(t["valid_bleu"] or 0.0))
     for t in ranked:
         cells = [t["run"], *(str(t["config"].get(k)) for k in varied)]
+        if decoding:
+            cells += [f"{t['valid_bleu']:.2f}", str(t["steps"]), f"{t['sent_s'] or 0:.1f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+            continue
         cells += [
             f"{t['valid_bleu']:.2f}" if t["valid_bleu"] is not None else "-",
             f"{t['valid_loss']:.3f}" if t["valid_loss"] is not None else "-",
@@ -88,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sweep_dir", type=Path)
     parser.add_argument("--output", type=Path, help="also write the table to this file")
     args = parser.parse_args(argv)
-    dirs = sorted(p for p in args.sweep_dir.iterdir() if (p / "config.yaml").is_file())
+    dirs = sorted(
+        (p for p in args.sweep_dir.iterdir() if p.is_dir()),
+        key=lambda p: (len(p.name), p.name),  # 2 before 10
+    )
     trials = [t for t in map(trial, dirs) if t is not None]
     if not trials:
         print(f"no trials with metrics under {args.sweep_dir}", file=sys.stderr)
