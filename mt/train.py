@@ -49,6 +49,7 @@ from mt.trainer import (
     TrainState,
     Updater,
     better,
+    build_optimizer,
     check_compatible,
     metric_key,
     seed_everything,
@@ -146,14 +147,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     n_params = sum(p.numel() for p in raw.parameters())
     log.info("model: %s parameters, vocabulary %d", f"{n_params:,}", prepared.vocab_size)
 
-    optimizer = torch.optim.Adam(
-        raw.parameters(),
-        lr=1.0,  # the LambdaLR function returns the learning rate itself
-        betas=(tc.beta1, tc.beta2),
-        eps=tc.eps,
-        weight_decay=tc.weight_decay,
-        fused=info.device.type == "cuda" or None,
-    )
+    optimizer = build_optimizer(raw.parameters(), tc, info.device)
     lr_lambda = noam_lambda(cfg.model.d_model, tc.warmup, tc.factor, tc.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
     scaler = torch.amp.GradScaler(info.device.type, enabled=tc.precision == "fp16")

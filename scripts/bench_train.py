@@ -47,7 +47,7 @@ from mt.loss import label_smoothed_nll_loss
 from mt.model import build_model, sinusoidal_positions
 from mt.schedule import noam_lambda
 from mt.schema import Config, ModelConfig
-from mt.trainer import TrainState, Updater
+from mt.trainer import TrainState, Updater, build_optimizer
 from mt.vocab import PAD
 
 log = logging.getLogger("bench")
@@ -151,13 +151,12 @@ class Runner:
         tc = run_cfg.train
         tc.label_smoothing, tc.precision, tc.compile = args.smoothing, args.precision, args.compile
         tc.warmup, tc.clip_norm = args.noam_warmup, 0.0
-        opt = torch.optim.Adam(
-            self.model.parameters(),
-            lr=1.0,
-            betas=(tc.beta1, tc.beta2),
-            eps=tc.eps,
-            fused=device.type == "cuda" or None,
-        )
+        if loss_fn is None:  # mt: the training code's optimiser (fused Adam)
+            opt = build_optimizer(self.model.parameters(), tc, device)
+        else:  # the baseline: torch's default Adam, as fairseq and most code use it
+            opt = torch.optim.Adam(
+                self.model.parameters(), lr=1.0, betas=(tc.beta1, tc.beta2), eps=tc.eps
+            )
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, noam_lambda(cfg.d_model, tc.warmup, tc.factor, tc.lr)
         )
