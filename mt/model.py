@@ -91,6 +91,21 @@ class _Layer(nn.Module):
             return x + self.dropout(sublayer(self.norms[i](x)))
         return self.norms[i](x + self.dropout(sublayer(x)))
 
+    def packed_residual(
+        self, x: torch.Tensor, i: int, sublayer: Callable, rows: torch.Tensor | None
+    ) -> torch.Tensor:
+        """:meth:`residual` of a position-wise sublayer (the FFN) on the real positions only.
+
+        ``rows`` are the flat indices of the non-pad positions of ``x`` (B, L, D), or None (no
+        padding). Padded positions come out as zeros: nothing reads them (keys there are
+        masked, and the causal mask keeps real target queries off the right padding).
+        """
+        if rows is None:
+            return self.residual(x, i, sublayer)
+        B, L, D = x.shape
+        packed = self.residual(x.reshape(B * L, D).index_select(0, rows), i, sublayer)
+        return x.new_zeros(B * L, D).index_copy(0, rows, packed).view(B, L, D)
+
 
 class EncoderLayer(_Layer):
     """Self-attention then FFN."""
@@ -100,10 +115,12 @@ class EncoderLayer(_Layer):
         self.self_attn = SelfAttention(cfg.d_model, cfg.h, attention_dropout)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x (B, S, D), mask (B, 1, 1, S) -> (B, S, D)."""
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x (B, S, D), mask (B, 1, 1, S), rows (see :func:`real_rows`) -> (B, S, D)."""
         x = self.residual(x, 0, lambda y: self.self_attn(y, mask=mask))
-        return self.residual(x, 1, self.ffn)
+        return self.packed_residual(x, 1, self.ffn, rows)
 
 
 class DecoderLayer(_Layer):
@@ -124,8 +141,10 @@ class DecoderLayer(_Layer):
         cache: dict | None,
         prefix: str,
         need_weights: bool = False,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x (B, T, D) -> (B, T, D) and the cross-attention weights (B, H, T, S) or None."""
+        """x (B, T, D) -> (B, T, D) and the cross-attention weights (B, H, T, S) or None.
+        ``rows``: the non-pad positions for the FFN (see :func:`real_rows`)."""
         x = self.residual(
             x, 0, lambda y: self.self_attn(y, self_mask, is_causal, cache, prefix + "self.")
         )
@@ -139,7 +158,16 @@ class DecoderLayer(_Layer):
             return out
 
         x = self.residual(x, 1, cross)
-        return self.residual(x, 2, self.ffn), weights
+        return self.packed_residual(x, 2, self.ffn, rows), weights
+
+
+def real_rows(tokens: torch.Tensor) -> torch.Tensor | None:
+    """Flat indices of the non-pad positions of (B, L) ``tokens``; None when there is no
+    padding (or in incremental decoding, where every row is real)."""
+    keep = (tokens != PAD).view(-1)
+    if bool(keep.all()):
+        return None
+    return keep.nonzero().squeeze(1)
 
 
 class Transformer(nn.Module):
@@ -213,9 +241,10 @@ class Transformer(nn.Module):
             EncoderOut(memory (B, S, D), src_mask (B, 1, 1, S)).
         """
         mask = pad_mask(src)
+        rows = real_rows(src)
         x = self._embed(src, self.src_embedding)
         for layer in self.encoder:
-            x = layer(x, mask)
+            x = layer(x, mask, rows)
         return EncoderOut(self.encoder_norm(x), mask)
 
     def _decoder(
@@ -233,11 +262,12 @@ class Transformer(nn.Module):
             ones = torch.ones(T, past + T, dtype=torch.bool, device=tgt_in.device)
             self_mask, is_causal = ones.tril(diagonal=past)[None, None], False
         x = self._embed(tgt_in, self.tgt_embedding, past)
+        rows = real_rows(tgt_in) if cache is None else None
         last = len(self.decoder) - 1
         weights = None
         for i, layer in enumerate(self.decoder):
             want = need_attn and i == last
-            x, weights = layer(x, enc, self_mask, is_causal, cache, f"dec{i}.", want)
+            x, weights = layer(x, enc, self_mask, is_causal, cache, f"dec{i}.", want, rows)
         attn = weights.mean(dim=1) if weights is not None else None  # (B, H, T, S) -> (B, T, S)
         return self.decoder_norm(x), attn
 

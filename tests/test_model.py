@@ -154,6 +154,30 @@ def test_keep_projects_only_the_selected_positions():
 
 
 @pytest.mark.parametrize("norm", ["post", "pre"])
+def test_padded_batch_gradient_is_the_sum_of_the_sentences_alone(norm):
+    """The FFN runs on the real positions only (packed); padding must still change nothing:
+    the gradient of a padded batch's loss equals the sum over its sentences decoded alone."""
+    model = make(norm=norm).train()  # dropout 0: deterministic
+    srcs = [rand_tokens(1, 5, 1), rand_tokens(1, 8, 2)]
+    tgts = [rand_tokens(1, 3, 3), rand_tokens(1, 6, 4)]
+    w = torch.randn(2, 6, V, generator=torch.Generator().manual_seed(5))
+
+    def grads(src, tgt, weight):
+        model.zero_grad()
+        (model(src, tgt) * weight).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    alone = [grads(s, t, w[i : i + 1, : t.size(1)]) for i, (s, t) in enumerate(zip(srcs, tgts))]
+    src = torch.cat([torch.cat([srcs[0], torch.full((1, 3), PAD)], 1), srcs[1]])
+    tgt = torch.cat([torch.cat([tgts[0], torch.full((1, 3), PAD)], 1), tgts[1]])
+    weight = w.clone()
+    weight[0, 3:] = 0  # padded positions carry no loss
+    batch = grads(src, tgt, weight)
+    for g, a, b in zip(batch, *alone):
+        torch.testing.assert_close(g, a + b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
 def test_padding_invariance(norm):
     model = make(norm=norm)
     src, tgt = rand_tokens(1, 5, 1), rand_tokens(1, 4, 2)
