@@ -124,12 +124,19 @@ def broadcast_float(value: float | None, device: torch.device) -> float | None:
     return None if math.isnan(out) else out
 
 
+def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """Each value's maximum over ranks, in one collective (the values as they are in a single
+    process)."""
+    if not is_initialized():
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
     """For each flag, True if it is true on any rank (e.g. a stop request seen by one process)."""
-    if not is_initialized():
-        return list(flags)
-    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=device)
-    return [bool(x > 0) for x in all_reduce_sum(t).tolist()]
+    return [x > 0 for x in max_over_ranks([1.0 if f else 0.0 for f in flags], device)]
 
 
 def wrap(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:

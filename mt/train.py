@@ -148,6 +148,8 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     log.info("model: %s parameters, vocabulary %d", f"{n_params:,}", prepared.vocab_size)
 
     optimizer = build_optimizer(raw.parameters(), tc, info.device)
+    if tc.cooldown > 0 and tc.max_steps <= 0 and tc.max_minutes <= 0:
+        raise ValueError("train.cooldown needs a budget: set train.max_steps or train.max_minutes")
     lr_lambda = noam_lambda(cfg.model.d_model, tc.warmup, tc.factor, tc.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
     scaler = torch.amp.GradScaler(info.device.type, enabled=tc.precision == "fp16")
@@ -358,17 +360,12 @@ def budget_progress(tc, state: TrainState) -> float:
 
 def _apply_cooldown(run: Run) -> float:
     """Set the rate of the coming update, the Noam one times the cool-down factor (the
-    scheduler recomputes the plain Noam rate after each update); returns it. Under DDP rank
-    0's progress is used, so every replica applies the same rate."""
+    scheduler recomputes the plain Noam rate after each update); returns it. The progress is
+    the same on every rank: :func:`_limits` makes ``state.wall`` agree."""
     tc, optimizer = run.cfg.train, run.update.optimizer
     if tc.cooldown <= 0:
         return optimizer.param_groups[0]["lr"]
-    if tc.max_steps <= 0 and tc.max_minutes <= 0:
-        raise ValueError("train.cooldown needs a budget: set train.max_steps or train.max_minutes")
-    progress = budget_progress(tc, run.state)
-    if run.info.distributed and tc.max_minutes > 0:  # wall clocks differ between ranks
-        progress = distributed.broadcast_float(progress, run.info.device)
-    factor = cooldown_factor(progress, tc.cooldown)
+    factor = cooldown_factor(budget_progress(tc, run.state), tc.cooldown)
     for group, noam in zip(optimizer.param_groups, run.update.scheduler.get_last_lr()):
         group["lr"] = noam * factor
     return optimizer.param_groups[0]["lr"]
@@ -384,12 +381,14 @@ def _limits(run: Run) -> Optional[str]:
     if tc.patience > 0 and state.bad_evals >= tc.patience:
         log.info("no improvement in %d validations: early stop", state.bad_evals)
         return "patience"
-    flags = [run.stop_signal is not None, tc.max_minutes > 0 and state.wall >= tc.max_minutes * 60]
-    if run.info.distributed:
-        flags = distributed.any_rank(flags, run.info.device)
-    if flags[0]:
+    # One collective: a stop signal seen by any rank, and one training time for all ranks
+    # (the slowest rank's), which the time limit and the cool-down then read alike.
+    signal_seen, state.wall = distributed.max_over_ranks(
+        [1.0 if run.stop_signal is not None else 0.0, state.wall], run.info.device
+    )
+    if signal_seen:
         return "signal"
-    if flags[1]:
+    if tc.max_minutes > 0 and state.wall >= tc.max_minutes * 60:
         return "max_minutes"
     return None
 

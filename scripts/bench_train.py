@@ -142,7 +142,7 @@ class Runner:
     ``mt.train.setup`` does."""
 
     def __init__(
-        self, name: str, model: nn.Module, args, cfg: ModelConfig, device, loss_fn=None
+        self, name: str, model: nn.Module, args, cfg: ModelConfig, device, textbook: bool = False
     ) -> None:
         self.name, self.device = name, device
         self.model = model.to(device).train()
@@ -151,20 +151,21 @@ class Runner:
         tc = run_cfg.train
         tc.label_smoothing, tc.precision, tc.compile = args.smoothing, args.precision, args.compile
         tc.warmup, tc.clip_norm = args.noam_warmup, 0.0
-        if loss_fn is None:  # mt: the training code's optimiser (fused Adam)
-            opt = build_optimizer(self.model.parameters(), tc, device)
-        else:  # the baseline: torch's default Adam, as fairseq and most code use it
+        if textbook:  # the baseline: torch's default Adam and the textbook loss (fairseq's)
             opt = torch.optim.Adam(
                 self.model.parameters(), lr=1.0, betas=(tc.beta1, tc.beta2), eps=tc.eps
             )
+        else:  # mt: the training code's own optimiser (fused Adam) and loss
+            opt = build_optimizer(self.model.parameters(), tc, device)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, noam_lambda(cfg.d_model, tc.warmup, tc.factor, tc.lr)
         )
         scaler = torch.amp.GradScaler(device.type, enabled=tc.precision == "fp16")
         forward = torch.compile(self.model) if args.compile else self.model
         self.update = Updater(
-            forward, self.model.parameters(), opt, sched, scaler, run_cfg, 1, loss_fn
-        )
+            forward, self.model.parameters(), opt, sched, scaler, run_cfg, 1,
+            textbook_loss if textbook else None,
+        )  # fmt: skip
         self.state = TrainState()
         self.tok_per_s: list[float] = []
         self.seconds: list[float] = []
@@ -200,7 +201,7 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
     runners = [Runner("mt", mt_model, args, cfg, device)]
     if args.baseline == "torch":
         torch_model = TorchTransformer(cfg, args.vocab)
-        runners.append(Runner("torch", torch_model, args, cfg, device, textbook_loss))
+        runners.append(Runner("torch", torch_model, args, cfg, device, textbook=True))
 
     n = args.warmup_steps + args.steps
     if args.data:

@@ -53,10 +53,11 @@ def decode_trial(run_dir: Path) -> dict | None:
         "run": run_dir.name,
         "config": {f"decode.{k}" if k != "checkpoint" else k: result.get(k) for k in keys},
         "valid_bleu": result["bleu"],
-        "valid_loss": None,
-        "steps": result.get("step", 0),
-        "tok_s": None,
-        "sent_s": result.get("sent_per_s"),
+        "figures": {
+            "valid BLEU": f"{result['bleu']:.2f}",
+            "step": str(result.get("step", 0)),
+            "sent/s": f"{result.get('sent_per_s') or 0:.1f}",
+        },
     }
 
 
@@ -75,45 +76,38 @@ def trial(run_dir: Path) -> dict | None:
     valid = [r for r in records if "valid_loss" in r]
     train = [r for r in records if "loss" in r]
     config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+    bleu = max((r.get("valid_bleu", float("nan")) for r in valid), default=None)
+    loss = min((r["valid_loss"] for r in valid), default=None)
+    tok_s = statistics.median(r["tgt_tok_per_s"] for r in train) if train else None
     return {
         "run": run_dir.name,
         "config": _flatten(config),
-        "valid_bleu": max((r.get("valid_bleu", float("nan")) for r in valid), default=None),
-        "valid_loss": min((r["valid_loss"] for r in valid), default=None),
-        "steps": max((r["step"] for r in records if "step" in r), default=0),
-        "tok_s": statistics.median(r["tgt_tok_per_s"] for r in train) if train else None,
+        "valid_bleu": bleu,
+        "figures": {
+            "valid BLEU": f"{bleu:.2f}" if bleu is not None else "-",
+            "valid loss": f"{loss:.3f}" if loss is not None else "-",
+            "updates": str(max((r["step"] for r in records if "step" in r), default=0)),
+            "tgt tok/s": f"{tok_s:.0f}" if tok_s else "-",
+        },
     }
 
 
 def table(trials: list[dict]) -> str:
-    """A Markdown table of the trials, best valid BLEU first, with the varied settings."""
+    """A Markdown table of the trials, best valid BLEU first, with the varied settings and the
+    figures of the trials' kind (training or decoding)."""
     keys = sorted({k for t in trials for k in t["config"]})
     varied = [
         k
         for k in keys
         if len({json.dumps(t["config"].get(k)) for t in trials}) > 1 and k != "run_dir"
     ]
-    decoding = all("sent_s" in t for t in trials)
-    figures = (
-        ["valid BLEU", "step", "sent/s"]
-        if decoding
-        else ["valid BLEU", "valid loss", "updates", "tgt tok/s"]
-    )
+    figures = list(dict.fromkeys(name for t in trials for name in t["figures"]))
     head = ["run", *varied, *figures]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     ranked = sorted(trials, key=lambda t: -(t["valid_bleu"] or 0.0))
     for t in ranked:
         cells = [t["run"], *(str(t["config"].get(k)) for k in varied)]
-        if decoding:
-            cells += [f"{t['valid_bleu']:.2f}", str(t["steps"]), f"{t['sent_s'] or 0:.1f}"]
-            lines.append("| " + " | ".join(cells) + " |")
-            continue
-        cells += [
-            f"{t['valid_bleu']:.2f}" if t["valid_bleu"] is not None else "-",
-            f"{t['valid_loss']:.3f}" if t["valid_loss"] is not None else "-",
-            str(t["steps"]),
-            f"{t['tok_s']:.0f}" if t["tok_s"] else "-",
-        ]
+        cells += [t["figures"].get(name, "-") for name in figures]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
