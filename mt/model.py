@@ -196,7 +196,7 @@ class Transformer(nn.Module):
         pre = cfg.norm == "pre"
         self.encoder_norm = nn.LayerNorm(D) if pre else nn.Identity()
         self.decoder_norm = nn.LayerNorm(D) if pre else nn.Identity()
-        # Decoding only: replaces `project` in `decode` when set (mt.quantize's int8 copy).
+        # Decoding only: replaces `project` in `decode` when set (mt.inference's copies).
         self.decode_head: nn.Module | None = None
 
     @staticmethod
@@ -296,7 +296,7 @@ class Transformer(nn.Module):
         h, attn = self._decoder(tgt_in, enc, cache, need_attn)
         if self.decode_head is None:
             logits = self.project(h)
-        else:  # e.g. an int8 copy of the projection (mt.quantize); same padded columns
+        else:  # a oneDNN or int8 copy of the projection (mt.inference); same padded columns
             logits = self.decode_head(h)[..., : self.vocab_size]
         return (logits, attn) if need_attn else logits
 

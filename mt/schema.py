@@ -143,6 +143,7 @@ class DecodeConfig:
     too_long: str = "error"  # error | truncate: inputs longer than model.max_positions
     precision: str = "fp32"  # fp32 | bf16 (CPU or GPU autocast)
     quantize: str = "none"  # none | int8: dynamic int8 Linear layers (CPU decoding speed)
+    onednn: bool = True  # CPU: Linear products through oneDNN (same precision; mt.inference)
 
 
 @dataclass

@@ -364,7 +364,8 @@ def translate_nbest(
         model: the Transformer (already on ``device``).
         src_ids: source ids per sentence, without EOS (``make_src`` appends it); sources
             longer than the model's ``max_positions`` are truncated with a warning.
-        decode_cfg: beam size, alpha, lengths, batch size / max tokens, precision, quantize.
+        decode_cfg: beam size, alpha, lengths, batch size / max tokens, and the kernels
+            (precision, quantize, onednn: see mt.inference).
         device: where the batches go.
         min_len: EOS is forbidden until this many tokens are out.
 
@@ -378,14 +379,16 @@ def translate_nbest(
         log.warning("%d sources longer than max_positions=%s truncated",
                     count_truncated(src_ids, limit), limit)  # fmt: skip
         src_ids = clip_to_length(src_ids, limit, "truncate")
-    from mt.quantize import for_decoding
+    from mt.inference import for_decoding, needs_autocast
 
-    model = for_decoding(model, decode_cfg.quantize)
+    settings = (decode_cfg.quantize, decode_cfg.precision, decode_cfg.onednn)
+    precision = decode_cfg.precision if needs_autocast(model, *settings) else "fp32"
+    model = for_decoding(model, *settings)
     lengths = [len(ids) for ids in src_ids]
     out: list[list[Hypothesis]] = [[] for _ in src_ids]
     for batch in make_batches(lengths, decode_cfg.batch_size, decode_cfg.max_tokens):
         src = make_src([list(src_ids[i]) for i in batch]).to(device)
-        with autocast(device, decode_cfg.precision):
+        with autocast(device, precision):
             results = search(model, src, decode_cfg, min_len)
         for i, hyps in zip(batch, results):
             out[i] = hyps

@@ -27,8 +27,8 @@ from bench_common import (
 )
 
 from mt.batching import make_src
+from mt.inference import for_decoding
 from mt.model import build_model
-from mt.quantize import for_decoding
 from mt.schema import DecodeConfig
 from mt.search import autocast, beam_search, greedy_search
 

@@ -31,7 +31,7 @@ LAYERS = {
     "mt.report": 2,
     "mt.batching": 3,
     "mt.checkpoint": 3,
-    "mt.quantize": 3,
+    "mt.inference": 3,
     "mt.prepare": 3,
     "mt.search": 4,
     "mt.evaluate": 5,

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+import mt.attention
 from mt.attention import SelfAttention, attention
 from mt.model import build_model
 from mt.schema import ModelConfig
@@ -256,7 +257,9 @@ def test_need_attn_is_a_distribution_over_real_source_tokens():
     assert torch.allclose(logits, model.decode(tgt, enc), atol=1e-5)  # explicit path == SDPA
 
 
-def test_sdpa_equals_plain_softmax_attention():
+@pytest.mark.parametrize("explicit_max_queries", [0, 16])  # SDPA; explicit short queries
+def test_sdpa_equals_plain_softmax_attention(monkeypatch, explicit_max_queries):
+    monkeypatch.setattr(mt.attention, "EXPLICIT_MAX_QUERIES", explicit_max_queries)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 5, 8, generator=g) for _ in range(3))
     k, v = torch.randn(2, 3, 6, 8, generator=g), torch.randn(2, 3, 6, 8, generator=g)

@@ -1,0 +1,133 @@
+"""Decoding copies (mt.inference): the oneDNN fp32 copy computes what the model computes, the
+bf16 copy stays close, the copies follow weight changes, and search gives the same results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mt.inference
+from mt.batching import make_src
+from mt.inference import OneDNNLinear, for_decoding, needs_autocast, onednn_available
+from mt.model import build_model
+from mt.schema import DecodeConfig, ModelConfig
+from mt.search import beam_search, translate_nbest
+from mt.vocab import EOS
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="no oneDNN linear kernel")
+
+
+@pytest.fixture()
+def model():
+    torch.manual_seed(0)
+    cfg = ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.0, max_positions=128)
+    m = build_model(cfg, vocab_size=45).eval()  # 45: padded to 48, the head slices it back
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(1.5)
+        m.embed[EOS] *= 3.0
+    return m
+
+
+def sources(seed: int, lengths: list[int]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 45, (n,), generator=g).tolist() for n in lengths]
+
+
+@needs_onednn
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_linear_equals_f_linear(relu, bias):
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(24, 16, generator=g), torch.randn(24, generator=g)
+    x = torch.randn(5, 3, 16, generator=g)[:, 1:]  # (5, 2, 16), not contiguous
+    expected = F.linear(x.double(), w.double(), b.double() if bias else None)
+    expected = expected.relu() if relu else expected
+    lin = OneDNNLinear(w, b if bias else None, relu=relu)
+    y = lin(x)
+    assert y.dtype == torch.float32 and y.shape == (5, 2, 24)
+    torch.testing.assert_close(y.double(), expected, atol=1e-5, rtol=1e-5)
+    y16 = OneDNNLinear(w, b if bias else None, torch.bfloat16, relu)(x)
+    assert y16.dtype == torch.float32  # bf16 product, float32 out
+    torch.testing.assert_close(y16.double(), expected, atol=0.1, rtol=0.02)
+
+
+@needs_onednn
+def test_fp32_copy_shares_weights_and_computes_the_same_logits(model):
+    fast = for_decoding(model, "none", "fp32", onednn=True)
+    assert fast is not model and for_decoding(model) is fast  # the default, cached
+    assert type(fast.decoder[0].self_attn.qkv) is OneDNNLinear
+    assert type(model.decoder[0].self_attn.qkv) is nn.Linear and model.decode_head is None
+    qkv = fast.decoder[0].self_attn.qkv.weight
+    assert qkv.data_ptr() == model.decoder[0].self_attn.qkv.weight.data_ptr()  # not copied
+    assert fast.decode_head.weight.data_ptr() == model.embed.data_ptr()
+    src = make_src(sources(0, [7, 3, 11]))
+    tgt = torch.randint(4, 45, (3, 6))
+    with torch.inference_mode():
+        ref = model.decode(tgt, model.encode(src))
+        out = fast.decode(tgt, fast.encode(src))
+    assert out.shape == ref.shape == (3, 6, 45)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn
+def test_copies_follow_weight_changes(model):
+    fast = for_decoding(model)
+    with torch.no_grad():
+        model.decoder[1].ffn.w2.bias.add_(1.0)  # an in-place update (an optimiser step)
+    again = for_decoding(model)
+    assert again is not fast  # rebuilt, and it computes with the new weights
+    src, tgt = make_src(sources(1, [5])), torch.randint(4, 45, (1, 4))
+    with torch.inference_mode():
+        ref = model.decode(tgt, model.encode(src))
+        out = again.decode(tgt, again.encode(src))
+    torch.testing.assert_close(out, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
+
+
+@needs_onednn
+def test_bf16_copy_is_close_and_keeps_float32_activations(model):
+    fast = for_decoding(model, "none", "bf16")
+    assert fast.decoder[0].ffn.w1.weight.dtype == torch.bfloat16
+    assert model.decoder[0].ffn.w1.weight.dtype == torch.float32  # the model is untouched
+    assert not needs_autocast(model, "none", "bf16", True)  # the copy casts for itself
+    assert needs_autocast(model, "none", "bf16", False)  # plain kernels: autocast
+    assert needs_autocast(model, "int8", "bf16", True)
+    src, tgt = make_src(sources(2, [9, 4])), torch.randint(4, 45, (2, 5))
+    with torch.inference_mode():
+        enc = fast.encode(src)
+        assert enc.memory.dtype == torch.float32
+        out = fast.decode(tgt, enc)
+        ref = model.decode(tgt, model.encode(src))
+    assert out.dtype == torch.float32
+    assert (out - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+@needs_onednn
+def test_beam_search_on_the_copy_equals_the_model(model):
+    src = make_src(sources(3, [2, 30, 7, 18, 1, 11]))
+    ref = beam_search(model, src, 4, 0.6, 0.5, 8, nbest=4)
+    out = beam_search(for_decoding(model), src, 4, 0.6, 0.5, 8, nbest=4)
+    assert len({len(h[0].tokens) for h in ref}) > 2  # sentences end at different steps
+    for a, b in zip(ref, out):
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
+        assert a[0].tokens == b[0].tokens
+
+
+def test_without_onednn_the_model_itself_decodes(model, monkeypatch):
+    assert for_decoding(model, onednn=False) is model
+    monkeypatch.setattr(mt.inference, "onednn_available", lambda: False)
+    assert for_decoding(model) is model  # a torch without oneDNN: plain kernels
+    ids = sources(4, [6, 2])
+    cfg = DecodeConfig(beam_size=3, max_len_a=0, max_len_b=5)
+    plain = translate_nbest(model, ids, DecodeConfig(**{**cfg.__dict__, "onednn": False}))
+    fast = translate_nbest(model, ids, cfg)
+    assert [h[0].tokens for h in plain] == [h[0].tokens for h in fast]
+
+
+def test_bad_settings_are_named(model):
+    with pytest.raises(ValueError, match="decode.precision"):
+        for_decoding(model, "none", "fp16")
+    with pytest.raises(ValueError, match="decode.quantize"):
+        for_decoding(model, "int4")
