@@ -219,8 +219,8 @@ class CrossAttention(_MultiHead):
             # (n, S, 2D) -> (n, S, 2, H, d_k) -> (2, n, H, S, d_k)
             kv = self.kv(memory).view(n, S, 2, self.h, self.d_k).permute(2, 0, 3, 1, 4)
             k, v = kv.unbind(0)
-            if cache is not None:
-                k, v = _decoding_dtype(k, v)
+            if cache is not None:  # contiguous once, not copied by every step's products
+                k, v = (t.contiguous() for t in _decoding_dtype(k, v))
                 cache[prefix + "k"], cache[prefix + "v"] = k, v
         if cache is not None:
             (q,) = _decoding_dtype(q)

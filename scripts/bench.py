@@ -109,6 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantize", choices=("none", "int8"), default="none",
         help="int8: dynamic int8 Linear layers (decode.quantize)",
     )  # fmt: skip
+    decode.add_argument(
+        "--kernels", choices=("onednn", "torch"), default="onednn",
+        help="CPU Linear products through oneDNN (decode.onednn=true) or torch's default",
+    )  # fmt: skip
+    decode.add_argument(
+        "--baseline", choices=("torch",),
+        help="also time torch's default kernels (BLAS Linear, SDPA, autocast), batch by batch "
+        "in turn with mt's",
+    )  # fmt: skip
 
     every = sub.add_parser("all", help="a quick run of each benchmark (the default)")
     _common(every)

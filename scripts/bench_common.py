@@ -210,7 +210,7 @@ class Recorder:
 
     def table(self) -> str:
         """A short fixed-width summary of all measurements."""
-        head = f"{'bench':<8} {'impl':<10} {'shape':<26} {'prec':<5} {'figure':>22} {'mem MiB':>9}"
+        head = f"{'bench':<8} {'impl':<12} {'shape':<26} {'prec':<5} {'figure':>22} {'mem MiB':>9}"
         lines = [head, "-" * len(head)]
         for r in self.rows:
             shape = f"{r.get('d_model', '')}x{r.get('layers', '')} h{r.get('heads', '')} " + (
@@ -233,7 +233,7 @@ class Recorder:
             mem = r.get("peak_mem_mb")
             mem_s = f"{mem:,.0f}" if isinstance(mem, (int, float)) else ""
             lines.append(
-                f"{r['bench']:<8} {impl:<10} {shape:<26} {r.get('precision', ''):<5} "
+                f"{r['bench']:<8} {impl:<12} {shape:<26} {r.get('precision', ''):<5} "
                 f"{figure:>22} {mem_s:>9}"
             )
         return "\n".join(lines)

@@ -27,7 +27,7 @@ from bench_common import (
 )
 
 from mt.batching import make_src
-from mt.inference import for_decoding
+from mt.inference import for_decoding, needs_autocast
 from mt.model import build_model
 from mt.schema import DecodeConfig
 from mt.search import autocast, beam_search, greedy_search
@@ -64,11 +64,41 @@ def _load(args, device):
     return model, src_ids, shape_fields(cfg, args.vocab), True
 
 
+def _searcher(model, args, device, k: int, a: float, b: float, min_len: int, plain: bool):
+    """One search over a batch with ``model``: mt's kernels, or (``plain``) torch's defaults
+    (``nn.Linear`` on the default BLAS, SDPA for every attention, autocast for bf16)."""
+    import mt.attention
+
+    quantize = getattr(args, "quantize", "none")
+    onednn = args.kernels == "onednn" and not plain
+    autocast_to = (
+        args.precision if needs_autocast(model, quantize, args.precision, onednn) else "fp32"
+    )
+    model = for_decoding(model, quantize, args.precision, onednn)
+    explicit = 0 if plain else mt.attention.EXPLICIT_MAX_QUERIES
+
+    def run(src):
+        saved, mt.attention.EXPLICIT_MAX_QUERIES = mt.attention.EXPLICIT_MAX_QUERIES, explicit
+        try:
+            with autocast(device, autocast_to):
+                if k == 1:
+                    return [[h] for h in greedy_search(model, src, a, b, min_len, alpha=0.0)]
+                return beam_search(model, src, k, DecodeConfig().alpha, a, b, 1, min_len)
+        finally:
+            mt.attention.EXPLICIT_MAX_QUERIES = saved
+
+    return run
+
+
 def run_decode(args, rec: Recorder) -> list[dict[str, Any]]:
-    """Benchmark greedy and beam search; emits one record per search."""
+    """Benchmark greedy and beam search; emits one record per search (and per baseline).
+
+    With ``--baseline torch`` the same searches also run with torch's default kernels, batch
+    by batch in turn with mt's, so both see the same machine load.
+    """
     device = args.device_obj
     model, src_ids, shape, forced = _load(args, device)
-    model = for_decoding(model.eval(), getattr(args, "quantize", "none"))
+    model.eval()
     dcfg = DecodeConfig()
     if forced:
         a, b, min_len = 0.0, args.gen_len, args.gen_len
@@ -78,53 +108,58 @@ def run_decode(args, rec: Recorder) -> list[dict[str, Any]]:
         make_src(src_ids[i : i + args.batch_size]).to(device)
         for i in range(0, len(src_ids), args.batch_size)
     ]
+    impls = ["mt"] + (["torch"] if getattr(args, "baseline", None) == "torch" else [])
     searches = [("greedy", 1)] + ([("beam", args.beam)] if args.beam > 1 else [])
     records = []
     for name, k in searches:
-
-        def run(src, k=k):
-            with autocast(device, args.precision):
-                if k == 1:
-                    return [[h] for h in greedy_search(model, src, a, b, min_len, alpha=0.0)]
-                return beam_search(model, src, k, dcfg.alpha, a, b, 1, min_len)
-
-        for _ in range(args.warmup_steps):
-            run(batches[0])
-        reset_peak_memory(device)
-        per_batch, sents, tokens, total = [], 0, 0, 0.0
-        for src in batches:
-            sync(device)
-            start = time.perf_counter()
-            hyps = run(src)
-            sync(device)
-            seconds = time.perf_counter() - start
-            total += seconds
-            per_batch.append(src.size(0) / seconds)
-            sents += src.size(0)
-            tokens += sum(len(h[0].tokens) for h in hyps)
-        if forced and tokens != sents * args.gen_len:
-            raise RuntimeError(f"{name}: {tokens} tokens, expected {sents} x {args.gen_len}")
-        record = {
-            "bench": "decode",
-            "search": name,
-            "beam": k,
-            **shape,
-            "checkpoint": args.checkpoint,
-            "precision": args.precision,
-            "quantize": getattr(args, "quantize", "none"),
-            "batch_size": args.batch_size,
-            "batches": len(batches),
-            "src_len": args.src_len if not args.input else None,
-            "gen_len": args.gen_len if forced else None,
-            "forced_length": forced,
-            "sent_per_s": sents / total,
-            "sent_per_s_median_batch": median(per_batch),
-            "tok_per_s": tokens / total,
-            "mean_out_len": tokens / sents,
-            "peak_mem_mb": peak_memory_mb(device)[0],
-            "peak_mem_kind": peak_memory_mb(device)[1],
-            **environment(device),
+        runs = {
+            impl: _searcher(model, args, device, k, a, b, min_len, impl == "torch")
+            for impl in impls
         }
-        rec.emit(record)
-        records.append(record)
+        for run in runs.values():
+            for _ in range(args.warmup_steps):
+                run(batches[0])
+        reset_peak_memory(device)
+        stats = {impl: {"per_batch": [], "sents": 0, "tokens": 0, "total": 0.0} for impl in impls}
+        for src in batches:
+            for impl, run in runs.items():
+                sync(device)
+                start = time.perf_counter()
+                hyps = run(src)
+                sync(device)
+                seconds = time.perf_counter() - start
+                st = stats[impl]
+                st["total"] += seconds
+                st["per_batch"].append(src.size(0) / seconds)
+                st["sents"] += src.size(0)
+                st["tokens"] += sum(len(h[0].tokens) for h in hyps)
+        for impl, st in stats.items():
+            sents, tokens, total = st["sents"], st["tokens"], st["total"]
+            if forced and tokens != sents * args.gen_len:
+                raise RuntimeError(f"{name}: {tokens} tokens, expected {sents} x {args.gen_len}")
+            record = {
+                "bench": "decode",
+                "impl": name if impl == "mt" else f"{name}/{impl}",
+                "search": name,
+                "beam": k,
+                "kernels": "torch" if impl == "torch" else args.kernels,
+                **shape,
+                "checkpoint": args.checkpoint,
+                "precision": args.precision,
+                "quantize": getattr(args, "quantize", "none"),
+                "batch_size": args.batch_size,
+                "batches": len(batches),
+                "src_len": args.src_len if not args.input else None,
+                "gen_len": args.gen_len if forced else None,
+                "forced_length": forced,
+                "sent_per_s": sents / total,
+                "sent_per_s_median_batch": median(st["per_batch"]),
+                "tok_per_s": tokens / total,
+                "mean_out_len": tokens / sents,
+                "peak_mem_mb": peak_memory_mb(device)[0],
+                "peak_mem_kind": peak_memory_mb(device)[1],
+                **environment(device),
+            }
+            rec.emit(record)
+            records.append(record)
     return records
