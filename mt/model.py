@@ -356,6 +356,25 @@ class Transformer(nn.Module):
                 out[key] = value
         return enc, out
 
+    def copy_beams(self, cache: dict, dst: torch.Tensor, src: torch.Tensor) -> dict:
+        """In place: the decoder-state rows ``dst`` take the contents of the rows ``src``.
+
+        Beam search moves only the beams whose parent changed, within their sentences, so the
+        encoder state stays as it is. ``dst`` and ``src`` must be disjoint (no row is written
+        before it is read).
+
+        Args:
+            dst, src: (m,) long row indices of the self-attention keys/values.
+
+        Returns:
+            ``cache``, updated.
+        """
+        for key, value in cache.items():
+            if torch.is_tensor(value) and ".self." in key:
+                filled = value[:, :, : cache[key[: key.rindex(".") + 1] + "len"]]
+                filled.index_copy_(0, dst, filled.index_select(0, src))
+        return cache
+
     def features(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         """Decoder output before the projection: (B, S), (B, T) -> (B, T, D)."""
         return self._decoder(tgt_in, self.encode(src), None, False)[0]

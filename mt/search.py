@@ -3,7 +3,10 @@
 Both searches run the encoder once and then the decoder one token at a time with its key/value
 cache (``model.decode(new_tokens, enc, cache)``); ``model.reorder(enc, cache, index)`` makes the
 cache follow the surviving beams and drops the rows of sentences whose search has ended. They use
-nothing else of the model, so stub models with hand-set probabilities can test them.
+nothing else of the model, so stub models with hand-set probabilities can test them. Models may
+also offer ``reorder_beams`` (the K beams of a sentence share one encoder row) and
+``copy_beams`` (in place: at a step where no sentence ends, each new hypothesis takes a row of
+its sentence so that only the rows of beams left without children are overwritten).
 
 Conventions (the paper's, made exact):
 
@@ -229,8 +232,10 @@ def beam_search(
         n = len(sents)
         lprobs = _next_lprobs(model, last, enc, cache, step, min_len)  # (n*width, V)
         V = lprobs.size(-1)
-        # (n, K, 1) + (n, width, V): width 1 broadcasts the one decoded row to all K beams.
-        cand = (scores.view(n, K, 1) + lprobs.view(n, width, V)).view(n, K * V)  # (n, K*V)
+        if width == K:  # candidate scores written over the log-probabilities (no copy)
+            cand = lprobs.add_(scores.view(n * K, 1)).view(n, K * V)
+        else:  # width 1: the one decoded row of each sentence broadcast to its K beams
+            cand = (scores.view(n, K, 1) + lprobs.view(n, 1, V)).view(n, K * V)
         top_scores, top_index = cand.topk(min(2 * K, K * V), dim=1)  # (n, 2K), best first
         top_beam, top_tok = top_index // V, top_index % V
         is_eos = top_tok == EOS
@@ -258,8 +263,21 @@ def beam_search(
         alive = torch.isfinite(new_scores).any(dim=1)
         if not bool(alive.all()):
             ended |= {i for i, a in enumerate(alive.tolist()) if not a}
+        if not ended and width == K:  # the common step: beams move within their sentences
+            # Each new hypothesis takes a row of its sentence: the first child of a beam
+            # stays in its parent's row, the others take the rows of beams left without
+            # children, so only those rows' caches are copied (beam order is immaterial).
+            order = _rows_for(beam).argsort(dim=1)  # (n, K): the hypothesis placed in row k
+            beam, last = beam.gather(1, order), new_tok.gather(1, order).view(-1, 1)
+            parent = (base * K + beam).view(-1)  # (n*K,) rows of `tokens` and of the state
+            tokens = torch.cat([tokens[parent], last], dim=1)
+            scores = new_scores.gather(1, order)
+            moved = (beam != torch.arange(K, device=device)).view(-1).nonzero().squeeze(1)
+            if moved.numel():
+                enc, cache = _copy_rows(model, grouped, enc, cache, moved, parent[moved], n * K)
+            continue
         width = K
-        if not ended:  # the common step: beams reorder within their sentences
+        if not ended:  # the first step: the one row of each sentence becomes its K beams
             tokens = torch.cat([tokens[origin.view(-1)], new_tok.view(-1, 1)], dim=1)
             scores, last = new_scores, new_tok.view(-1, 1)
             enc, cache = _reorder(model, grouped, enc, cache, state_origin.reshape(-1), None)
@@ -284,6 +302,38 @@ def _reorder(model, grouped: bool, enc, cache, rows: torch.Tensor, sents: torch.
     if grouped:
         return model.reorder_beams(enc, cache, rows, sents)
     return model.reorder(enc, cache, rows)
+
+
+def _rows_for(beam: torch.Tensor) -> torch.Tensor:
+    """The row (within its sentence) each new hypothesis takes, copying the fewest caches.
+
+    Args:
+        beam: (n, K) the parent beam (row) of each new hypothesis.
+
+    Returns:
+        (n, K) a permutation of 0..K-1 per sentence: a parent's first child takes the parent's
+        row; the other children take, in order, the rows whose beams have no child.
+    """
+    n, K = beam.shape
+    rows = torch.arange(K, device=beam.device)
+    same = beam[:, :, None] == beam[:, None, :]  # (n, K, K): hypotheses j, j' share a parent
+    earlier = torch.ones(K, K, dtype=torch.bool, device=beam.device).tril(-1)  # j' < j
+    first = ~(same & earlier).any(dim=2)  # (n, K): no earlier sibling
+    childless = ~(beam[:, :, None] == rows).any(dim=1)  # (n, K): row k has no child
+    free = torch.argsort((~childless).to(torch.int8), dim=1, stable=True)  # childless first
+    rank = ((~first).cumsum(dim=1) - 1).clamp(min=0)  # among the later siblings
+    return torch.where(first, beam, free.gather(1, rank))
+
+
+def _copy_rows(model, grouped: bool, enc, cache, dst: torch.Tensor, src: torch.Tensor, rows: int):
+    """Decoder-state rows ``dst`` take the contents of rows ``src`` (disjoint); the others of
+    the ``rows`` rows stay. Models with ``copy_beams`` do it in place; others (the contract's
+    ``reorder`` only) reorder by the equivalent full index."""
+    if hasattr(model, "copy_beams"):
+        return enc, model.copy_beams(cache, dst, src)
+    index = torch.arange(rows, device=dst.device)
+    index[dst] = src
+    return _reorder(model, grouped, enc, cache, index, None)
 
 
 def _group_rows(groups: list[int], K: int, device) -> torch.Tensor:

@@ -401,3 +401,44 @@ def test_int8_copy_follows_weight_changes(real_model):
     assert for_decoding(real_model, "int8") is not int8
     with pytest.raises(ValueError, match="quantize"):
         for_decoding(real_model, "int4")
+
+
+def test_rows_for_moves_only_the_beams_whose_parent_changed():
+    from mt.search import _rows_for
+
+    g = torch.Generator().manual_seed(0)
+    for K in (1, 2, 4, 5):
+        beam = torch.randint(0, K, (200, K), generator=g)  # parents of the K new hypotheses
+        rows = _rows_for(beam)
+        for parents, taken in zip(beam.tolist(), rows.tolist()):
+            assert sorted(taken) == list(range(K))  # each row taken once
+            seen = set()
+            for parent, row in zip(parents, taken):
+                if parent not in seen:  # a parent's first child stays in its row
+                    assert row == parent
+                seen.add(parent)
+            moved = sum(p != r for p, r in zip(parents, taken))
+            assert moved == K - len(set(parents))  # the fewest copies
+    assert _rows_for(torch.tensor([[0, 0, 2, 0]])).tolist() == [[0, 1, 2, 3]]
+    assert _rows_for(torch.tensor([[3, 1, 3, 3]])).tolist() == [[3, 1, 0, 2]]
+
+
+def test_copy_beams_equals_reorder(real_model):
+    pytest.importorskip("mt.batching")
+    from mt.batching import make_src
+
+    src = make_src(random_sources(6, [5, 3]))
+    enc, cache = real_model.encode(src), {}
+    enc = enc._replace(memory=enc.memory.repeat_interleave(3, 0))  # 3 rows per sentence
+    enc = enc._replace(src_mask=enc.src_mask.repeat_interleave(3, 0))
+    for _ in range(4):  # fill 4 positions of the self-attention caches
+        real_model.decode(torch.randint(4, 40, (6, 1)), enc, cache)
+    dst, src_rows = torch.tensor([1, 2, 5]), torch.tensor([0, 0, 3])
+    index = torch.arange(6)
+    index[dst] = src_rows
+    _, expected = real_model.reorder(enc, cache, index)
+    copied = real_model.copy_beams(cache, dst, src_rows)
+    for key, value in expected.items():
+        if torch.is_tensor(value) and ".self." in key:
+            n = cache[key[: key.rindex(".") + 1] + "len"]
+            assert torch.equal(copied[key][:, :, :n], value[:, :, :n]), key
