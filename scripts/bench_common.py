@@ -230,11 +230,11 @@ class Recorder:
             else:
                 figure = ""
             impl = str(r.get("impl", r.get("search", "")))
+            prec = "int8" if r.get("quantize") == "int8" else r.get("precision", "")
             mem = r.get("peak_mem_mb")
             mem_s = f"{mem:,.0f}" if isinstance(mem, (int, float)) else ""
             lines.append(
-                f"{r['bench']:<8} {impl:<12} {shape:<26} {r.get('precision', ''):<5} "
-                f"{figure:>22} {mem_s:>9}"
+                f"{r['bench']:<8} {impl:<12} {shape:<26} {prec:<5} {figure:>22} {mem_s:>9}"
             )
         return "\n".join(lines)
 
