@@ -65,8 +65,13 @@ EXPLICIT_MAX_QUERIES = 16
 def _explicit_is_faster(q: torch.Tensor) -> bool:
     """Incremental decoding on CPU: 1 query per row (self-attention) or one per beam
     (encoder-decoder attention). There the explicit ``softmax(q k^T) v`` with batched matrix
-    products takes 40-70% of the time of SDPA's CPU kernel, which is built for long queries."""
-    return q.device.type == "cpu" and q.size(-2) <= EXPLICIT_MAX_QUERIES
+    products takes 40-70% of the time of SDPA's CPU kernel, which is built for long queries.
+    Training (gradients on) keeps SDPA whatever the length."""
+    return (
+        q.device.type == "cpu"
+        and q.size(-2) <= EXPLICIT_MAX_QUERIES
+        and not torch.is_grad_enabled()
+    )
 
 
 def _decoding_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
