@@ -34,3 +34,34 @@ def real_data() -> Path:
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Keep every test's prepared-data cache out of the repository."""
     monkeypatch.setenv("MT_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "mt-cache"))
+
+
+def sharp_random_model(vocab_size: int = 40):
+    """A small random-weight Transformer with sharp distributions, for search tests: weights
+    scaled up, and EOS likely enough that some sentences end early while others run to their
+    maximum length."""
+    import torch
+
+    from mt.model import build_model
+    from mt.schema import ModelConfig
+    from mt.vocab import EOS
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.0, max_positions=128)
+    model = build_model(cfg, vocab_size=vocab_size).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+        model.embed[EOS] *= 3.0
+    return model
+
+
+def assert_same_nbest(expected, actual, abs_tol: float = 1e-4) -> None:
+    """Two searches' n-best lists agree: the same scores (to ``abs_tol``) and tokens, and the
+    sentences end at different steps (so the comparison covers finished and live rows)."""
+    import pytest
+
+    assert len({len(h[0].tokens) for h in expected}) > 2
+    for a, b in zip(expected, actual, strict=True):
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=abs_tol)
+        assert [h.tokens for h in a] == [h.tokens for h in b]
