@@ -94,7 +94,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
 
 
 def label_smoothed_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, eps: float, ignore_index: int = PAD
+    logits: torch.Tensor, target: torch.Tensor, eps: float, ignore_index: int | None = PAD
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`label_smoothed_nll_loss` of ``log_softmax(logits)``, fused (what training uses).
 
@@ -103,8 +103,9 @@ def label_smoothed_cross_entropy(
 
     Args:
         logits: (N, V) unnormalised scores (float32, bfloat16 or float16).
-        target: (N,) reference ids; rows whose target is ``ignore_index`` are dropped (pass
-            only real positions to avoid that copy).
+        target: (N,) reference ids; rows whose target is ``ignore_index`` are dropped.
+        ignore_index: the padding id, or None when every row is real (training passes only
+            the real positions: no scan, no copy).
         eps: smoothing mass in [0, 1).
 
     Returns:
@@ -120,8 +121,9 @@ def label_smoothed_cross_entropy(
             f"expected logits (N,V) and target (N,), got {tuple(logits.shape)} and "
             f"{tuple(target.shape)}"
         )
-    keep = target != ignore_index
-    if not bool(keep.all()):
-        logits, target = logits[keep], target[keep]
+    if ignore_index is not None:
+        keep = target != ignore_index
+        if not bool(keep.all()):
+            logits, target = logits[keep], target[keep]
     rows = max(1, (1 << 20) // max(logits.size(1), 1))  # ~4 MB of float per block
     return _SmoothedCrossEntropy.apply(logits, target, float(eps), rows)

@@ -170,6 +170,12 @@ def real_rows(tokens: torch.Tensor) -> torch.Tensor | None:
     return keep.nonzero().squeeze(1)
 
 
+def _filled(cache: dict, key: str) -> torch.Tensor:
+    """The filled positions of a self-attention cache buffer ``cache[key]`` (B, H, C, d_k):
+    the first ``cache["<layer>.self.len"]`` of its C (see ``mt.attention.append_to_cache``)."""
+    return cache[key][:, :, : cache[key[: key.rindex(".") + 1] + "len"]]
+
+
 class Transformer(nn.Module):
     """Encoder-decoder Transformer; see the module docstring. Build with :func:`build_model`."""
 
@@ -343,12 +349,12 @@ class Transformer(nn.Module):
             if not torch.is_tensor(value):  # lengths
                 out[key] = value
             elif ".self." in key:  # (B, H, C, d_k) buffer: copy only the filled positions
-                n = cache[key[: key.rindex(".") + 1] + "len"]
+                filled = _filled(cache, key)
                 if value.requires_grad and torch.is_grad_enabled():  # out= has no autograd
-                    out[key] = value[:, :, :n].index_select(0, index)
+                    out[key] = filled.index_select(0, index)
                     continue
                 new = value.new_empty(index.numel(), *value.shape[1:])
-                torch.index_select(value[:, :, :n], 0, index, out=new[:, :, :n])
+                torch.index_select(filled, 0, index, out=new[:, :, : filled.size(2)])
                 out[key] = new
             elif sents is not None:
                 out[key] = value.index_select(0, sents)
@@ -371,7 +377,7 @@ class Transformer(nn.Module):
         """
         for key, value in cache.items():
             if torch.is_tensor(value) and ".self." in key:
-                filled = value[:, :, : cache[key[: key.rindex(".") + 1] + "len"]]
+                filled = _filled(cache, key)
                 filled.index_copy_(0, dst, filled.index_select(0, src))
         return cache
 

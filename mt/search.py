@@ -248,8 +248,6 @@ def beam_search(
         new_scores = top_scores.gather(1, sel)
         beam = top_beam.gather(1, sel)  # (n, K)
         base = torch.arange(n, device=device)[:, None]
-        origin = base * K + beam  # (n, K) rows of `tokens`
-        state_origin = base * K + beam if width == K else base.expand(n, K)  # rows of the state
         new_tok = top_tok.gather(1, sel)
         step += 1
         ended: set[int] = set()
@@ -276,6 +274,8 @@ def beam_search(
             if moved.numel():
                 enc, cache = _copy_rows(model, grouped, enc, cache, moved, parent[moved], n * K)
             continue
+        origin = base * K + beam  # (n, K) rows of `tokens`
+        state_origin = origin if width == K else base.expand(n, K)  # rows of the state
         width = K
         if not ended:  # the first step: the one row of each sentence becomes its K beams
             tokens = torch.cat([tokens[origin.view(-1)], new_tok.view(-1, 1)], dim=1)

@@ -79,7 +79,7 @@ def batch_loss(
     keep = batch.tgt_out != PAD
     with autocast(batch.src.device, precision):
         logits = model(batch.src, batch.tgt_in, keep)  # (n, V)
-    loss, nll = label_smoothed_cross_entropy(logits, batch.tgt_out[keep], eps)
+    loss, nll = label_smoothed_cross_entropy(logits, batch.tgt_out[keep], eps, None)
     return loss * batch.weight, nll * batch.weight
 
 

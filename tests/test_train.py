@@ -291,9 +291,9 @@ def test_nonfinite_updates_are_skipped_then_stop(tmp_path, monkeypatch, caplog):
     real = mt.trainer.label_smoothed_cross_entropy
     calls = {"n": 0}
 
-    def sometimes_nan(logits, target, eps):
+    def sometimes_nan(logits, target, eps, *rest):
         calls["n"] += 1
-        loss, nll = real(logits, target, eps)
+        loss, nll = real(logits, target, eps, *rest)
         if calls["n"] == 3:  # the third update (accum_steps=1, no validation batches yet)
             return loss * float("nan"), nll
         return loss, nll
@@ -306,8 +306,8 @@ def test_nonfinite_updates_are_skipped_then_stop(tmp_path, monkeypatch, caplog):
     assert "non-finite loss at update 3" in caplog.text
     assert all(math.isfinite(v) for v in _losses(run).values())
 
-    def always_nan(logits, target, eps):
-        loss, nll = real(logits, target, eps)
+    def always_nan(logits, target, eps, *rest):
+        loss, nll = real(logits, target, eps, *rest)
         return loss * float("nan"), nll
 
     monkeypatch.setattr(mt.trainer, "label_smoothed_cross_entropy", always_nan)
