@@ -10,7 +10,9 @@ so ``torch.load(weights_only=True)`` reads it. The keys:
   batch}), ``train_cfg``, ``best``.
 
 Writes go to a temporary file in the same directory, are flushed and fsynced, then renamed over
-the target (``os.replace`` is atomic on POSIX): a crash mid-save leaves the previous file intact.
+the target (``os.replace`` is atomic on POSIX, see :mod:`mt.files`): a crash mid-save leaves the
+previous file intact. Loading checks the CRC-32 of every record of the zip container first, so a
+damaged byte is an error naming the file, never a silently wrong weight.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 import os
 import random
 import re
+import zipfile
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mt.files import atomic_path, fsync_dir, temp_path
 from mt.schema import ModelConfig
 from mt.vocab import SPECIALS
 
@@ -51,34 +55,54 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
     Args:
         path: destination file; its directory is created if needed.
         state: a dict of tensors / numbers / strings / lists / dicts.
+
+    Raises:
+        OSError: ENOSPC with a message saying the disk is full (the previous file is kept).
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    atomic_path(path, lambda f: torch.save(state, f))
 
 
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename itself durable (best effort: not every filesystem allows it)."""
+def link_checkpoint(source: str | Path, path: str | Path) -> None:
+    """Make ``path`` the same file as ``source`` (a hard link, atomically replacing ``path``):
+    ``last.pt`` costs no second write when it equals the periodic checkpoint just saved.
+    Where hard links are not allowed, the file is copied (still atomically)."""
+    source, path = Path(source), Path(path)
+    tmp = temp_path(path)
+    tmp.unlink(missing_ok=True)
     try:
-        fd = os.open(directory, os.O_RDONLY)
+        os.link(source, tmp)
     except OSError:
+        import shutil
+
+        def copy(f) -> None:
+            with open(source, "rb") as src:
+                shutil.copyfileobj(src, f, 1 << 24)
+
+        atomic_path(path, copy)
         return
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def verify_file(path: Path) -> None:
+    """Check the CRC-32 of every record of a checkpoint's zip container (torch writes them but
+    does not check them on load, so a flipped byte in a tensor would load as a wrong weight).
+
+    Raises:
+        CheckpointError: a record whose bytes do not match its checksum.
+    """
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise CheckpointError(
+            f"{path} is not a readable mt checkpoint (not a torch zip file, or truncated): {e}"
+        ) from None
+    if bad is not None:
+        raise CheckpointError(
+            f"{path} is corrupted: the bytes of {bad!r} do not match their checksum (a damaged "
+            "disk or copy); use another checkpoint"
+        )
 
 
 def load_checkpoint(
@@ -101,6 +125,7 @@ def load_checkpoint(
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
+    verify_file(path)
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises many types for garbage (KeyError, EOFError, ...)

@@ -3,14 +3,20 @@
 Each is a Hydra app over the same config tree (conf/), so every setting can be overridden on
 the command line and every tool accepts ``experiment=NAME``. The stages themselves live in
 their modules; this file only composes the configuration, sets up logging and dispatches.
+
+A user error (a missing or malformed file, a bad line, a bad setting) ends the command with one
+line on stderr naming the file, line or key, and exit status 1; ``mt-train`` stopped by SIGTERM
+or SIGUSR1 exits with 75 after saving (``mt.preempt``), so a requeueing script can tell it apart.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from mt.config import conf_dir, register_schema, to_config
 from mt.schema import Config
@@ -42,11 +48,62 @@ def _hydra_app(task: Callable[[Config], object]) -> Callable[[], None]:
         @hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)
         def app(dcfg) -> None:
             setup_logging()
-            task(to_config(dcfg))
+            with user_errors(_tool_name()):
+                task(to_config(dcfg))
 
         app()
 
     return main
+
+
+def _tool_name() -> str:
+    name = Path(sys.argv[0]).name
+    if name.startswith("mt-"):
+        return name
+    return f"mt-{sys.argv[1]}" if name == "__main__.py" and len(sys.argv) > 1 else "mt"
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    """Exceptions that describe a problem with the user's files, lines or settings (their
+    messages name it); anything else is a bug and keeps its traceback."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from mt.checkpoint import CheckpointError
+    from mt.distributed import LauncherError
+    from mt.lock import LockError
+
+    types: list[type[BaseException]] = [
+        ValueError,  # DataError, TokenizerError, TextError, UnicodeDecodeError, bad settings
+        OSError,  # missing files, permissions, a full disk
+        CheckpointError,
+        LockError,
+        LauncherError,
+        OmegaConfBaseException,
+    ]
+    try:
+        from mt.trainer import NonFiniteError
+
+        types.append(NonFiniteError)
+    except ImportError:  # a broken torch install: its own error is clearer
+        pass
+    return tuple(types)
+
+
+@contextlib.contextmanager
+def user_errors(tool: str):
+    """Turn a user error into one line on stderr (``<tool>: error: <message>``) and exit
+    status 1, instead of a traceback. ``MT_DEBUG=1`` keeps the traceback."""
+    try:
+        yield
+    except Exception as err:
+        if os.environ.get("MT_DEBUG") or not isinstance(err, _user_error_types()):
+            raise
+        message = " ".join(str(err).split()) or type(err).__name__
+        if isinstance(err, OSError) and err.filename and str(err.filename) not in message:
+            message = f"{err.filename}: {message}"
+        log.error("%s: error: %s", tool, message)
+        sys.stderr.flush()
+        raise SystemExit(1) from None
 
 
 def _prepare(cfg: Config) -> None:
@@ -62,9 +119,12 @@ def _prepare(cfg: Config) -> None:
 
 
 def _train(cfg: Config) -> None:
+    from mt.preempt import exit_status
     from mt.train import train
 
-    train(cfg)
+    status = exit_status(train(cfg).get("signal"))
+    if status:  # stopped by a signal after saving: 75 = requeue me, 130 = Ctrl-C
+        raise SystemExit(status)
 
 
 def _translate(cfg: Config) -> None:

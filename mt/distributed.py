@@ -64,6 +64,7 @@ def setup(device: str = "auto", timeout_minutes: float = 30.0) -> DistInfo:
     Returns:
         The :class:`DistInfo` of this process.
     """
+    check_launcher(os.environ)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -79,6 +80,43 @@ def setup(device: str = "auto", timeout_minutes: float = 30.0) -> DistInfo:
         )
         log.info("DDP: rank %d/%d (local %d) on %s, %s", rank, world_size, local_rank, dev, backend)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+
+
+# Variables by which a launcher other than torchrun says "you are one of N tasks".
+TASK_COUNTS = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
+
+
+class LauncherError(RuntimeError):
+    """Several tasks were started without torchrun: each would train alone on one run_dir."""
+
+
+def check_launcher(env) -> None:
+    """Refuse to start as one of several tasks that torchrun did not launch.
+
+    ``srun -n 4 mt-train`` or ``mpirun -np 4 mt-train`` start 4 processes that do not set
+    torchrun's RANK / WORLD_SIZE, so each would be a separate single-process run on the same
+    run directory. ``SLURM_STEP_NUM_TASKS`` is set for ``srun`` steps only (not in the batch
+    script itself), so a batch script that runs ``mt-train`` once is accepted.
+
+    Raises:
+        LauncherError: with the torchrun command to use instead.
+    """
+    if "WORLD_SIZE" in env or "RANK" in env:
+        return
+    for name in TASK_COUNTS:
+        try:
+            tasks = int(env.get(name, "1"))
+        except ValueError:
+            continue
+        if tasks > 1:
+            raise LauncherError(
+                f"{name}={tasks}: {tasks} tasks were started without torchrun, and each would "
+                "train alone on the same run_dir. Start one task per node that runs torchrun: "
+                "srun --ntasks-per-node=1 torchrun --nnodes=$SLURM_NNODES "
+                "--nproc_per_node=GPUS_PER_NODE --rdzv_backend=c10d --rdzv_id=$SLURM_JOB_ID "
+                "--rdzv_endpoint=$HEAD_NODE:29500 -m mt train ... (one machine: torchrun "
+                "--standalone --nproc_per_node=N -m mt train ...)"
+            )
 
 
 def is_initialized() -> bool:

@@ -19,19 +19,18 @@ from __future__ import annotations
 
 import logging
 import math
-import signal
-import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from mt import distributed
+from mt import distributed, preempt
 from mt.batching import BatchSampler, iterate_batches
 from mt.checkpoint import (
     average_checkpoints,
+    link_checkpoint,
     load_checkpoint,
     model_cfg_from,
     periodic_checkpoints,
@@ -39,9 +38,12 @@ from mt.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from mt.config import to_yaml
+from mt.files import remove_stale_temps
+from mt.lock import LockError, RunLock
 from mt.model import build_model
 from mt.prepare import prepare
+from mt.progress import progress
+from mt.resume import has_checkpoints, keep_best_of_best_pt, record_config, resume_checkpoint
 from mt.schedule import cooldown_factor, noam_lambda
 from mt.schema import Config
 from mt.trainer import (
@@ -51,6 +53,7 @@ from mt.trainer import (
     better,
     build_optimizer,
     check_compatible,
+    check_data_plan,
     metric_key,
     seed_everything,
     train_sampler,
@@ -75,7 +78,7 @@ class Run:
     state: TrainState
     metrics: MetricsLog
     key: str  # valid_bleu or valid_loss
-    stop_signal: Optional[int] = None
+    stop: preempt.StopFlag = field(default_factory=preempt.StopFlag)
 
     @property
     def ckpt_dir(self) -> Path:
@@ -95,14 +98,15 @@ def train(cfg: Config) -> dict[str, Any]:
     info = distributed.setup(cfg.train.device)
     file_log = None
     restore_signals = None
+    lock = None
     try:
+        lock = _lock_run_dir(Path(cfg.run_dir), info)
         if info.is_main:
-            Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
             file_log = logging.FileHandler(Path(cfg.run_dir) / "train.log", encoding="utf-8")
             file_log.setFormatter(logging.Formatter("%(asctime)s | %(levelname)s | %(message)s"))
             logging.getLogger().addHandler(file_log)
         run = setup(cfg, info)
-        restore_signals = _install_signal_handlers(run)
+        restore_signals = preempt.install(run.stop, "saving last.pt and stopping")
         try:
             stop = train_loop(run)
             return finish(run, stop)
@@ -114,7 +118,26 @@ def train(cfg: Config) -> dict[str, Any]:
         if file_log is not None:
             logging.getLogger().removeHandler(file_log)
             file_log.close()
+        if lock is not None:
+            lock.release()
         distributed.cleanup()
+
+
+def _lock_run_dir(run_dir: Path, info: distributed.DistInfo) -> Optional[RunLock]:
+    """Rank 0 (the only process that writes the run directory) takes its lock; every rank
+    learns whether it did, so all of them stop together when another run holds it."""
+    lock, error = None, None
+    if info.is_main:
+        try:
+            lock = RunLock(run_dir).acquire()
+        except LockError as err:
+            error = err
+    ok = distributed.broadcast_float(0.0 if error else 1.0, info.device)
+    if error is not None:
+        raise error
+    if not ok:
+        raise LockError(f"rank 0 could not lock run_dir {run_dir} (see its log)")
+    return lock
 
 
 def setup(cfg: Config, info: distributed.DistInfo) -> Run:
@@ -124,20 +147,22 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     if tc.threads > 0:
         torch.set_num_threads(tc.threads)
     seed_everything(tc.seed)
+    ckpt_dir = run_dir / "checkpoints"
     if info.is_main:
-        (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
+        remove_stale_temps(run_dir, ckpt_dir)
+        record_config(run_dir, cfg, resuming=has_checkpoints(ckpt_dir))
         prepared = prepare(cfg)  # rank 0 builds the cache while the others wait
     distributed.barrier()
     if not info.is_main:
         prepared = prepare(cfg)  # a cache hit: only loads
 
-    last = run_dir / "checkpoints" / "last.pt"
-    resume = load_checkpoint(last, require_training=True) if last.is_file() else None
+    resume, resume_path = resume_checkpoint(ckpt_dir)
     raw = build_model(cfg.model, prepared.vocab_size)  # same init on every rank (same seed)
     if resume is not None:
-        check_compatible(resume, cfg, prepared.vocab_size, last)
+        check_compatible(resume, cfg, prepared.vocab_size, resume_path)
+        check_data_plan(resume, cfg, info.world_size, resume_path)
         raw.load_state_dict(resume["model"])
-        log.info("resuming %s from step %d", run_dir, resume["step"])
+        log.info("resuming %s from %s (step %d)", run_dir, resume_path.name, resume["step"])
     elif tc.init_from:
         init = load_checkpoint(tc.init_from)
         check_compatible(init, cfg, prepared.vocab_size, Path(tc.init_from))
@@ -160,6 +185,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
         if resume.get("scaler"):
             scaler.load_state_dict(resume["scaler"])
         state = TrainState(**resume["state"])
+        keep_best_of_best_pt(state, ckpt_dir / "best.pt", metric_key(cfg))
 
     model = torch.compile(raw) if tc.compile else raw
     model = distributed.wrap(model, info)
@@ -183,16 +209,9 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
 def train_loop(run: Run) -> str:
     """Updates until a limit, a signal or patience stops training; returns the reason."""
     tc, state = run.cfg.train, run.state
-    from tqdm.auto import tqdm
-
     split = run.prepared.split("train")
-    bar = tqdm(
-        total=tc.max_steps or None,
-        initial=state.step,
-        disable=not run.info.is_main,
-        desc="train",
-        dynamic_ncols=True,
-        mininterval=1.0,
+    bar = progress(
+        "train", total=tc.max_steps or None, initial=state.step, disable=not run.info.is_main
     )
     wall0, t0 = state.wall, time.perf_counter()
     tokens = seconds = 0.0  # since the last log record
@@ -269,15 +288,21 @@ def evaluate(run: Run) -> dict[str, float]:
 
 
 def save(run: Run, periodic: bool) -> None:
-    """``last.pt`` (full state, all ranks take part) and optionally ``checkpoint_<step>.pt``."""
+    """``last.pt`` (full state, all ranks take part) and optionally ``checkpoint_<step>.pt``.
+
+    A periodic checkpoint holds the full training state too (any of them can resume the run
+    when ``last.pt`` is unreadable); ``last.pt`` is then a hard link to it, not a second write.
+    """
     ckpt = _checkpoint(run, full=True)
     if run.info.is_main:
-        save_checkpoint(run.ckpt_dir / "last.pt", ckpt)
+        last = run.ckpt_dir / "last.pt"
         if periodic:
-            save_checkpoint(
-                run.ckpt_dir / f"checkpoint_{run.state.step}.pt", _checkpoint(run, False)
-            )
+            path = run.ckpt_dir / f"checkpoint_{run.state.step}.pt"
+            save_checkpoint(path, ckpt)
+            link_checkpoint(path, last)
             rotate_checkpoints(run.ckpt_dir, run.cfg.train.keep_last)
+        else:
+            save_checkpoint(last, ckpt)
         log.info("saved checkpoints at step %d", run.state.step)
     distributed.barrier()
 
@@ -299,6 +324,7 @@ def finish(run: Run, stop: str) -> dict[str, Any]:
         "step": state.step,
         "epoch": state.epoch,
         "stop": stop,
+        "signal": run.stop.signum if stop == "signal" else None,
         "best": state.best,
         "metric": run.key,
         "run_dir": str(run.run_dir),
@@ -336,6 +362,7 @@ def _average(run: Run) -> None:
         " -> best.pt" if use else "",
     )
     if use:
+        avg.update(best=value, best_metric=run.key)
         save_checkpoint(run.ckpt_dir / "best.pt", avg)
 
 
@@ -343,7 +370,7 @@ def _checkpoint(run: Run, full: bool) -> dict[str, Any]:
     update = run.update
     return training_state(
         run.raw_model, run.prepared, run.cfg, run.state,
-        update.optimizer, update.scheduler, update.scaler, full,
+        update.optimizer, update.scheduler, update.scaler, full, run.info.world_size,
     )  # fmt: skip
 
 
@@ -384,7 +411,7 @@ def _limits(run: Run) -> Optional[str]:
     # One collective: a stop signal seen by any rank, and one training time for all ranks
     # (the slowest rank's), which the time limit and the cool-down then read alike.
     signal_seen, state.wall = distributed.max_over_ranks(
-        [1.0 if run.stop_signal is not None else 0.0, state.wall], run.info.device
+        [1.0 if run.stop.signum is not None else 0.0, state.wall], run.info.device
     )
     if signal_seen:
         return "signal"
@@ -403,24 +430,3 @@ def _groups(batches, n: int):
             group = []
     if group:
         yield group
-
-
-def _install_signal_handlers(run: Run):
-    """SIGTERM / first Ctrl-C: finish the current update, save last.pt, exit cleanly.
-    A second Ctrl-C interrupts at once. Returns a function restoring the old handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def handler(signum, frame):
-        if run.stop_signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        run.stop_signal = signum
-        log.warning("%s received: saving last.pt and stopping", signal.Signals(signum).name)
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-
-    def restore() -> None:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-    return restore

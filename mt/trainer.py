@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import random
@@ -24,6 +23,7 @@ import torch
 from mt import distributed
 from mt.batching import Batch, BatchSampler, iterate_batches
 from mt.checkpoint import CheckpointError, model_cfg_from, model_state, rng_state
+from mt.files import JsonlAppender
 from mt.loss import label_smoothed_cross_entropy
 from mt.schema import Config
 from mt.vocab import PAD
@@ -184,6 +184,47 @@ class Updater:
         )
 
 
+def data_plan(cfg: Config, world_size: int) -> dict[str, Any]:
+    """What decides the order of batches in an epoch (besides the data): a checkpoint's
+    position in an epoch (``data.batch``) only means something under the same plan."""
+    tc = cfg.train
+    max_len = cfg.model.max_positions - 1 if tc.skip_long else None
+    return {"world_size": world_size, "max_tokens": tc.max_tokens, "seed": tc.seed,
+            "max_len": max_len}  # fmt: skip
+
+
+def check_data_plan(ckpt: dict, cfg: Config, world_size: int, path: Path) -> None:
+    """Refuse to resume in the middle of an epoch under another batch plan.
+
+    The stored batch index counts this rank's batches of the epoch plan that the world size,
+    ``train.max_tokens``, the seed and the length limit made; under another plan it would point
+    at other pairs (some skipped, some repeated). At an epoch boundary (index 0) any plan is
+    fine: the next epoch starts from its beginning.
+
+    Raises:
+        CheckpointError: mid-epoch, with a different plan (the message says what differs).
+    """
+    data = ckpt.get("data", {})
+    stored = data.get("plan")
+    now = data_plan(cfg, world_size)
+    if stored is None or dict(stored) == now:
+        return
+    diff = {k: (stored.get(k), v) for k, v in now.items() if stored.get(k) != v}
+    if int(data.get("batch", 0)) == 0:
+        log.info("batch plan changed at an epoch boundary (stored, now): %s", diff)
+        return
+    names = {"world_size": "number of ranks (torchrun --nproc_per_node x nodes)",
+             "max_tokens": "train.max_tokens", "seed": "train.seed",
+             "max_len": "model.max_positions / train.skip_long"}  # fmt: skip
+    shown = "; ".join(f"{names[k]}: {a} in the checkpoint, {b} now" for k, (a, b) in diff.items())
+    raise CheckpointError(
+        f"{path} stopped in the middle of epoch {data.get('epoch')} (batch {data.get('batch')}) "
+        f"under another batch plan ({shown}). Resuming would skip or repeat pairs: resume with "
+        "the original settings (they may change at the next epoch boundary), or start a new run "
+        "from these weights with train.init_from"
+    )
+
+
 def train_sampler(split, cfg: Config, rank: int = 0, world_size: int = 1) -> BatchSampler:
     """The training batches of ``split`` for this rank: ``train.max_tokens``, the run's seed, and
     pairs beyond the positional range skipped when ``train.skip_long``."""
@@ -222,7 +263,12 @@ def valid_loss(
         nll += float(nsum)
         ntok += int(batch.ntokens)
     model.train(was_training)
-    return loss / max(ntok, 1), nll / max(ntok, 1)
+    if ntok == 0:  # a loss of 0.0 would become "best"
+        raise ValueError(
+            "the validation split has no target tokens (empty, or every pair too long for "
+            "model.max_positions): check data.splits.valid"
+        )
+    return loss / ntok, nll / ntok
 
 
 @torch.no_grad()
@@ -271,21 +317,22 @@ def better(key: str, new: float, old: Optional[float]) -> bool:
 
 
 def training_state(
-    raw_model, prepared, cfg: Config, state: TrainState, optimizer, scheduler, scaler, full: bool
-) -> dict[str, Any]:
+    raw_model, prepared, cfg: Config, state: TrainState, optimizer, scheduler, scaler, full: bool,
+    world_size: int = 1,
+) -> dict[str, Any]:  # fmt: skip
     """A checkpoint dict: the self-describing model part, plus training state when ``full``.
 
     With ``full`` every rank must call this (the RNG states of all ranks are gathered).
     """
     ckpt = model_state(raw_model, cfg.model, prepared.tokenizer, prepared.vocab_size)
-    ckpt.update(step=state.step, epoch=state.epoch, best=state.best)
+    ckpt.update(step=state.step, epoch=state.epoch, best=state.best, best_metric=metric_key(cfg))
     if full:
         ckpt.update(
             optimizer=optimizer.state_dict(),
             scheduler=scheduler.state_dict(),
             scaler=scaler.state_dict(),
             rng=distributed.all_gather_object(rng_state()),
-            data={"epoch": state.epoch, "batch": state.batch},
+            data={"epoch": state.epoch, "batch": state.batch, "plan": data_plan(cfg, world_size)},
             train_cfg=dataclasses.asdict(cfg.train),
             state=dataclasses.asdict(state),
         )
@@ -293,33 +340,24 @@ def training_state(
 
 
 class MetricsLog:
-    """``metrics.jsonl`` (one flushed line per record) and TensorBoard, on rank 0 only.
+    """``metrics.jsonl`` (one flushed line per record, appended) and TensorBoard, rank 0 only.
 
     Args:
         run_dir: the run directory.
-        resume_step: records with a larger step are dropped (they were written after the
-            checkpoint being resumed, and will be written again).
+        resume_step: records from the first one with a larger step on are cut off (they were
+            written after the checkpoint being resumed, and will be written again).
         enabled: False on ranks other than 0.
     """
 
     def __init__(self, run_dir: Path, resume_step: int, enabled: bool = True):
         self.enabled = enabled
-        self.file = None
+        self.file: Optional[JsonlAppender] = None
         self.tb = None
         if not enabled:
             return
-        path = run_dir / "metrics.jsonl"
-        if path.exists():
-            kept = []
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut by a crash
-                if record.get("step", 0) <= resume_step:
-                    kept.append(line)
-            path.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
-        self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        # Appended, never rewritten: a torn last line and the records after the resumed step
+        # are cut off with one truncate.
+        self.file = JsonlAppender(run_dir / "metrics.jsonl", keep_through_step=resume_step)
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -331,8 +369,7 @@ class MetricsLog:
         """Append one record; scalars also go to TensorBoard under their key."""
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        self.file.write(record)
         if self.tb is not None and "step" in record:
             for key, value in record.items():
                 if key not in ("step", "epoch") and isinstance(value, (int, float)):

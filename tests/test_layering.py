@@ -23,6 +23,10 @@ LAYERS = {
     "mt.loss": 1,
     "mt.schedule": 1,
     "mt.config": 1,
+    "mt.files": 1,
+    "mt.lock": 1,
+    "mt.preempt": 1,
+    "mt.progress": 1,
     "mt.attention": 2,
     "mt.model": 2.5,
     "mt.tokenizer": 2,
@@ -37,6 +41,7 @@ LAYERS = {
     "mt.evaluate": 5,
     "mt.translate": 5,
     "mt.trainer": 5.5,
+    "mt.resume": 5.75,
     "mt.train": 6,
     "mt.cli": 7,
 }

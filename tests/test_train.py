@@ -20,6 +20,7 @@ import mt.trainer
 from mt.checkpoint import CheckpointError, load_checkpoint, periodic_checkpoints
 from mt.config import load_config
 from mt.loss import label_smoothed_nll_loss
+from mt.preempt import EXIT_PREEMPTED
 from mt.train import train
 from mt.trainer import NonFiniteError, train_sampler
 
@@ -136,7 +137,7 @@ def test_sigterm_saves_last_and_exits_cleanly(tmp_path, real_data):
     _wait_for(run / "checkpoints" / "checkpoint_3.pt", proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out
+    assert proc.returncode == EXIT_PREEMPTED, out  # saved; "run me again" for a requeue script
     assert "SIGTERM received" in out
     ckpt = load_checkpoint(run / "checkpoints" / "last.pt", require_training=True)
     last_logged = max(_losses(run))

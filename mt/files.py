@@ -1,0 +1,284 @@
+"""Crash-safe files: atomic replacement, safe appends, and text read line by line.
+
+Every file ``mt`` writes goes through here (checkpoints use :func:`atomic_path` with
+``torch.save``), so a process killed at any instant leaves each file either as it was or
+complete, never half-written:
+
+- :func:`write_text` / :func:`write_json` / :func:`atomic_path`: the new content goes to a
+  temporary ``.<name>.tmp<pid>`` beside the target, is flushed and fsynced, then renamed over
+  the target (``os.replace`` is atomic on POSIX) and the directory is fsynced.
+- :class:`JsonlAppender`: one JSON record per line, appended and flushed; on reopening, a torn
+  last line (a kill mid-write) and the records a resumed run will write again are cut off with
+  one ``truncate``, so earlier bytes are never rewritten.
+- :func:`remove_stale_temps`: the temporaries of killed writes (``.<name>.tmp<pid>``) are
+  removed when a run starts (a run directory is locked, so no live writer owns them).
+- :func:`read_lines`: text split on ``"\\n"`` only (a lone ``"\\r"`` stays inside its line; a
+  ``"\\r\\n"`` ending counts as ``"\\n"``), decoded as UTF-8 line by line so an error names the
+  line, and NUL bytes refused with the same message on every path that reads text.
+- :func:`disk_full`: whether an exception (or its cause) is "no space" / "file too large",
+  so callers can say "disk full" rather than a library's internal message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+log = logging.getLogger(__name__)
+
+TEMP = re.compile(r"^\..+\.tmp\d+$")  # the temporaries written here: .<name>.tmp<pid>
+FULL_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+
+
+class TextError(ValueError):
+    """A text file that cannot be read as UTF-8 lines (the message names file and line)."""
+
+
+def temp_path(path: Path) -> Path:
+    """The temporary a write of ``path`` goes through in this process."""
+    return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (best effort: not every filesystem allows it)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def disk_full(err: BaseException) -> bool:
+    """True when ``err`` or an exception it was raised from is ENOSPC, EFBIG or EDQUOT (torch
+    wraps the OSError of a failed write in a RuntimeError)."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in FULL_ERRNOS:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def atomic_path(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Write ``path`` atomically: ``write(f)`` fills a binary temporary file, which is flushed,
+    fsynced and renamed over ``path``. On any failure the temporary is removed and ``path`` is
+    untouched; a full disk raises ``OSError(ENOSPC)`` saying so.
+
+    Args:
+        path: the destination; its directory is created if needed.
+        write: called once with the open temporary file.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, Exception) and disk_full(err):
+            raise OSError(
+                errno.ENOSPC,
+                f"disk full (no space, quota or file-size limit) while writing {path}; the "
+                f"previous {path.name} is kept",
+            ) from err
+        raise
+    fsync_dir(path.parent)
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically."""
+    atomic_path(path, lambda f: f.write(data))
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Replace ``path`` with UTF-8 ``text`` atomically (newlines written as given)."""
+    write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: str | Path, data: Any, indent: int | None = 2) -> None:
+    """Replace ``path`` with ``data`` as JSON (UTF-8, a final newline) atomically."""
+    write_text(path, json.dumps(data, indent=indent, ensure_ascii=False, default=str) + "\n")
+
+
+def write_lines(path: str | Path, lines: Iterable[str]) -> int:
+    """Replace ``path`` with one line per item atomically; returns the number of lines.
+
+    A line break inside an item (``\\n`` or ``\\r``) becomes a space, so line i of the file is
+    always item i.
+    """
+    count = 0
+
+    def fill(f: IO[bytes]) -> None:
+        nonlocal count
+        for line in lines:
+            f.write((one_line(line) + "\n").encode("utf-8"))
+            count += 1
+
+    atomic_path(path, fill)
+    return count
+
+
+def one_line(text: str) -> str:
+    """``text`` with every ``\\r\\n``, ``\\n`` and ``\\r`` replaced by one space."""
+    if "\n" in text or "\r" in text:
+        return text.replace("\r\n", " ").replace("\n", " ").replace("\r", " ")
+    return text
+
+
+def remove_stale_temps(*directories: Path) -> list[Path]:
+    """Delete the ``.<name>.tmp<pid>`` files of killed writes in ``directories`` (not
+    recursive); returns what was removed. Call only while holding the run directory's lock."""
+    removed = []
+    for directory in directories:
+        if not directory.is_dir():
+            continue
+        for p in sorted(directory.iterdir()):
+            if TEMP.match(p.name) and p.is_file():
+                size = p.stat().st_size
+                p.unlink(missing_ok=True)
+                log.warning("removed %s (%.1f MB) left by a killed save", p, size / 2**20)
+                removed.append(p)
+    return removed
+
+
+class JsonlAppender:
+    """An append-only JSON-lines file, safe against kills and resumes.
+
+    Opening it cuts, with one ``truncate``, a torn last line (no ``"\\n"`` or not JSON) and,
+    with ``keep_through_step``, every record from the first one whose ``step`` is larger (a
+    resumed run writes those steps again). Earlier bytes are never rewritten.
+
+    Args:
+        path: the file (created if missing).
+        keep_through_step: None keeps every complete record.
+    """
+
+    def __init__(self, path: str | Path, keep_through_step: int | None = None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        cut = self._cut_point(keep_through_step) if self.path.exists() else None
+        if cut is not None:
+            with open(self.path, "r+b") as f:
+                f.truncate(cut)
+                f.flush()
+                os.fsync(f.fileno())
+        self.file = open(self.path, "ab")  # noqa: SIM115 (closed in close())
+
+    def _cut_point(self, keep_through_step: int | None) -> int | None:
+        """The byte offset to truncate at, or None to keep everything."""
+        offset = 0
+        with open(self.path, "rb") as f:
+            for raw in f:
+                try:
+                    record = json.loads(raw) if raw.endswith(b"\n") else None
+                except ValueError:
+                    record = None
+                if not isinstance(record, dict):
+                    if raw.strip() or not raw.endswith(b"\n"):
+                        log.warning("%s: cutting a torn record at byte %d", self.path, offset)
+                        return offset
+                elif keep_through_step is not None and _step(record) > keep_through_step:
+                    return offset
+                offset += len(raw)
+        return None
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record as one line and flush it to the OS."""
+        self.file.write((json.dumps(record, default=str) + "\n").encode("utf-8"))
+        self.file.flush()
+
+    def close(self) -> None:
+        if not self.file.closed:
+            self.file.close()
+
+
+def _step(record: dict[str, Any]) -> float:
+    step = record.get("step")
+    return step if isinstance(step, (int, float)) and not isinstance(step, bool) else -1
+
+
+def read_lines(stream: Iterable[bytes], name: str, first_line: int = 1) -> Iterator[str]:
+    """Decode a binary stream into lines (without their ending), checking each one.
+
+    Lines split on ``b"\\n"`` alone; a ``"\\r\\n"`` ending is one line end, a lone ``"\\r"``
+    stays inside its line.
+
+    Args:
+        stream: a file opened in binary mode (or ``sys.stdin.buffer``).
+        name: the file's name for error messages.
+        first_line: the number of the first line.
+
+    Raises:
+        TextError: a line that is not UTF-8 or holds a NUL byte, naming file and line.
+    """
+    for lineno, raw in enumerate(stream, first_line):
+        if raw.endswith(b"\n"):
+            raw = raw[:-2] if raw.endswith(b"\r\n") else raw[:-1]
+        yield decode_line(raw, name, lineno)
+
+
+def decode_line(raw: bytes, name: str, lineno: int, errors: str = "strict") -> str:
+    """One line's bytes as text; ``errors="replace"`` substitutes U+FFFD for invalid UTF-8.
+
+    Raises:
+        TextError: invalid UTF-8 (with ``errors="strict"``) or a NUL byte.
+    """
+    if b"\x00" in raw:
+        raise TextError(
+            f"{name}, line {lineno}: holds a NUL byte (column {raw.index(0) + 1}); "
+            "a binary file? (text must be UTF-8 without NUL bytes)"
+        )
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if errors == "replace":
+            return raw.decode("utf-8", errors="replace")
+        raise TextError(
+            f"{name}, line {lineno}: not valid UTF-8 ({err.reason} at byte {err.start})"
+        ) from None
+
+
+@contextlib.contextmanager
+def atomic_text_output(path: str | Path) -> Iterator[IO[str]]:
+    """A text stream (UTF-8, ``"\\n"`` line ends) whose content replaces ``path`` only when
+    the block ends without an exception; a failure leaves ``path`` as it was."""
+    import io
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    f = open(tmp, "wb")  # noqa: SIM115
+    text = io.TextIOWrapper(f, encoding="utf-8", newline="\n")
+    try:
+        yield text
+        text.flush()
+        os.fsync(f.fileno())
+        text.close()
+        os.replace(tmp, path)
+    except BaseException as err:
+        if not text.closed:
+            with contextlib.suppress(OSError):
+                text.close()
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, Exception) and disk_full(err):
+            raise OSError(errno.ENOSPC, f"disk full while writing {path}") from err
+        raise
+    fsync_dir(path.parent)

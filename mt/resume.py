@@ -1,0 +1,120 @@
+"""Resuming a run directory: which checkpoint, which best value, which configuration.
+
+- :func:`resume_checkpoint`: ``last.pt``, or when it is unreadable the newest readable periodic
+  checkpoint (each holds the full training state), with a warning naming both.
+- :func:`keep_best_of_best_pt`: a resumed state knows the best validation value as of its own
+  step; ``best.pt`` may have been saved later with a better one, which then stays the bar.
+- :func:`record_config`: ``config.yaml`` keeps the run's original configuration; a resume with
+  other settings writes ``config.resume-<n>.yaml`` and logs each changed key.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+from mt.checkpoint import CheckpointError, load_checkpoint, periodic_checkpoints
+from mt.config import to_yaml
+from mt.files import write_text
+from mt.schema import Config
+from mt.trainer import TrainState, better
+
+log = logging.getLogger(__name__)
+
+
+def has_checkpoints(ckpt_dir: Path) -> bool:
+    return (ckpt_dir / "last.pt").is_file() or bool(periodic_checkpoints(ckpt_dir))
+
+
+def resume_checkpoint(ckpt_dir: Path) -> tuple[Optional[dict], Optional[Path]]:
+    """The training state to resume: ``last.pt``, or when it is unreadable the newest readable
+    periodic checkpoint that holds a training state (with a warning naming both).
+
+    Returns:
+        ``(checkpoint, path)``, or ``(None, None)`` for a new run.
+
+    Raises:
+        CheckpointError: checkpoints exist but none of them can resume the run.
+    """
+    last = ckpt_dir / "last.pt"
+    candidates = ([last] if last.is_file() else []) + periodic_checkpoints(ckpt_dir)[::-1]
+    errors = []
+    for path in candidates:
+        try:
+            ckpt = load_checkpoint(path, require_training=True)
+        except CheckpointError as err:
+            errors.append(str(err))
+            continue
+        if path != last:
+            log.warning(
+                "%s: resuming from %s (step %d) instead: %s", last, path.name, ckpt["step"],
+                errors[0] if errors else "last.pt is missing",
+            )  # fmt: skip
+        return ckpt, path
+    if candidates:
+        raise CheckpointError(
+            f"no checkpoint in {ckpt_dir} can resume the run: " + " | ".join(errors)
+        )
+    return None, None
+
+
+def keep_best_of_best_pt(state: TrainState, best_path: Path, key: str) -> None:
+    """After a resume, ``state.best`` is as old as the resumed checkpoint; ``best.pt`` may hold
+    a better model saved after it. Take that value, so best.pt is only replaced by better."""
+    if not best_path.is_file():
+        return
+    try:
+        best = load_checkpoint(best_path)
+    except CheckpointError as err:
+        log.warning("%s is unreadable (%s); the next validation replaces it", best_path, err)
+        return
+    value = best.get("best")
+    if best.get("best_metric") != key or value is None:
+        return
+    if better(key, value, state.best):
+        log.info("best.pt (step %s) holds %s %.4g, better than the resumed state's %s",
+                 best.get("step"), key, value, state.best)  # fmt: skip
+        state.best, state.best_step = float(value), int(best.get("step", 0))
+
+
+def record_config(run_dir: Path, cfg: Config, resuming: bool) -> None:
+    """``config.yaml`` holds a run's original configuration. A new run writes it; a resumed
+    run keeps it, and when its own configuration differs writes that to
+    ``config.resume-<n>.yaml`` and logs each changed key."""
+    text = to_yaml(cfg)
+    path = run_dir / "config.yaml"
+    if not resuming or not path.is_file():
+        write_text(path, text)
+        return
+    original = path.read_text(encoding="utf-8")
+    if original == text:
+        return
+    n = 1 + sum(1 for _ in run_dir.glob("config.resume-*.yaml"))
+    write_text(run_dir / f"config.resume-{n}.yaml", text)
+    changes = _changed_keys(original, text)
+    log.warning(
+        "resuming with a different configuration (kept in config.resume-%d.yaml; config.yaml "
+        "keeps the original): %s", n, "; ".join(changes) or "formatting only",
+    )  # fmt: skip
+
+
+def _changed_keys(old: str, new: str) -> list[str]:
+    """``key: old -> new`` for each leaf that differs between two YAML configurations."""
+    import yaml
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in (d or {}).items():
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    try:
+        a, b = flat(yaml.safe_load(old)), flat(yaml.safe_load(new))
+    except yaml.YAMLError:
+        return ["config.yaml is not valid YAML"]
+    keys = sorted(set(a) | set(b))
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
