@@ -70,6 +70,11 @@ def read_lines(path: Path, errors: str = "strict") -> Iterator[str]:
             for lineno, raw in enumerate(f, 1):
                 if raw.endswith(b"\n"):
                     raw = raw[:-2] if raw.endswith(b"\r\n") else raw[:-1]
+                if b"\x00" in raw:
+                    raise DataError(
+                        f"{path}, line {lineno}: holds a NUL byte (column {raw.index(0) + 1}); "
+                        "a binary file? (text must be UTF-8 without NUL bytes)"
+                    )
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as err:

@@ -11,19 +11,20 @@ be compared).
   file anyone produced; prints BLEU, chrF and the signatures; ``output=FILE`` writes the JSON.
 * ``mt-evaluate`` (with the usual ``experiment=``/``run_dir=``): decode ``split`` (valid | test)
   of the run's prepared data with ``checkpoint`` (default ``run_dir/checkpoints/best.pt``), write
-  ``run_dir/translations/<split>.txt`` and ``run_dir/results.json`` (and ``report.md``), print
+  ``run_dir/translations/<split>.txt``, ``run_dir/results.<split>.json`` and
+  ``run_dir/results.json`` (the latest split evaluated) (and ``report.md``), print
   ``BLEU = ...`` with the signature and, as the last line, the run directory.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from mt import files
 from mt.schema import Config
 from mt.search import attention_map, max_positions
 
@@ -50,6 +51,8 @@ def score(hyps: list[str], refs: list[str] | list[list[str]], chrf: bool = True)
     from sacrebleu.metrics import BLEU, CHRF
 
     streams = [list(refs)] if not refs or isinstance(refs[0], str) else [list(r) for r in refs]
+    if not hyps:
+        raise ValueError("nothing to score: 0 hypotheses")
     for i, stream in enumerate(streams):
         if len(stream) != len(hyps):
             raise ValueError(
@@ -70,31 +73,26 @@ def score(hyps: list[str], refs: list[str] | list[list[str]], chrf: bool = True)
 
 
 def read_lines(path: str | Path) -> list[str]:
-    """The lines of a UTF-8 text file, split on ``\\n`` only (a BOM or U+2028 stays in the text).
+    """The lines of a UTF-8 text file, split on ``\n`` only (a BOM or U+2028 stays in the text).
 
     sacreBLEU's own command line reads files the same way, so scores match its published ones.
+
+    Raises:
+        mt.files.TextError: a line that is not UTF-8 or holds a NUL byte (file and line named).
     """
-    with open(path, encoding="utf-8", newline="\n") as f:
-        return [line.rstrip("\n") for line in f]
+    with open(path, "rb") as f:
+        return list(files.read_lines(f, str(path)))
 
 
 def write_lines(path: str | Path, lines: list[str]) -> None:
-    """Write one line per item (UTF-8, ``\\n`` after each) atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-        f.writelines(line.replace("\n", " ") + "\n" for line in lines)
-    tmp.replace(path)
+    """Write one line per item (UTF-8, ``\n`` after each, a line break inside an item becomes
+    a space) atomically."""
+    files.write_lines(path, lines)
 
 
 def write_json(path: str | Path, data: dict[str, Any]) -> None:
     """Write ``data`` as indented JSON atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    files.write_json(path, data)
 
 
 def score_files(hyp: str | Path, ref: str | Path | list) -> dict[str, Any]:
@@ -200,7 +198,8 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
         tgt_tok_per_s=round(sum(map(len, out_ids)) / max(seconds, 1e-9), 1),
         torch_threads=torch.get_num_threads(),
     )
-    write_json(run_dir / "results.json", result)
+    write_json(run_dir / f"results.{cfg.split}.json", result)  # each split keeps its own
+    write_json(run_dir / "results.json", result)  # the latest evaluation (report, sweeps)
     log.info("%s on %s: %s | chrF2 %.2f", ckpt_path.name, cfg.split, result["bleu_details"],
              result["chrf"])  # fmt: skip
     if cfg.report:

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import re
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -282,3 +283,26 @@ def atomic_text_output(path: str | Path) -> Iterator[IO[str]]:
             raise OSError(errno.ENOSPC, f"disk full while writing {path}") from err
         raise
     fsync_dir(path.parent)
+
+
+def file_crc(path: Path) -> int:
+    """CRC-32 of a file's bytes, read in 16 MB blocks."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def damaged_file(directory: Path, record: dict | None) -> Path | None:
+    """The first file of ``directory`` whose size or CRC-32 differs from ``record``
+    (``{name: [size, crc]}``, as written when the files were made), or None."""
+    for name, (size, crc) in (record or {}).items():
+        path = directory / name
+        try:
+            if path.stat().st_size == size and file_crc(path) == crc:
+                continue
+        except OSError:
+            pass
+        return path
+    return None

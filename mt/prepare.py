@@ -8,7 +8,9 @@ interrupted prepare never leaves a directory a later run would trust.
 
 Layout of a prepared directory::
 
-    meta.json                      key, settings, counts, vocab size, id dtype
+    meta.json                      key, settings, counts, vocab size, id dtype, and the size
+                                   and CRC-32 of every other file (checked on load: a damaged
+                                   cache is rebuilt)
     spm.model | spm.{src,tgt}.model
     <role>.<side>.ids              flat ids of all sentences (uint16 if V <= 65536 else int32)
     <role>.<side>.off              int64 offsets (n + 1): sentence i is ids[off[i]:off[i+1]]
@@ -36,9 +38,10 @@ from pathlib import Path
 
 import numpy as np
 
-from mt.data import ROLES, Cleaner, corpus_identity, normalize_line, open_corpus
+from mt.data import ROLES, Cleaner, DataError, corpus_identity, normalize_line, open_corpus
+from mt.files import damaged_file, file_crc, write_json
 from mt.schema import Config
-from mt.tokenizer import SIDES, Tokenizer, num_threads
+from mt.tokenizer import SIDES, Tokenizer, TokenizerError, num_threads
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +112,13 @@ class Prepared:
 
     def __init__(self, path: Path):
         self.dir = Path(path)
-        self.meta = json.loads((self.dir / "meta.json").read_text(encoding="utf-8"))
+        try:
+            self.meta = json.loads((self.dir / "meta.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise CacheError(f"{self.dir / 'meta.json'} is unreadable ({err})") from None
+        damaged = damaged_file(self.dir, self.meta.get("files"))
+        if damaged is not None:
+            raise CacheError(f"prepared data file {damaged} is damaged (size or checksum differs)")
         self.tokenizer = Tokenizer.load([self.dir / n for n in self.meta["tokenizer_files"]])
         self.vocab_size: int = self.tokenizer.vocab_size
         self._splits: dict[str, EncodedSplit] = {}
@@ -145,6 +154,11 @@ class Prepared:
         return text.split("\n")[:-1]  # "\n" only: U+2028 etc. stay inside their line
 
 
+class CacheError(DataError):
+    """A prepared-data directory whose files do not match what was written (a damaged disk, a
+    hand edit); :func:`prepare` rebuilds it."""
+
+
 def _check_role(role: str) -> None:
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -176,8 +190,13 @@ def prepare(cfg: Config) -> Prepared:
     root = Path(cfg.cache_dir)
     final = root / f"{cfg.data.name}-{key[:16]}"
     if _valid(final, key):
-        log.info("prepared data: cache hit %s", final)
-        return Prepared(final)
+        try:
+            prepared = Prepared(final)
+        except (CacheError, TokenizerError) as err:
+            log.warning("%s: rebuilding it", err)
+        else:
+            log.info("prepared data: cache hit %s", final)
+            return prepared
     if final.exists():  # no meta.json or a different key: never trust it
         log.warning("discarding incomplete prepared data at %s", final)
         shutil.rmtree(final)
@@ -226,7 +245,15 @@ def _build(cfg: Config, out: Path, key: str, root: Path) -> None:
     if counts["train"]["pairs"] == 0:
         raise ValueError("no training pairs left after cleaning: " + cleaner.summary())
     for role in ("valid", "test"):
-        n = _write_pairs(corpus.pairs(role), out / f"{role}.raw.src", out / f"{role}.raw.tgt")
+        empty = [0]
+        pairs = _count_empty(corpus.pairs(role), empty)
+        n = _write_pairs(pairs, out / f"{role}.raw.src", out / f"{role}.raw.tgt")
+        if n == 0 or empty[0] == n:
+            raise DataError(
+                f"the {role} split (data.splits.{role}={getattr(cfg.data.splits, role)}) "
+                + ("has no lines" if n == 0 else f"has only empty lines ({n})")
+                + ": give it real sentence pairs"
+            )
         counts[role] = {"pairs": n}
         log.info("%s: %d pairs (not filtered)", role, n)
     t_read = time.time()
@@ -249,6 +276,7 @@ def _build(cfg: Config, out: Path, key: str, root: Path) -> None:
 
     meta = {
         "key": key,
+        "files": {p.name: [p.stat().st_size, file_crc(p)] for p in sorted(out.iterdir())},
         "format": FORMAT_VERSION,
         "name": cfg.data.name,
         "data": dataclasses.asdict(cfg.data),
@@ -259,7 +287,10 @@ def _build(cfg: Config, out: Path, key: str, root: Path) -> None:
         "counts": counts,
         "seconds": {"read_clean": t_read - t0, "spm": t_spm - t_read, "encode": t_enc - t_spm},
     }
-    (out / "meta.json").write_text(json.dumps(meta, indent=2, default=str), encoding="utf-8")
+    for p in out.iterdir():  # durable before the directory is renamed into place
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    write_json(out / "meta.json", meta)
     log.info(
         "prepared %s in %.1fs (read+clean %.1fs, SentencePiece %.1fs, encode %.1fs): %s",
         cfg.data.name,
@@ -269,6 +300,14 @@ def _build(cfg: Config, out: Path, key: str, root: Path) -> None:
         t_enc - t_spm,
         ", ".join(f"{r} {c['pairs']} pairs" for r, c in counts.items()),
     )
+
+
+def _count_empty(pairs: Iterator[tuple[str, str]], empty: list[int]):
+    """Pass pairs through, counting in ``empty[0]`` those whose source is blank."""
+    for src, tgt in pairs:
+        if not src.strip():
+            empty[0] += 1
+        yield src, tgt
 
 
 def _write_pairs(pairs: Iterator[tuple[str, str]], src_path: Path, tgt_path: Path) -> int:

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from mt.files import atomic_path, write_json, write_text
+
 log = logging.getLogger(__name__)
 
 MAX_EXAMPLES = 5  # example translations shown in the report
@@ -100,10 +102,7 @@ def record_stage_time(run_dir: str | Path, stage: str, seconds: float) -> None:
     path = Path(run_dir) / "timings.json"
     times = _read_json(path) if path.is_file() else {}
     times[stage] = round(float(seconds), 3)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(times, indent=1) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    write_json(path, times, indent=1)
 
 
 def _is_number(x: Any) -> bool:
@@ -160,7 +159,7 @@ def plot_lines(
         ax.legend()
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=100)
+    atomic_path(path, lambda f: fig.savefig(f, dpi=100, format="png"))
     plt.close(fig)
     return path
 
@@ -204,8 +203,7 @@ def plot_attention(
     fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    atomic_path(path, lambda f: fig.savefig(f, dpi=100, format="png"))
     plt.close(fig)
     return path
 
@@ -424,8 +422,6 @@ def write_report(
         lines += ["```yaml", text, "```", "", "</details>", ""]
 
     path = run_dir / "report.md"
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text("\n".join(lines), encoding="utf-8")
-    tmp.replace(path)
+    write_text(path, "\n".join(lines))
     log.info("report written to %s", path)
     return path

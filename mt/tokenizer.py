@@ -25,6 +25,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from mt.files import one_line, write_bytes
 from mt.schema import TokenizerConfig
 from mt.vocab import BOS, EOS, PAD, SPECIALS, UNK
 
@@ -130,8 +131,19 @@ class Tokenizer:
 
     @classmethod
     def load(cls, paths: list[str | Path]) -> Tokenizer:
-        """Load 1 model file (joint) or 2 ([src, tgt])."""
-        return cls([spm.SentencePieceProcessor(model_file=str(p)) for p in paths])
+        """Load 1 model file (joint) or 2 ([src, tgt]).
+
+        Raises:
+            TokenizerError: a file that is missing or not a SentencePiece model, named.
+        """
+        models = []
+        for p in paths:
+            try:
+                models.append(spm.SentencePieceProcessor(model_file=str(p)))
+            except (RuntimeError, OSError) as err:
+                msg = " ".join(str(err).split())
+                raise TokenizerError(f"{p} is not a readable SentencePiece model: {msg}") from None
+        return cls(models)
 
     @classmethod
     def from_bytes(cls, blobs: list[bytes]) -> Tokenizer:
@@ -153,7 +165,7 @@ class Tokenizer:
         names = ["spm.model"] if self.joint else ["spm.src.model", "spm.tgt.model"]
         paths = [Path(out_dir) / n for n in names]
         for path, blob in zip(paths, self.to_bytes()):
-            path.write_bytes(blob)
+            write_bytes(path, blob)
         return paths
 
     # ---- properties ---------------------------------------------------------------------------
@@ -183,14 +195,19 @@ class Tokenizer:
         return self.model(side).encode(list(texts), out_type=int)
 
     def decode(self, ids: list[list[int]], side: str = "tgt") -> list[str]:
-        """Text of each id sequence: stops at the first EOS, drops PAD and BOS."""
+        """Text of each id sequence: stops at the first EOS, drops PAD and BOS.
+
+        A piece that decodes to a line break (byte fallback, user symbols) gives a space
+        instead, so one sentence is always one line wherever the text goes (translation
+        files, mt-translate's output, BLEU).
+        """
         clean = []
         for seq in ids:
             seq = [int(i) for i in seq]
             if EOS in seq:
                 seq = seq[: seq.index(EOS)]
             clean.append([i for i in seq if i != PAD and i != BOS])
-        return self.model(side).decode(clean)
+        return [one_line(text) for text in self.model(side).decode(clean)]
 
     def pieces(self, text: str, side: str = "src") -> list[str]:
         """The pieces of one text (for inspection and attention plots)."""

@@ -11,7 +11,10 @@ decoding needs:
 ``mt-translate checkpoint=PATH`` reads stdin (or ``input=FILE``) and writes stdout (or
 ``output=FILE``), one translation per input line in input order. It reads and translates in
 chunks, so an input of any size is never held in memory at once. An empty line gives an empty
-line. A line longer than the model's ``max_positions`` is an error naming the line, or with
+line. A file and stdin are read alike: lines end at ``"\n"`` (or ``"\r\n"``), a lone ``"\r"``
+stays inside its line, and a line that is not UTF-8 or holds a NUL byte is an error naming it.
+``output=FILE`` appears only complete (written to a temporary file, renamed at the end).
+A line longer than the model's ``max_positions`` is an error naming the line, or with
 ``decode.too_long=truncate`` is cut (with a warning). With ``decode.nbest=N > 1`` each input line
 gives N lines ``<line index> ||| <translation> ||| <score>`` (Moses n-best format, index from 0).
 ``attention=FILE.png`` draws the first non-empty sentence's encoder-decoder attention.
@@ -19,6 +22,7 @@ gives N lines ``<line index> ||| <translation> ||| <score>`` (Moses n-best forma
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -30,6 +34,7 @@ from typing import Any, TextIO
 import torch
 
 from mt.checkpoint import CheckpointError, load_model
+from mt.files import TextError, atomic_text_output, read_lines
 from mt.schema import Config, DecodeConfig
 from mt.search import (
     Hypothesis,
@@ -226,25 +231,20 @@ def translate_main(cfg: Config) -> None:
         translator = Translator.from_checkpoint(path, device, cfg.decode)
     except CheckpointError as err:
         raise SystemExit(f"mt-translate: {err}") from None
-    src = sys.stdin
-    dst = sys.stdout
+    name = cfg.input or "stdin"
     try:
-        if cfg.input:
-            src = open(cfg.input, encoding="utf-8")
-        if cfg.output:
-            Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
-            dst = open(cfg.output, "w", encoding="utf-8", newline="\n")
-        first: list[str] = []
-        n = translate_stream(translator, _remember_first(src, first, translator), dst, cfg.decode)
-        if cfg.attention:
-            _draw_attention(translator, first, cfg.attention)
+        with contextlib.ExitStack() as stack:
+            raw = stack.enter_context(open(cfg.input, "rb")) if cfg.input else sys.stdin.buffer
+            dst = stack.enter_context(atomic_text_output(cfg.output)) if cfg.output else sys.stdout
+            first: list[str] = []
+            lines = _remember_first(read_lines(raw, name), first, translator)
+            n = translate_stream(translator, lines, dst, cfg.decode)
+            if cfg.attention:
+                _draw_attention(translator, first, cfg.attention)
+    except TextError as err:  # names the file and line itself
+        raise SystemExit(f"mt-translate: {err}") from None
     except (OSError, ValueError) as err:
-        raise SystemExit(f"mt-translate: {cfg.input or 'stdin'}: {err}") from None
-    finally:
-        if src is not sys.stdin:
-            src.close()
-        if dst is not sys.stdout:
-            dst.close()
+        raise SystemExit(f"mt-translate: {name}: {err}") from None
     log.info("%d lines translated to %s", n, cfg.output or "stdout")
 
 

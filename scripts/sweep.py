@@ -30,6 +30,8 @@ from pathlib import Path
 
 import yaml
 
+from mt.files import write_text
+
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
     flat = {}
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(trials)
     print(text)
     if args.output:
-        args.output.write_text(text + "\n", encoding="utf-8")
+        write_text(args.output, text + "\n")
     return 0
 
 

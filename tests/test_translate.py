@@ -94,7 +94,7 @@ def test_translate_main_file_to_file_in_input_order(ckpt, translator, tmp_path, 
 
 
 def test_translate_main_stdin_to_stdout(ckpt, monkeypatch, capsys):
-    monkeypatch.setattr("sys.stdin", io.StringIO("ein hund\n\nfrau\n"))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"ein hund\n\nfrau\n")))
     cfg = Config(checkpoint=str(ckpt))
     cfg.decode = DecodeConfig(**FAST)
     cfg.train.device = "cpu"
