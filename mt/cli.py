@@ -43,6 +43,7 @@ def _hydra_app(task: Callable[[Config], object]) -> Callable[[], None]:
     def main() -> None:
         import hydra
 
+        check_config_files(_tool_name(), [conf_dir(), *_extra_config_dirs(sys.argv[1:])])
         register_schema()
 
         @hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)
@@ -54,6 +55,39 @@ def _hydra_app(task: Callable[[Config], object]) -> Callable[[], None]:
         app()
 
     return main
+
+
+def _extra_config_dirs(argv: list[str]) -> list[Path]:
+    """The directories given with Hydra's ``--config-dir[=]DIR`` or ``-cd DIR``."""
+    dirs = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config-dir="):
+            dirs.append(Path(arg.split("=", 1)[1]))
+        elif arg in ("--config-dir", "-cd") and i + 1 < len(argv):
+            dirs.append(Path(argv[i + 1]))
+    return dirs
+
+
+def check_config_files(tool: str, directories: list[Path]) -> None:
+    """Parse every YAML file of the config tree first, so a damaged one is one line naming the
+    file, line and column (Hydra would print the YAML parser's traceback)."""
+    import yaml
+
+    for directory in directories:
+        for path in sorted(Path(directory).rglob("*.yaml")):
+            data = path.read_bytes()
+            try:
+                yaml.safe_load(data)
+            except yaml.YAMLError as err:
+                mark = getattr(err, "problem_mark", None)
+                where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+                if isinstance(err, yaml.reader.ReaderError):  # bad bytes: no mark, a position
+                    line = data[: err.position].count(b"\n") + 1
+                    where = f", line {line}"
+                problem = getattr(err, "problem", None) or " ".join(str(err).split())
+                logging.basicConfig(stream=sys.stderr, format="%(message)s")
+                log.error("%s: error: %s%s: not valid YAML (%s)", tool, path, where, problem)
+                raise SystemExit(1) from None
 
 
 def _tool_name() -> str:

@@ -100,7 +100,15 @@ def score_files(hyp: str | Path, ref: str | Path | list) -> dict[str, Any]:
     ref_paths = [ref] if isinstance(ref, (str, Path)) else list(ref)
     if not ref_paths:
         raise ValueError("mt-evaluate hyp=FILE needs ref=FILE (or ref=[FILE1,FILE2])")
-    result = score(read_lines(hyp), [read_lines(p) for p in ref_paths])
+    hyps = read_lines(hyp)
+    refs = [read_lines(p) for p in ref_paths]
+    for path, lines in zip(ref_paths, refs):
+        if len(lines) != len(hyps):
+            raise ValueError(
+                f"{hyp} has {len(hyps)} lines but {path} has {len(lines)}: a translation file "
+                "needs one line per reference line"
+            )
+    result = score(hyps, refs)
     result.update(hyp=str(hyp), ref=[str(p) for p in ref_paths])
     return result
 
