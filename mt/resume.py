@@ -87,7 +87,7 @@ def record_config(run_dir: Path, cfg: Config, resuming: bool) -> None:
     if not resuming or not path.is_file():
         write_text(path, text)
         return
-    original = path.read_text(encoding="utf-8")
+    original = path.read_bytes().decode("utf-8", errors="replace")
     if original == text:
         return
     n = 1 + sum(1 for _ in run_dir.glob("config.resume-*.yaml"))
