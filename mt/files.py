@@ -97,8 +97,8 @@ def atomic_path(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
         if isinstance(err, Exception) and disk_full(err):
             raise OSError(
                 errno.ENOSPC,
-                f"disk full (no space, quota or file-size limit) while writing {path}; the "
-                f"previous {path.name} is kept",
+                f"disk full (no space left, quota or file-size limit) while writing {path}; "
+                "nothing was replaced: the previous files are intact",
             ) from err
         raise
     fsync_dir(path.parent)

@@ -135,11 +135,10 @@ def run_to_end(cfg, log_path: Path) -> None:
 
 
 def experiment(kills: int, seed: int, workdir: Path, atol: float) -> dict:
-    from mt.config import load_config
+    import torch._dynamo  # noqa: F401  (the optimiser imports it: seconds per start otherwise)
 
     import mt.train  # noqa: F401  (imported before forking: starts cost no imports)
-
-    import torch._dynamo  # noqa: F401  (the optimiser imports it: seconds per start otherwise)
+    from mt.config import load_config
 
     try:
         import torch.utils.tensorboard  # noqa: F401
