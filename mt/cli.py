@@ -12,6 +12,7 @@ or SIGUSR1 exits with 75 after saving (``mt.preempt``), so a requeueing script c
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import sys
@@ -43,18 +44,55 @@ def _hydra_app(task: Callable[[Config], object]) -> Callable[[], None]:
     def main() -> None:
         import hydra
 
-        check_config_files(_tool_name(), [conf_dir(), *_extra_config_dirs(sys.argv[1:])])
+        tool = _tool_name()
+        check_config_files(tool, [conf_dir(), *_extra_config_dirs(sys.argv[1:])])
         register_schema()
+        held = _HeldStderr(tool)
 
         @hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)
         def app(dcfg) -> None:
+            held.release()
             setup_logging()
-            with user_errors(_tool_name()):
+            with user_errors(tool):
                 task(to_config(dcfg))
 
-        app()
+        with held:
+            app()
 
     return main
+
+
+class _HeldStderr:
+    """Hold what is written to stderr until the task starts. Hydra reports a bad override on
+    several lines (plus a hint about HYDRA_FULL_ERROR) and exits; held, that report becomes
+    one line ``<tool>: error: ...``. Anything else held is passed on unchanged."""
+
+    def __init__(self, tool: str):
+        self.tool = tool
+        self.real = sys.stderr
+        self.buffer = io.StringIO()
+        self.active = not (os.environ.get("MT_DEBUG") or os.environ.get("HYDRA_FULL_ERROR"))
+
+    def __enter__(self) -> None:
+        if self.active:
+            sys.stderr = self.buffer
+
+    def release(self, error: bool = False) -> None:
+        if not self.active:
+            return
+        self.active = False
+        sys.stderr = self.real
+        text = self.buffer.getvalue()
+        lines = [x.strip() for x in text.splitlines() if x.strip() and "HYDRA_FULL_ERROR" not in x]
+        if error and lines and not any(x.startswith("Traceback") for x in lines):
+            self.real.write(f"{self.tool}: error: {' | '.join(lines)}\n")
+        else:
+            self.real.write(text)
+        self.real.flush()
+
+    def __exit__(self, kind, value, tb) -> None:
+        failed = kind is SystemExit and value.code not in (0, None)
+        self.release(error=failed)
 
 
 def _extra_config_dirs(argv: list[str]) -> list[Path]:

@@ -1,18 +1,22 @@
 """Stage 4, ``mt-train``: the training recipe, setup -> train -> save -> cleanup.
 
-A run directory holds everything a run writes (rank 0 only)::
+A run directory holds everything a run writes (rank 0 only, holding ``run_dir/.lock``)::
 
-    run_dir/config.yaml        the resolved configuration
+    run_dir/config.yaml        the original configuration (config.resume-<n>.yaml: a resume's)
     run_dir/train.log          the log
-    run_dir/metrics.jsonl      one JSON record per line (training and validation)
+    run_dir/metrics.jsonl      one JSON record per line (training and validation), appended
     run_dir/tensorboard/       TensorBoard events (when tensorboard is installed)
-    run_dir/checkpoints/       last.pt (full training state), best.pt, checkpoint_<step>.pt,
+    run_dir/checkpoints/       last.pt (full training state), best.pt, checkpoint_<step>.pt
+                               (full state too; last.pt is a hard link to the newest),
                                averaged.pt (train.average_last)
+    run_dir/preempted.json     only after a stop by a signal
 
 Starting ``mt-train`` on a run directory that has ``checkpoints/last.pt`` resumes it exactly:
 model, optimiser, schedule, loss scale, every RNG state of every rank and the position in the
-data. ``train.init_from=CKPT`` instead starts a NEW run from a checkpoint's weights (fresh
-optimiser, schedule and data order). SIGTERM or Ctrl-C saves ``last.pt`` and exits cleanly.
+data (an unreadable last.pt: the newest readable periodic checkpoint, see :mod:`mt.resume`).
+``train.init_from=CKPT`` instead starts a NEW run from a checkpoint's weights (fresh optimiser,
+schedule and data order). SIGTERM, SIGUSR1 or Ctrl-C saves ``last.pt`` and stops; the command
+then exits with 75 (130 for Ctrl-C), see :mod:`mt.preempt`.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from mt.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from mt.files import remove_stale_temps
+from mt.files import remove_stale_temps, write_json
 from mt.lock import LockError, RunLock
 from mt.model import build_model
 from mt.prepare import prepare
@@ -62,6 +66,8 @@ from mt.trainer import (
 )
 
 log = logging.getLogger(__name__)
+
+PREEMPTED = "preempted.json"  # written when a signal stopped the run, removed when it restarts
 
 
 @dataclass
@@ -150,6 +156,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     ckpt_dir = run_dir / "checkpoints"
     if info.is_main:
         remove_stale_temps(run_dir, ckpt_dir)
+        (run_dir / PREEMPTED).unlink(missing_ok=True)
         record_config(run_dir, cfg, resuming=has_checkpoints(ckpt_dir))
         prepared = prepare(cfg)  # rank 0 builds the cache while the others wait
     distributed.barrier()
@@ -319,6 +326,8 @@ def finish(run: Run, stop: str) -> dict[str, Any]:
         distributed.barrier()
     else:
         save(run, periodic=False)
+        if run.info.is_main:  # for a requeue script that cannot see the exit status (torchrun)
+            write_json(run.run_dir / PREEMPTED, {"step": state.step, "signal": run.stop.name})
     run.metrics.write({"stage": "train", "seconds": round(state.wall, 3)})
     return {
         "step": state.step,

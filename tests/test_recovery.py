@@ -171,6 +171,7 @@ def test_resume_keeps_config_records_changes_and_removes_stale_temps(corpus, tmp
     with caplog.at_level(logging.WARNING):
         train(cfg_for(corpus, run, 5, "model.dropout=0.2"))
     assert not stale.exists() and "left by a killed save" in caplog.text
+    assert not (run / "preempted.json").exists()
     assert (run / "config.yaml").read_text() == original
     changed = (run / "config.resume-1.yaml").read_text()
     assert "max_steps: 5" in changed and "dropout: 0.2" in changed
@@ -292,6 +293,8 @@ def test_sigusr1_saves_and_exits_75(corpus, tmp_path):
     assert proc.returncode == EXIT_PREEMPTED, out
     assert "SIGUSR1 received" in out and "Traceback" not in out
     assert load_checkpoint(run / "checkpoints" / "last.pt")["step"] == max(steps_logged(run))
+    marker = json.loads((run / "preempted.json").read_text())
+    assert marker == {"step": max(steps_logged(run)), "signal": "SIGUSR1"}
     # Not a terminal: progress comes as plain log lines, never carriage-return redraws.
     assert "\r" not in out and "train: " in out
 
