@@ -64,7 +64,7 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
 
 def link_checkpoint(source: str | Path, path: str | Path) -> None:
     """Make ``path`` the same file as ``source`` (a hard link, atomically replacing ``path``):
-    ``last.pt`` costs no second write when it equals the periodic checkpoint just saved.
+    a periodic checkpoint costs no second write when it equals the ``last.pt`` just saved.
     Where hard links are not allowed, the file is copied (still atomically)."""
     source, path = Path(source), Path(path)
     tmp = temp_path(path)

@@ -7,7 +7,7 @@ A run directory holds everything a run writes (rank 0 only, holding ``run_dir/.l
     run_dir/metrics.jsonl      one JSON record per line (training and validation), appended
     run_dir/tensorboard/       TensorBoard events (when tensorboard is installed)
     run_dir/checkpoints/       last.pt (full training state), best.pt, checkpoint_<step>.pt
-                               (full state too; last.pt is a hard link to the newest),
+                               (full state too: hard links to last.pt as saved),
                                averaged.pt (train.average_last)
     run_dir/preempted.json     only after a stop by a signal
 
@@ -298,18 +298,15 @@ def save(run: Run, periodic: bool) -> None:
     """``last.pt`` (full state, all ranks take part) and optionally ``checkpoint_<step>.pt``.
 
     A periodic checkpoint holds the full training state too (any of them can resume the run
-    when ``last.pt`` is unreadable); ``last.pt`` is then a hard link to it, not a second write.
+    when ``last.pt`` is unreadable): a hard link to ``last.pt``, not a second write.
     """
     ckpt = _checkpoint(run, full=True)
     if run.info.is_main:
         last = run.ckpt_dir / "last.pt"
+        save_checkpoint(last, ckpt)
         if periodic:
-            path = run.ckpt_dir / f"checkpoint_{run.state.step}.pt"
-            save_checkpoint(path, ckpt)
-            link_checkpoint(path, last)
+            link_checkpoint(last, run.ckpt_dir / f"checkpoint_{run.state.step}.pt")
             rotate_checkpoints(run.ckpt_dir, run.cfg.train.keep_last)
-        else:
-            save_checkpoint(last, ckpt)
         log.info("saved checkpoints at step %d", run.state.step)
     distributed.barrier()
 
