@@ -1,6 +1,6 @@
 """``python -m mt STAGE [overrides...]``: the mt-* commands without relying on console scripts.
 
-STAGE is one of prepare, train, translate, evaluate; the overrides are Hydra's, as for the
+STAGE is one of prepare, train, translate, evaluate, export, serve; the overrides are Hydra's, as for the
 ``mt-*`` commands. Under torchrun: ``torchrun --nproc_per_node=8 -m mt train ...``.
 """
 
@@ -15,6 +15,8 @@ STAGES = {
     "train": cli.train_main,
     "translate": cli.translate_main,
     "evaluate": cli.evaluate_main,
+    "export": cli.export_main,
+    "serve": cli.serve_main,
 }
 
 

@@ -1,4 +1,5 @@
-"""Command-line entry points: ``mt-prepare``, ``mt-train``, ``mt-translate``, ``mt-evaluate``.
+"""Command-line entry points: ``mt-prepare``, ``mt-train``, ``mt-translate``, ``mt-evaluate``,
+``mt-export`` and ``mt-serve``.
 
 Each is a Hydra app over the same config tree (conf/), so every setting can be overridden on
 the command line and every tool accepts ``experiment=NAME``. The stages themselves live in
@@ -211,7 +212,21 @@ def _evaluate(cfg: Config) -> None:
     evaluate_main(cfg)
 
 
+def _export(cfg: Config) -> None:
+    from mt.export import export_main
+
+    export_main(cfg)
+
+
+def _serve(cfg: Config) -> None:
+    from mt.serve import serve_main
+
+    serve_main(cfg)
+
+
 prepare_main = _hydra_app(_prepare)
 train_main = _hydra_app(_train)
 translate_main = _hydra_app(_translate)
 evaluate_main = _hydra_app(_evaluate)
+export_main = _hydra_app(_export)
+serve_main = _hydra_app(_serve)

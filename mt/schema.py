@@ -147,6 +147,19 @@ class DecodeConfig:
 
 
 @dataclass
+class ServeConfig:
+    """mt-serve: limits on a request (each a 4xx with a JSON error when exceeded) and batching."""
+
+    max_body_bytes: int = 65536  # a larger request body is refused (413)
+    max_sentences: int = 32  # sentences in one request
+    max_chars: int = 1000  # characters in one sentence (and tokens: model.max_positions - 1)
+    max_beam: int = 8  # largest beam_size a request may ask for (nbest <= beam_size)
+    batch_sentences: int = 64  # the decoding queue forms batches of up to this many sentences
+    batch_wait_ms: float = 5.0  # and waits this long for more requests after the first
+    queue_size: int = 256  # sentences waiting at most; more gets 503 (never unbounded memory)
+
+
+@dataclass
 class Config:
     """The whole configuration. Run-time arguments of the command-line tools live at the top."""
 
@@ -167,3 +180,7 @@ class Config:
     ref: Any = None  # mt-evaluate: reference file or list of files (with hyp)
     attention: Optional[str] = None  # mt-translate: draw the first sentence's attention (PNG)
     report: bool = True  # mt-evaluate: write report.md with plots into the run directory
+    format: Optional[str] = None  # mt-export: hf | ctranslate2 (output= is the directory)
+    host: str = "127.0.0.1"  # mt-serve: the address to listen on (loopback unless told)
+    port: int = 8000  # mt-serve: the port
+    serve: ServeConfig = field(default_factory=ServeConfig)  # mt-serve: limits, batching
