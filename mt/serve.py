@@ -224,8 +224,11 @@ def create_app(translator: Translator, limits: ServeConfig, info: dict[str, Any]
         sentences, options = parse_translate(await read_json(request, limits), limits, translator)
         options["nbest"] = options.get("nbest", 1)
         results = await run(Job(sentences, options))
-        out = [{"text": hyps[0][0], "score": hyps[0][1],
-                "nbest": [{"text": t, "score": s} for t, s in hyps]} for hyps in results]  # fmt: skip
+        out = [
+            {"text": hyps[0][0], "score": hyps[0][1],
+             "nbest": [{"text": t, "score": s} for t, s in hyps]}
+            for hyps in results
+        ]  # fmt: skip
         return {"translations": out}
 
     @app.post("/attention")

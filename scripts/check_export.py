@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> None:
         t2 = time.perf_counter()
         ct2_out = ec.ct2_ids(ct2, pieces, lims, beam, alpha, vocab)
         t3 = time.perf_counter()
-        for name, got, secs in (("transformers", hf_out, t2 - t1), ("ctranslate2", ct2_out, t3 - t2)):
+        runs = (("transformers", hf_out, t2 - t1), ("ctranslate2", ct2_out, t3 - t2))
+        for name, got, secs in runs:
             agree = ec.agreement(expected, got)
             record = {"library": name, "beam": beam, "length_penalty": alpha, "same": agree.same,
                       "total": agree.total, "first_difference": agree.first_difference,

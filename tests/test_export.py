@@ -86,7 +86,8 @@ def test_hf_logits_equal_mt_on_a_padded_batch(shape):
     model = _random_model(cfg, V)
     hf = build_marian(model.state_dict(), cfg, V)
     # Marian recomputes its positional table at load: it is the permuted mt table.
-    assert torch.allclose(hf.model.encoder.embed_positions.weight, marian_positions(64, cfg.d_model))
+    table = hf.model.encoder.embed_positions.weight
+    assert torch.allclose(table, marian_positions(64, cfg.d_model))
     _assert_same_logits(model, hf, *_batch(V))
 
 
@@ -179,9 +180,11 @@ def trained(real_data, tmp_path_factory):
     from mt.train import train
 
     tmp = tmp_path_factory.mktemp("export")
-    cfg = load_config(["experiment=smoke", f"run_dir={tmp / 'run'}", "train.max_steps=40",
-                       "data.max_train_pairs=3000", "train.eval_every=0", "train.save_every=0",
-                       "train.log_every=20", "train.threads=2", "train.eval_bleu=false"])  # fmt: skip
+    cfg = load_config([
+        "experiment=smoke", f"run_dir={tmp / 'run'}", "train.max_steps=40", "train.threads=2",
+        "data.max_train_pairs=3000", "train.eval_every=0", "train.save_every=0",
+        "train.log_every=20", "train.eval_bleu=false",
+    ])  # fmt: skip
     prepare(cfg)
     train(cfg)
     ckpt = tmp / "run" / "checkpoints" / "last.pt"

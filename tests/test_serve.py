@@ -7,6 +7,7 @@ decoded together and each gets its own sentences back, in its order.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -78,6 +79,10 @@ def test_attention_endpoint(client, translator):
     assert all(abs(sum(row) - 1) < 1e-2 for row in data["weights"])
 
 
+def _body(text: list[str]) -> bytes:
+    return json.dumps({"text": text}).encode()
+
+
 BAD = [
     ("empty body", b"", 400, "empty"),
     ("not JSON", b"{text: 1", 400, "not valid JSON"),
@@ -93,11 +98,10 @@ BAD = [
     ("nbest > beam", b'{"text": ["ein"], "beam_size": 2, "nbest": 3}', 422, "'nbest'"),
     ("unknown option", b'{"text": ["ein"], "temperature": 1}', 422, "unknown option"),
     ("a path", b'{"text": ["ein"], "checkpoint": "/etc/passwd"}', 422, "unknown option"),
-    ("too many", ('{"text": [%s]}' % ",".join(['"ein"'] * 9)).encode(), 413, "max_sentences=8"),
-    ("too long", ('{"text": ["%s"]}' % ("a" * 401)).encode(), 422, "serve.max_chars=400"),
-    ("too many tokens", ('{"text": ["%s"]}' % " ".join(["mann"] * 70)).encode(), 422,
-     "max_positions"),
-    ("body too large", ('{"text": ["%s"]}' % (" " * 3000)).encode(), 413, "max_body_bytes=2000"),
+    ("too many", _body(["ein"] * 9), 413, "max_sentences=8"),
+    ("too long", _body(["a" * 401]), 422, "serve.max_chars=400"),
+    ("too many tokens", _body([" ".join(["mann"] * 70)]), 422, "max_positions"),
+    ("body too large", _body([" " * 3000]), 413, "max_body_bytes=2000"),
 ]  # fmt: skip
 
 
