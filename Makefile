@@ -22,14 +22,26 @@ LAUNCH := $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(GPUS) -
 endif
 STAMP := $(if $(VENV),$(VENV),.)/.mt-installed
 
-.PHONY: help install test lint smoke train prepare evaluate bench clean
+.PHONY: help install test lint smoke train prepare evaluate bench clean serve export browser
 
 help:  ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
 	@echo "  Variables: ARGS=\"key=value ...\" (Hydra overrides), GPUS=N (torchrun), VENV= (use PYTHON"
 	@echo "  as it is), WHEELS=DIR (install offline from downloaded wheels), TORCH=torch==X"
 
-install: $(STAMP)  ## create .venv if missing and install mt into it (torch pinned by TORCH)
+install: $(STAMP) browser  ## create .venv if missing and install mt into it (torch pinned by TORCH)
+
+# The page test of mt-serve drives a headless Chromium: installed from Debian where apt works as
+# root, otherwise that one test skips with its reason.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	      echo "installing Debian's chromium (for the web page test)"; \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium \
+	        >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium \
+	        >/dev/null 2>&1; } || echo "chromium not installed: the page test will skip"; \
+	  else echo "no chromium (apt-get install chromium): the page test will skip"; fi; }
 
 $(STAMP): pyproject.toml
 	@if [ -n "$(VENV)" ] && [ ! -x "$(PY)" ]; then $(PYTHON) -m venv $(VENV); fi
@@ -60,6 +72,12 @@ evaluate: install  ## decode the test split of a run and score it with sacreBLEU
 
 bench: install  ## speed benchmarks (training, data loader, decoding); ARGS="train --help"
 	$(PY) scripts/bench.py $(ARGS)
+
+export: install  ## export a checkpoint: ARGS="checkpoint=PATH format=hf|ctranslate2 output=DIR"
+	$(PY) -m mt export $(ARGS)
+
+serve: install  ## translation server and web page: ARGS="checkpoint=PATH [host=127.0.0.1 port=8000]"
+	$(PY) -m mt serve $(ARGS)
 
 clean:  ## remove caches and build outputs (not runs/ nor .venv)
 	rm -rf .cache .pytest_cache .ruff_cache dist build

@@ -10,6 +10,7 @@ Run through make (options pass through ARGS):
     make bench ARGS="data --data .cache/mt/<hash>/train --max-tokens 4096"
     make bench ARGS="decode --model small --vocab 8000 --beam 4 --batch-size 32 --src-len 26 \\
         --gen-len 30 --threads 2"
+    make bench ARGS="serve --checkpoint runs/multi30k_de_en/checkpoints/best.pt --threads 2"
 
 Each measurement is printed as one JSON object per line (and appended to ``--output FILE`` as
 JSONL); a short table follows at the end. Training throughput is ``tgt_tok_per_s`` (non-pad
@@ -119,6 +120,18 @@ def build_parser() -> argparse.ArgumentParser:
         "in turn with mt's",
     )  # fmt: skip
 
+    serve = sub.add_parser("serve", help="mt-serve on loopback: sentences/s, p50/p99 latency")
+    _common(serve)
+    serve.add_argument("--checkpoint", help="the model to serve (required)")
+    serve.add_argument("--input", help="source sentences, one per line (default: a few built in)")
+    serve.add_argument("--requests", type=int, default=96, help="requests per client count")
+    serve.add_argument("--seconds", type=float, default=60, help="time bound per client count")
+    serve.add_argument("--clients", type=int, nargs="+", default=[1, 16])
+    serve.add_argument("--sentences-per-request", type=int, default=1)
+    serve.add_argument("--beam", type=int, default=4)
+    serve.add_argument("--batch-sentences", type=int, default=64, help="serve.batch_sentences")
+    serve.add_argument("--batch-wait-ms", type=float, default=5.0, help="serve.batch_wait_ms")
+
     every = sub.add_parser("all", help="a quick run of each benchmark (the default)")
     _common(every)
     return parser
@@ -157,6 +170,10 @@ def run(args: argparse.Namespace, rec: Recorder) -> None:
 
         args.warmup_steps = 1 if args.warmup_steps is None else args.warmup_steps
         run_decode(args, rec)
+    elif args.command == "serve":
+        from bench_serve import run_serve
+
+        run_serve(args, rec)
 
 
 def main(argv: list[str] | None = None) -> int:

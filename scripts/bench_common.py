@@ -225,6 +225,10 @@ class Recorder:
             elif r["bench"] == "data":
                 shape = f"max_tokens {r.get('max_tokens')}"
                 figure = f"{r['tok_per_s']:,.0f} tok/s"
+            elif r["bench"] == "serve":
+                shape = f"{r.get('clients', '')} clients"
+                figure = (f"{r['sent_per_s']:,.1f} sent/s" if "sent_per_s" in r
+                          else f"{r.get('ratio', 0):.2f}x")  # fmt: skip
             elif r["bench"] == "peak":
                 shape, figure = f"matmul {r['size']}^3", f"{r['peak_tflops']:.1f} TFLOP/s"
             else:
