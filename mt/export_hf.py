@@ -205,6 +205,7 @@ def build_marian(state: dict[str, torch.Tensor], cfg: ModelConfig, vocab_size: i
         eos_token_id=EOS,
         pad_token_id=PAD,
         suppress_tokens=[PAD, BOS],  # mt's search never generates these
+        early_stopping=True,  # mt's rule: stop when num_beams hypotheses have finished
         num_beams=4,
         max_length=min(cfg.max_positions, 512),
     )

@@ -187,3 +187,26 @@ def test_queue_limit_is_a_503(translator):
         r = c.post("/translate", json={"text": ["ein"]})
         assert r.status_code == 503 and "serve.queue_size=0" in r.json()["error"]
         assert c.get("/health").status_code == 200
+
+
+@pytest.mark.slow
+def test_bench_serve_runs_the_server_command(ckpt, tmp_path):
+    """`bench.py serve` starts `python -m mt serve` on loopback and reports both client counts."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
+    proc = subprocess.run(
+        [sys.executable, str(bench), "serve", "--checkpoint", str(ckpt), "--requests", "8",
+         "--clients", "1", "4", "--beam", "2", "--threads", "1", "--seconds", "60"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    by_clients = {r["clients"]: r for r in records if "clients" in r}
+    assert set(by_clients) == {1, 4}
+    for r in by_clients.values():
+        assert r["requests"] == 8 and r["sentences"] == 8
+        assert r["sent_per_s"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"]
+    assert any("ratio" in r for r in records)
