@@ -70,7 +70,8 @@ class Batcher:
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._waiting = 0  # sentences queued, not yet taken by the worker
         self._lock = threading.Lock()
-        self.batches = 0  # decoding calls made (for tests and logs)
+        self.batches = 0  # decoding calls made (for tests, /info and the benchmark)
+        self.sentences = 0  # sentences decoded by those calls
         self._thread = threading.Thread(target=self._run, name="mt-batcher", daemon=True)
         self._thread.start()
 
@@ -143,6 +144,7 @@ class Batcher:
         try:
             results = self.translator.translate_nbest(sentences, **group[0].options)
             self.batches += 1
+            self.sentences += len(sentences)
         except Exception as err:
             if len(group) == 1:
                 group[0].future.set_exception(err)

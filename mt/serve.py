@@ -213,7 +213,11 @@ def create_app(translator: Translator, limits: ServeConfig, info: dict[str, Any]
 
     @app.get("/info")
     async def get_info():
-        return {**info, "limits": {k: getattr(limits, k) for k in limits.__dataclass_fields__}}
+        return {
+            **info,
+            "limits": {k: getattr(limits, k) for k in limits.__dataclass_fields__},
+            "decoded": {"batches": batcher.batches, "sentences": batcher.sentences},
+        }
 
     @app.get("/", response_class=HTMLResponse)
     async def page():

@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--seconds", type=float, default=60, help="time bound per client count")
     serve.add_argument("--clients", type=int, nargs="+", default=[1, 16])
     serve.add_argument("--sentences-per-request", type=int, default=1)
+    serve.add_argument("--rounds", type=int, default=2, help="alternations of the client counts")
     serve.add_argument("--beam", type=int, default=4)
     serve.add_argument("--batch-sentences", type=int, default=64, help="serve.batch_sentences")
     serve.add_argument("--batch-wait-ms", type=float, default=5.0, help="serve.batch_wait_ms")

@@ -199,7 +199,8 @@ def test_bench_serve_runs_the_server_command(ckpt, tmp_path):
     bench = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
     proc = subprocess.run(
         [sys.executable, str(bench), "serve", "--checkpoint", str(ckpt), "--requests", "8",
-         "--clients", "1", "4", "--beam", "2", "--threads", "1", "--seconds", "60"],
+         "--clients", "1", "4", "--beam", "2", "--threads", "1", "--seconds", "60",
+         "--rounds", "1"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
