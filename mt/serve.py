@@ -57,8 +57,11 @@ def _number(name: str, value: Any, kind: type) -> int | float:
     return kind(value)
 
 
-def parse_options(body: dict, limits: ServeConfig, allowed: set[str]) -> dict[str, Any]:
-    """Check the options of a request body (everything but ``text``) against the limits."""
+def parse_options(
+    body: dict, limits: ServeConfig, allowed: set[str], default_beam: int = 1
+) -> dict[str, Any]:
+    """Check the options of a request body (everything but ``text``) against the limits;
+    ``default_beam`` is the server's beam size (the bound of ``nbest`` when none is given)."""
     unknown = sorted(set(body) - allowed - {"text"})
     if unknown:
         raise BadRequest(422, f"unknown option(s) {unknown}; allowed: {sorted(allowed)}")
@@ -67,8 +70,9 @@ def parse_options(body: dict, limits: ServeConfig, allowed: set[str]) -> dict[st
     if beam is not None and not 1 <= beam <= limits.max_beam:
         raise BadRequest(422, f"'beam_size' must be between 1 and serve.max_beam="
                               f"{limits.max_beam}, got {beam}")  # fmt: skip
-    if "nbest" in options and not 1 <= options["nbest"] <= (beam or 1):
-        raise BadRequest(422, f"'nbest' must be between 1 and beam_size={beam or 1}, got "
+    beam = beam or default_beam
+    if "nbest" in options and not 1 <= options["nbest"] <= beam:
+        raise BadRequest(422, f"'nbest' must be between 1 and beam_size={beam}, got "
                               f"{options['nbest']}")  # fmt: skip
     if "alpha" in options and not 0.0 <= options["alpha"] <= 10.0:
         raise BadRequest(422, f"'alpha' must be between 0 and 10, got {options['alpha']}")
@@ -106,7 +110,8 @@ def parse_translate(body: Any, limits: ServeConfig, translator: Translator):
         raise BadRequest(413, f"{len(text)} sentences, more than serve.max_sentences="
                               f"{limits.max_sentences}")  # fmt: skip
     sentences = [check_sentence(s, f"text[{i}]", limits, translator) for i, s in enumerate(text)]
-    return sentences, parse_options(body, limits, set(OPTIONS))
+    default_beam = translator.decode_cfg.beam_size
+    return sentences, parse_options(body, limits, set(OPTIONS), default_beam)
 
 
 async def read_json(request, limits: ServeConfig) -> Any:

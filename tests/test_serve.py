@@ -59,6 +59,9 @@ def test_translate_matches_the_translator(client, translator):
     ]
     assert [t["text"] for t in got] == translator.translate(text, beam_size=3)
     assert all(len(t["nbest"]) == 2 for t in got)
+    # Without beam_size the server's own (2 here) bounds nbest.
+    r = client.post("/translate", json={"text": text[:1], "nbest": 2})
+    assert r.status_code == 200 and len(r.json()["translations"][0]["nbest"]) == 2
 
 
 def test_health_info_and_page(client):
