@@ -214,3 +214,21 @@ def test_bench_serve_runs_the_server_command(ckpt, tmp_path):
         assert r["requests"] == 8 and r["sentences"] == 8
         assert r["sent_per_s"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"]
     assert any("ratio" in r for r in records)
+
+
+def test_info_reads_languages_and_bleu_of_the_run(tmp_path, ckpt, translator):
+    """A checkpoint inside a run directory: /info reports its languages and test BLEU."""
+    import shutil
+
+    from mt.config import load_config, to_yaml
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copy(ckpt, run / "checkpoints" / "best.pt")
+    (run / "config.yaml").write_text(to_yaml(load_config(["experiment=multi30k_en_de"])))
+    results = {"bleu": 38.1, "signature": "nrefs:1", "split": "test"}
+    (run / "results.json").write_text(json.dumps(results))
+    info = run_info(run / "checkpoints" / "best.pt", translator)
+    assert (info["source_lang"], info["target_lang"]) == ("en", "de")
+    assert info["bleu"] == results
+    assert run_info(ckpt, translator)["bleu"] is None
