@@ -83,6 +83,11 @@ def check_sentence(text: Any, where: str, limits: ServeConfig, translator: Trans
     """One sentence: a string within ``serve.max_chars`` and the model's ``max_positions``."""
     if not isinstance(text, str):
         raise BadRequest(422, f"{where} must be a string, got {json.dumps(text)[:60]}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:  # a lone surrogate, from a JSON \\ud800-style escape
+        raise BadRequest(400, f"{where} is not valid Unicode (character {err.start} is a lone "
+                              f"surrogate)") from None  # fmt: skip
     if len(text) > limits.max_chars:
         raise BadRequest(422, f"{where} has {len(text)} characters, more than serve.max_chars="
                               f"{limits.max_chars}")  # fmt: skip

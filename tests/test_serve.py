@@ -90,6 +90,7 @@ BAD = [
     ("empty body", b"", 400, "empty"),
     ("not JSON", b"{text: 1", 400, "not valid JSON"),
     ("invalid UTF-8", b'{"text": ["\xff\xfe"]}', 400, "UTF-8"),
+    ("lone surrogate", b'{"text": ["a\\ud800"]}', 400, "text[0] is not valid Unicode"),
     ("not an object", b'["a"]', 422, "JSON object"),
     ("no text", b'{"beam_size": 2}', 422, "'text' is missing"),
     ("text a string", b'{"text": "ein mann"}', 422, "must be a list"),
