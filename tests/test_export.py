@@ -1,6 +1,7 @@
 """mt-export: the Hugging Face and CTranslate2 exports compute mt's function.
 
-On random weights (exact logits on a padded batch, shared and separate embeddings, N_dec != N;
+On random weights (logits on a padded batch, CTranslate2's token scores, shared and separate
+embeddings, N_dec != N;
 greedy and beam-4 ids on a model whose sentences end at many different steps, some at their
 maximum length) and on a small model trained on Multi30k (tokenizer ids, logits, greedy and
 beam-4 ids on test sentences). Unexportable settings are refused, naming the setting.
@@ -80,7 +81,7 @@ def test_marian_table_is_a_permutation_of_mt_table():
         dict(N=2, N_dec=3, d_model=24, d_ff=40, h=3, share_embeddings=False, vocab_multiple=16),
     ],
 )
-def test_hf_logits_equal_mt_on_a_padded_batch(shape):
+def test_hf_logits_and_ct2_scores_equal_mt_on_a_padded_batch(shape, tmp_path):
     cfg = ModelConfig(dropout=0.0, max_positions=64, **shape)
     V = 45  # not a multiple of vocab_multiple: mt's padded rows are dropped
     model = _random_model(cfg, V)
@@ -88,7 +89,18 @@ def test_hf_logits_equal_mt_on_a_padded_batch(shape):
     # Marian recomputes its positional table at load: it is the permuted mt table.
     table = hf.model.encoder.embed_positions.weight
     assert torch.allclose(table, marian_positions(64, cfg.d_model))
-    _assert_same_logits(model, hf, *_batch(V))
+    src, tgt = _batch(V)
+    _assert_same_logits(model, hf, src, tgt)
+    # CTranslate2 scores each target token (and the EOS after it) given the source.
+    rows = [(s[s.ne(PAD)][:-1].tolist(), t[t.ne(PAD)][1:].tolist()) for s, t in zip(src, tgt)]
+    results = _ct2(model, cfg, V, tmp_path).score_batch(
+        [[f"p{i}" for i in s] for s, _ in rows], [[f"p{i}" for i in t] for _, t in rows]
+    )
+    with torch.no_grad():
+        lprobs = torch.log_softmax(model(src, tgt), dim=-1)  # (B, T, V)
+    for b, ((_, t), res) in enumerate(zip(rows, results)):
+        expected = [lprobs[b, i, tok].item() for i, tok in enumerate([*t, EOS])]
+        assert res.log_probs == pytest.approx(expected, abs=1e-4)
 
 
 def _fake_pieces(V: int) -> list[str]:
