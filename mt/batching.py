@@ -109,8 +109,11 @@ def make_src(ids_list: Sequence[Sequence[int]]) -> torch.Tensor:
     return torch.from_numpy(_pad(ids_list, bos=False, eos=True))
 
 
-def _chunk(order: np.ndarray, src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int) -> list:
-    """Greedy: extend the current batch while B x longest stays <= max_tokens on both sides.
+def chunk_reference(
+    order: np.ndarray, src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int
+) -> list:
+    """Greedy, one pair at a time: extend the current batch while B x longest stays <=
+    max_tokens on both sides. The definition :func:`_chunk` computes faster.
 
     ``src_len``/``tgt_len`` are the padded-tensor lengths (with EOS/BOS) of ``order``'s pairs.
     """
@@ -124,6 +127,38 @@ def _chunk(order: np.ndarray, src_len: np.ndarray, tgt_len: np.ndarray, max_toke
     if start < len(order):
         batches.append(order[start:])
     return batches
+
+
+def _chunk(order: np.ndarray, src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int) -> list:
+    """:func:`chunk_reference` one batch at a time (a 4.5M-pair epoch in about a second).
+
+    B x longest on both sides is B x the running maximum of m = max(src, tgt). A batch that
+    starts at pair j holds at most max_tokens // m[j] pairs (its longest is >= m[j]), so one
+    window of that many + 1 pairs decides where it ends: before the first k with
+    k x cummax(m)[k] > max_tokens. Every pair fits alone (the sampler skips the others).
+    """
+    m = np.maximum(src_len, tgt_len)
+    n, start, batches = len(m), 0, []
+    while start < n:
+        w = min(n - start, max_tokens // int(m[start]) + 1)
+        over = np.arange(1, w + 1) * np.maximum.accumulate(m[start : start + w]) > max_tokens
+        size = int(over.argmax()) if over[-1] else w  # cummax grows: any "over" => the last
+        batches.append(order[start : start + size])
+        start += size
+    return batches
+
+
+def _sort_keys(src: np.ndarray, snake: np.ndarray, tie: np.ndarray) -> np.ndarray:
+    """``np.lexsort((tie, snake, src))`` (src first, then snake, then the unique tie-break) as
+    one argsort of a packed int64 key, ~10x faster on millions of pairs; lexsort if it would
+    overflow."""
+    if len(src) == 0:
+        return np.zeros(0, dtype=np.int64)
+    s0, t_max, n = int(src.min()), int(np.abs(snake).max()), len(tie)
+    if (int(src.max()) - s0 + 1) * (2 * t_max + 1) * n >= 1 << 62:
+        return np.lexsort((tie, snake, src))
+    key = ((src - s0) * (2 * t_max + 1) + (snake + t_max)) * n + tie
+    return np.argsort(key)
 
 
 class BatchSampler:
@@ -187,7 +222,7 @@ class BatchSampler:
         # lengths, descending for odd ones, so a batch that straddles two source lengths joins
         # similar target lengths (Multi30k, 4096 tokens: target padding 12% -> 8.5%).
         snake = np.where(src % 2 == 0, tgt, -tgt)
-        order = idx[np.lexsort((tie, snake, src))]  # the last key sorts first
+        order = idx[_sort_keys(src, snake, tie)]
         batches = _chunk(order, self.src_len[order] + 1, self.tgt_len[order] + 1, self.max_tokens)
         return [batches[i] for i in rng.permutation(len(batches))]
 

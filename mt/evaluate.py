@@ -31,24 +31,37 @@ from mt.search import attention_map, max_positions
 log = logging.getLogger(__name__)
 
 
-def score(hyps: list[str], refs: list[str] | list[list[str]], chrf: bool = True) -> dict[str, Any]:
-    """Corpus BLEU (13a) and chrF of detokenized hypotheses against raw references.
+def score(
+    hyps: list[str],
+    refs: list[str] | list[list[str]],
+    chrf: bool = True,
+    metrics: list[str] | None = None,
+    bleu_tokenize: str = "13a",
+    compound_split_lang: str | None = None,
+) -> dict[str, Any]:
+    """Corpus BLEU (13a) and chrF (or ``metrics``) of detokenized hypotheses against raw refs.
 
     Args:
         hyps: one translation per segment.
         refs: one reference per segment, or several reference *streams* (each a list with one
             reference per segment, sacreBLEU's convention).
         chrf: also compute chrF (the slower of the two; validation during training may skip it,
-            and then ``chrf`` and ``chrf_signature`` are None).
+            and then ``chrf`` and ``chrf_signature`` are None). Ignored when ``metrics`` is set.
+        metrics: names from :data:`mt.metrics.METRICS` (``eval.metrics``); default BLEU, chrF.
+        bleu_tokenize: sacreBLEU's BLEU tokenizer (``eval.bleu_tokenize``).
+        compound_split_lang: also the papers' tokenized compound-split BLEU with the Moses
+            tokenizer of this language (``eval.compound_split_bleu``; first stream only).
 
     Returns:
         ``{"bleu": float, "chrf": float, "signature": str (BLEU's), "chrf_signature": str,
-        "bleu_details": "BLEU = 20.80 54.4/26.6/... (BP = ...)", "n_sentences": int}``.
+        "bleu_details": "BLEU = 20.80 54.4/26.6/... (BP = ...)", "n_sentences": int,
+        "scores": {metric: {"score", "signature", "details"}}}`` (a metric not asked for is
+        None), plus ``"compound_split_bleu": {"score", "details", "note"}`` when asked for.
 
     Raises:
         ValueError: when a reference stream and the hypotheses differ in length.
     """
-    from sacrebleu.metrics import BLEU, CHRF
+    from mt.metrics import compound_split_bleu, corpus_scores
 
     streams = [list(refs)] if not refs or isinstance(refs[0], str) else [list(r) for r in refs]
     if not hyps:
@@ -58,17 +71,30 @@ def score(hyps: list[str], refs: list[str] | list[list[str]], chrf: bool = True)
             raise ValueError(
                 f"{len(hyps)} hypotheses but reference stream {i + 1} has {len(stream)} lines"
             )
-    bleu = BLEU()
-    bleu_score = bleu.corpus_score(list(hyps), streams)
-    chrf_metric = CHRF() if chrf else None
-    chrf_score = chrf_metric.corpus_score(list(hyps), streams) if chrf_metric else None
-    return {
-        "bleu": float(bleu_score.score),
-        "chrf": float(chrf_score.score) if chrf_score else None,
-        "signature": str(bleu.get_signature()),
-        "chrf_signature": str(chrf_metric.get_signature()) if chrf_metric else None,
-        "bleu_details": str(bleu_score),
+    if metrics is None:
+        metrics = ["bleu", "chrf"] if chrf else ["bleu"]
+    scores = corpus_scores(list(hyps), streams, list(metrics), bleu_tokenize)
+    bleu, chrf_score = scores.get("bleu", {}), scores.get("chrf", {})
+    result = {
+        "bleu": bleu.get("score"),
+        "chrf": chrf_score.get("score"),
+        "signature": bleu.get("signature"),
+        "chrf_signature": chrf_score.get("signature"),
+        "bleu_details": bleu.get("details"),
         "n_sentences": len(hyps),
+        "scores": scores,
+    }
+    if compound_split_lang:
+        result["compound_split_bleu"] = compound_split_bleu(hyps, streams[0], compound_split_lang)
+    return result
+
+
+def eval_kwargs(cfg: Config) -> dict[str, Any]:
+    """:func:`score`'s keyword arguments from ``cfg.eval`` (and the target language)."""
+    return {
+        "metrics": list(cfg.eval.metrics),
+        "bleu_tokenize": cfg.eval.bleu_tokenize,
+        "compound_split_lang": cfg.data.tgt_lang if cfg.eval.compound_split_bleu else None,
     }
 
 
@@ -95,11 +121,26 @@ def write_json(path: str | Path, data: dict[str, Any]) -> None:
     files.write_json(path, data)
 
 
-def score_files(hyp: str | Path, ref: str | Path | list) -> dict[str, Any]:
-    """Score a translation file against one or several reference files."""
-    ref_paths = [ref] if isinstance(ref, (str, Path)) else list(ref)
-    if not ref_paths:
+def score_files(
+    hyp: str | Path, ref: str | Path | list, langpair: str | None = None, **kwargs: Any
+) -> dict[str, Any]:
+    """Score a translation file against one or several reference files.
+
+    A reference that is not a file but a sacreBLEU test-set name (``wmt14/full``) stands for
+    that set's references for ``langpair`` (``de-en``) from sacreBLEU's cache. ``kwargs`` go to
+    :func:`score`.
+    """
+    from mt.metrics import is_testset, testset_references
+
+    refs_given = [ref] if isinstance(ref, (str, Path)) else list(ref)
+    if not refs_given:
         raise ValueError("mt-evaluate hyp=FILE needs ref=FILE (or ref=[FILE1,FILE2])")
+    ref_paths: list[str | Path] = []
+    for p in refs_given:
+        if not Path(p).is_file() and langpair and is_testset(str(p)):
+            ref_paths.extend(testset_references(str(p), langpair))
+        else:
+            ref_paths.append(p)
     hyps = read_lines(hyp)
     refs = [read_lines(p) for p in ref_paths]
     for path, lines in zip(ref_paths, refs):
@@ -108,17 +149,24 @@ def score_files(hyp: str | Path, ref: str | Path | list) -> dict[str, Any]:
                 f"{hyp} has {len(hyps)} lines but {path} has {len(lines)}: a translation file "
                 "needs one line per reference line"
             )
-    result = score(hyps, refs)
+    result = score(hyps, refs, **kwargs)
     result.update(hyp=str(hyp), ref=[str(p) for p in ref_paths])
     return result
 
 
 def _print_scores(result: dict[str, Any]) -> None:
     out = sys.stdout
-    out.write(f"{result['bleu_details']}\n")
-    out.write(f"BLEU signature: {result['signature']}\n")
-    out.write(f"chrF2 = {result['chrf']:.2f}\n")
-    out.write(f"chrF signature: {result['chrf_signature']}\n")
+    labels = {"bleu": "BLEU", "chrf": "chrF", "chrf++": "chrF++", "ter": "TER"}
+    for name, metric in result["scores"].items():
+        if name == "bleu":
+            out.write(f"{metric['details']}\n")
+        else:
+            shown = "chrF2" if name == "chrf" else labels[name]
+            out.write(f"{shown} = {metric['score']:.2f}\n")
+        out.write(f"{labels[name]} signature: {metric['signature']}\n")
+    if "compound_split_bleu" in result:
+        cs = result["compound_split_bleu"]
+        out.write(f"compound-split tokenized {cs['details']} ({cs['note']})\n")
     out.flush()
 
 
@@ -135,7 +183,8 @@ def evaluate_main(cfg: Config) -> dict[str, Any]:
     if cfg.hyp is not None:
         if cfg.ref is None:
             raise ValueError("mt-evaluate hyp=FILE needs ref=FILE (or ref=[FILE1,FILE2])")
-        result = score_files(cfg.hyp, cfg.ref)
+        langpair = f"{cfg.data.src_lang}-{cfg.data.tgt_lang}"
+        result = score_files(cfg.hyp, cfg.ref, langpair, **eval_kwargs(cfg))
         _print_scores(result)
         if cfg.output:
             write_json(cfg.output, result)
@@ -190,7 +239,7 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
     hyps = tokenizer.decode(out_ids, side="tgt")
 
     write_lines(run_dir / "translations" / f"{cfg.split}.txt", hyps)
-    result = score(hyps, refs)
+    result = score(hyps, refs, **eval_kwargs(cfg))
     result.update(
         split=cfg.split,
         checkpoint=str(ckpt_path),
@@ -208,8 +257,8 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
     )
     write_json(run_dir / f"results.{cfg.split}.json", result)  # each split keeps its own
     write_json(run_dir / "results.json", result)  # the latest evaluation (report, sweeps)
-    log.info("%s on %s: %s | chrF2 %.2f", ckpt_path.name, cfg.split, result["bleu_details"],
-             result["chrf"])  # fmt: skip
+    log.info("%s on %s: %s", ckpt_path.name, cfg.split,
+             " | ".join(f"{k} {v['score']:.2f}" for k, v in result["scores"].items()))  # fmt: skip
     if cfg.report:
         from mt.report import record_stage_time
 

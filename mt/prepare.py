@@ -1,5 +1,9 @@
 """Stages 1-2 as one cached step: corpus -> cleaned pairs -> SentencePiece -> encoded splits.
 
+Cleaning: Moses normalisation when enabled (:mod:`mt.cleaning`), then the word-level filters and
+de-duplication (:class:`mt.data.Cleaner`), then, after encoding, the piece-level filters. The
+SentencePiece model is trained on the cleaned text, or reused (``tokenizer.reuse``).
+
 The result lives in ``cfg.cache_dir/<name>-<hash>/`` where the hash covers everything that
 produced it: the data and tokenizer settings and the identity (path, size, mtime) of every
 input file. A hit only loads (cheap and read-only, so DDP ranks after rank 0 just open it); any
@@ -38,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mt.cleaning import NormSpec, TextNormalizer, filter_encoded_pairs, normalize_pairs
 from mt.data import ROLES, Cleaner, DataError, corpus_identity, normalize_line, open_corpus
 from mt.files import damaged_file, file_crc, write_json
 from mt.schema import Config
@@ -45,7 +50,7 @@ from mt.tokenizer import SIDES, Tokenizer, TokenizerError, num_threads
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1  # bump when the layout or the processing changes
+FORMAT_VERSION = 2  # bump when the layout or the processing changes
 CHUNK_BYTES = 4 << 20  # text per encoding task
 
 
@@ -168,6 +173,8 @@ def cache_key(cfg: Config) -> str:
     """sha256 over the format version, data and tokenizer settings and the input files' identity."""
     tok = dataclasses.asdict(cfg.tokenizer)
     tok.pop("threads")  # changes speed, not the result
+    if tok.pop("reuse"):  # the model's bytes, not its path, decide the output
+        tok = {"reuse_sha256": Tokenizer.from_reference(cfg.tokenizer.reuse).sha256()}
     blob = {
         "format": FORMAT_VERSION,
         "data": dataclasses.asdict(cfg.data),
@@ -234,14 +241,20 @@ def _build(cfg: Config, out: Path, key: str, root: Path) -> None:
     counts: dict[str, dict] = {}
 
     cleaner = Cleaner(cfg.data.clean)
+    workers = num_threads(cfg.tokenizer.threads)
     pairs = corpus.pairs("train")
     if cfg.data.max_train_pairs:
         pairs = itertools.islice(pairs, cfg.data.max_train_pairs)
+    specs = _norm_specs(cfg)
+    norm_counts = {"moses_punct": 0, "non_printing": 0}
+    if any(spec.moses for spec in specs):  # else the Cleaner's NFC + strip is all there is
+        pairs = normalize_pairs(pairs, specs, norm_counts, workers)
     counts["train"] = {
         "pairs": _write_pairs(cleaner(pairs), work / "train.src", work / "train.tgt")
     }
-    counts["train"]["clean"] = dict(cleaner.counts)
-    log.info("train: %s", cleaner.summary())
+    counts["train"]["clean"] = {**norm_counts, **cleaner.counts}
+    log.info("train: %s; text changed by Moses punctuation %d, non-printing %d",
+             cleaner.summary(), norm_counts["moses_punct"], norm_counts["non_printing"])
     if counts["train"]["pairs"] == 0:
         raise ValueError("no training pairs left after cleaning: " + cleaner.summary())
     for role in ("valid", "test"):
@@ -258,22 +271,38 @@ def _build(cfg: Config, out: Path, key: str, root: Path) -> None:
         log.info("%s: %d pairs (not filtered)", role, n)
     t_read = time.time()
 
-    tokenizer = Tokenizer.train(work / "train.src", work / "train.tgt", out, cfg.tokenizer)
-    log.info("SentencePiece %s: vocab size %d", cfg.tokenizer.type, tokenizer.vocab_size)
+    if cfg.tokenizer.reuse:
+        tokenizer = Tokenizer.from_reference(cfg.tokenizer.reuse)
+        log.info("SentencePiece reused from %s: vocab size %d", cfg.tokenizer.reuse,
+                 tokenizer.vocab_size)  # fmt: skip
+    else:
+        tokenizer = Tokenizer.train(work / "train.src", work / "train.tgt", out, cfg.tokenizer)
+        log.info("SentencePiece %s: vocab size %d", cfg.tokenizer.type, tokenizer.vocab_size)
     t_spm = time.time()
 
     dtype = "uint16" if tokenizer.vocab_size <= 1 << 16 else "int32"
     jobs = []
     for role in ROLES:
         for side in SIDES:
-            text = work / f"train.{side}" if role == "train" else out / f"{role}.raw.{side}"
-            jobs.append((text, side, out / f"{role}.{side}"))
-    encode_files(
-        tokenizer, jobs, dtype, cfg.data.clean.normalize, num_threads(cfg.tokenizer.threads)
-    )
+            if role == "train":  # already normalised by the cleaning pass
+                jobs.append((work / f"train.{side}", side, out / f"train.{side}"))
+            else:
+                spec = specs[SIDES.index(side)]
+                jobs.append((out / f"{role}.raw.{side}", side, out / f"{role}.{side}", spec))
+    encode_files(tokenizer, jobs, dtype, cfg.data.clean.normalize, workers)
     shutil.rmtree(work)
     t_enc = time.time()
 
+    clean = cfg.data.clean
+    if clean.max_pieces or clean.max_piece_ratio:  # clean-corpus-n on pieces
+        kept, dropped = filter_encoded_pairs(
+            [str(out / f"train.{side}") for side in SIDES], clean, dtype
+        )
+        counts["train"]["clean"].update(dropped)
+        counts["train"]["pairs"] = kept
+    t_filter = time.time()
+
+    tokenizer_files = [p.name for p in tokenizer.save(out)]  # before the checksums (reuse)
     meta = {
         "key": key,
         "files": {p.name: [p.stat().st_size, file_crc(p)] for p in sorted(out.iterdir())},
@@ -281,23 +310,31 @@ def _build(cfg: Config, out: Path, key: str, root: Path) -> None:
         "name": cfg.data.name,
         "data": dataclasses.asdict(cfg.data),
         "tokenizer": dataclasses.asdict(cfg.tokenizer),
-        "tokenizer_files": [p.name for p in tokenizer.save(out)],
+        "tokenizer_files": tokenizer_files,
+        "tokenizer_sha256": tokenizer.sha256(),
         "vocab_size": tokenizer.vocab_size,
         "dtype": dtype,
         "counts": counts,
-        "seconds": {"read_clean": t_read - t0, "spm": t_spm - t_read, "encode": t_enc - t_spm},
+        "seconds": {
+            "read_clean": t_read - t0,
+            "spm": t_spm - t_read,
+            "encode": t_enc - t_spm,
+            "piece_filter": t_filter - t_enc,
+        },
     }
     for p in out.iterdir():  # durable before the directory is renamed into place
         with open(p, "rb") as f:
             os.fsync(f.fileno())
     write_json(out / "meta.json", meta)
     log.info(
-        "prepared %s in %.1fs (read+clean %.1fs, SentencePiece %.1fs, encode %.1fs): %s",
+        "prepared %s in %.1fs (read+clean %.1fs, SentencePiece %.1fs, encode %.1fs, piece "
+        "filter %.1fs): %s",
         cfg.data.name,
-        t_enc - t0,
+        t_filter - t0,
         t_read - t0,
         t_spm - t_read,
         t_enc - t_spm,
+        t_filter - t_enc,
         ", ".join(f"{r} {c['pairs']} pairs" for r, c in counts.items()),
     )
 
@@ -308,6 +345,12 @@ def _count_empty(pairs: Iterator[tuple[str, str]], empty: list[int]):
         if not src.strip():
             empty[0] += 1
         yield src, tgt
+
+
+def _norm_specs(cfg: Config) -> tuple[NormSpec, NormSpec]:
+    """The text normalisation of (source, target) lines, from ``data.clean``."""
+    return tuple(NormSpec.from_config(cfg.data.clean, lang)
+                 for lang in (cfg.data.src_lang, cfg.data.tgt_lang))  # fmt: skip
 
 
 def _write_pairs(pairs: Iterator[tuple[str, str]], src_path: Path, tgt_path: Path) -> int:
@@ -332,13 +375,23 @@ def _init_worker(blobs: list[bytes], dtype: str, nfc: bool) -> None:
     _WORKER.update(tokenizer=Tokenizer.from_bytes(blobs), dtype=np.dtype(dtype), nfc=nfc)
 
 
-def _encode_chunk(task: tuple[str, str, int, int]) -> tuple[np.ndarray, np.ndarray]:
+def _normalizer(spec: NormSpec | None):
+    if spec is None:
+        return lambda s: normalize_line(s, _WORKER["nfc"])
+    if spec not in _WORKER:
+        _WORKER[spec] = TextNormalizer(spec)
+    return _WORKER[spec]
+
+
+def _encode_chunk(
+    task: tuple[str, str, int, int, NormSpec | None],
+) -> tuple[np.ndarray, np.ndarray]:
     """Encode the lines in bytes [start, end) of a file -> (flat ids, lengths)."""
-    path, side, start, end = task
+    path, side, start, end, spec = task
     with open(path, "rb") as f:
         f.seek(start)
         text = f.read(end - start).decode("utf-8")
-    lines = [normalize_line(s, _WORKER["nfc"]) for s in text.split("\n")[:-1]]
+    lines = list(map(_normalizer(spec), text.split("\n")[:-1]))
     ids = _WORKER["tokenizer"].encode(lines, side=side)
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     flat = np.fromiter(
@@ -373,19 +426,20 @@ def encode_files(
 
     Args:
         tokenizer: encodes each line (after :func:`mt.data.normalize_line`).
-        jobs: (text file, side, output prefix) triples.
+        jobs: (text file, side, output prefix) triples, or quadruples with a
+            :class:`mt.cleaning.NormSpec` that replaces the plain normalisation for that file.
         dtype: numpy dtype of the flat ids.
-        nfc: NFC-normalise lines before encoding.
+        nfc: NFC-normalise lines before encoding (jobs without a NormSpec).
         workers: processes; 1 (or a small input) encodes in this process.
         chunk_bytes: text per task.
     """
     tasks, owner = [], []
-    for j, (path, side, _) in enumerate(jobs):
+    for j, (path, side, _, *spec) in enumerate(jobs):
         for start, end in _byte_ranges(path, chunk_bytes):
-            tasks.append((str(path), side, start, end))
+            tasks.append((str(path), side, start, end, spec[0] if spec else None))
             owner.append(j)
     init = (tokenizer.to_bytes(), dtype, nfc)
-    total = sum(end - start for _, _, start, end in tasks)
+    total = sum(end - start for _, _, start, end, _ in tasks)
     if workers > 1 and total > chunk_bytes:  # else a pool's start-up costs more than it saves
         pool = mp.get_context("spawn").Pool(min(workers, len(tasks)), _init_worker, init)
         results = pool.imap(_encode_chunk, tasks)  # in order, a few chunks in flight
@@ -393,7 +447,7 @@ def encode_files(
         pool = None
         _init_worker(*init)
         results = map(_encode_chunk, tasks)
-    files = [(open(f"{o}.ids", "wb"), open(f"{o}.off", "wb")) for _, _, o in jobs]
+    files = [(open(f"{o}.ids", "wb"), open(f"{o}.off", "wb")) for _, _, o, *_ in jobs]
     try:
         totals = [0] * len(jobs)
         for _, f_off in files:

@@ -272,12 +272,23 @@ def _results_section(results: Mapping[str, Any]) -> list[str]:
         )
         lines.append("")
     lines += ["| metric | score | signature |", "|---|---|---|"]
-    for metric, sig in (("bleu", "signature"), ("chrf", "chrf_signature")):
-        if metric in results:
-            lines.append(
-                f"| {metric.upper() if metric == 'bleu' else 'chrF'} | {_fmt(results[metric])} "
-                f"| `{_cell(results.get(sig, ''))}` |"
-            )
+    names = {"bleu": "BLEU", "chrf": "chrF", "chrf++": "chrF++", "ter": "TER"}
+    scores = results.get("scores") or {
+        metric: {"score": results[metric], "signature": results.get(sig, "")}
+        for metric, sig in (("bleu", "signature"), ("chrf", "chrf_signature"))
+        if results.get(metric) is not None
+    }
+    for metric, value in scores.items():
+        lines.append(
+            f"| {names.get(metric, metric)} | {_fmt(value['score'])} "
+            f"| `{_cell(value.get('signature', ''))}` |"
+        )
+    split_bleu = results.get("compound_split_bleu")
+    if split_bleu:
+        lines.append(
+            f"| tokenized BLEU, compound-split | {_fmt(split_bleu['score'])} "
+            f"| {_cell(split_bleu['note'])} |"
+        )
     shown = {"bleu", "chrf", "signature", "chrf_signature", "split", "checkpoint"}
     extra = [
         (key, value)

@@ -33,6 +33,13 @@ class CleanConfig:
     max_len: int = 250  # drop pairs with a side longer than this (in whitespace words)
     max_ratio: float = 3.0  # drop pairs whose word-length ratio exceeds this (0 = off)
     dedup: bool = False  # drop exact duplicate (src, tgt) pairs
+    # WMT recipe (fairseq's prepare-wmt14en2de.sh), via sacremoses; applied to every split's
+    # text before encoding (train, and the valid/test sources; references stay raw for scoring).
+    moses_punct: bool = False  # Moses normalize-punctuation (per language)
+    remove_non_printing: bool = False  # Moses remove-non-printing-char (Unicode category C)
+    # clean-corpus-n on SentencePiece pieces after encoding (train only): 0 = off.
+    max_pieces: int = 0  # drop pairs with a side longer than this many pieces (fairseq: 250)
+    max_piece_ratio: float = 0.0  # drop pairs whose piece-length ratio exceeds this (fairseq: 1.5)
 
 
 @dataclass
@@ -62,8 +69,11 @@ class TokenizerConfig:
 
     type: str = "bpe"  # bpe | unigram
     vocab_size: int = 8000
-    character_coverage: float = 1.0
+    character_coverage: float = 1.0  # 0.9995-0.9999 for noisy web text (rare chars -> bytes)
     input_sentence_size: int = 1_000_000  # train on a random sample of at most this many lines
+    shuffle: bool = True  # sample input_sentence_size lines at random (false: the first ones)
+    seed: int = 1  # SentencePiece's random seed (the sample), stored in meta.json
+    reuse: Optional[str] = None  # a checkpoint or .model file whose SentencePiece model to reuse
     joint: bool = True  # one model for both languages (false: one per language)
     threads: int = 0  # encoding/training threads (0 = all cores)
     byte_fallback: bool = True  # unknown characters become UTF-8 byte pieces (no <unk>)
@@ -160,6 +170,17 @@ class ServeConfig:
 
 
 @dataclass
+class EvalConfig:
+    """What mt-evaluate scores (sacreBLEU on detokenized text; each score with its signature)."""
+
+    metrics: list = field(default_factory=lambda: ["bleu", "chrf"])  # bleu chrf chrf++ ter
+    bleu_tokenize: str = "13a"  # sacreBLEU's BLEU tokenizer: 13a | intl | zh | char | ...
+    # Also the papers' tokenized BLEU with compound splitting (WMT14 en-de; NOT comparable
+    # with sacreBLEU, labelled so in results.json).
+    compound_split_bleu: bool = False
+
+
+@dataclass
 class Config:
     """The whole configuration. Run-time arguments of the command-line tools live at the top."""
 
@@ -168,6 +189,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     name: str = "default"  # experiment name (a label)
     run_dir: str = "runs/default"  # where a run writes; an existing one is resumed
     cache_dir: str = ".cache/mt"  # prepared data (SentencePiece model, encoded splits)
@@ -177,7 +199,7 @@ class Config:
     input: Optional[str] = None  # mt-translate: input file (default stdin)
     output: Optional[str] = None  # mt-translate: output file; mt-evaluate: JSON results file
     hyp: Optional[str] = None  # mt-evaluate: score this translation file instead of decoding
-    ref: Any = None  # mt-evaluate: reference file or list of files (with hyp)
+    ref: Any = None  # mt-evaluate: reference file(s), or a sacreBLEU test set (wmt14/full) cached
     attention: Optional[str] = None  # mt-translate: draw the first sentence's attention (PNG)
     report: bool = True  # mt-evaluate: write report.md with plots into the run directory
     format: Optional[str] = None  # mt-export: hf | ctranslate2 (output= is the directory)

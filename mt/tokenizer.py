@@ -18,9 +18,11 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import unicodedata
+import zipfile
 from pathlib import Path
 
 import sentencepiece as spm
@@ -95,7 +97,7 @@ class Tokenizer:
             jobs = [("spm", [src_texts_path, tgt_texts_path])]
         else:
             jobs = [("spm.src", [src_texts_path]), ("spm.tgt", [tgt_texts_path])]
-        spm.set_random_generator_seed(1)  # the sample of input_sentence_size lines
+        spm.set_random_generator_seed(cfg.seed)  # the sample of input_sentence_size lines
         models = []
         for prefix, inputs in jobs:
             spm.SentencePieceTrainer.train(
@@ -106,7 +108,7 @@ class Tokenizer:
                 hard_vocab_limit=False,  # tiny corpora: fewer pieces instead of an error
                 character_coverage=cfg.character_coverage,
                 input_sentence_size=cfg.input_sentence_size,
-                shuffle_input_sentence=True,
+                shuffle_input_sentence=cfg.shuffle,
                 byte_fallback=cfg.byte_fallback,
                 normalization_rule_name="identity",  # mt normalises (NFC + strip) itself
                 remove_extra_whitespaces=False,
@@ -146,6 +148,34 @@ class Tokenizer:
         return cls(models)
 
     @classmethod
+    def from_reference(cls, path: str | Path) -> Tokenizer:
+        """The SentencePiece model(s) of ``tokenizer.reuse``: a ``.model`` file (joint) or an mt
+        checkpoint (a zip written by ``torch.save``; its embedded models, joint or a pair).
+
+        Raises:
+            TokenizerError: a missing file, or one that is neither.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise TokenizerError(f"tokenizer.reuse={path}: no such file")
+        if zipfile.is_zipfile(path):
+            import torch  # only here: the tokenizer needs torch for checkpoints alone
+
+            try:
+                ckpt = torch.load(path, map_location="cpu", weights_only=True)
+                blobs = [t.numpy().tobytes() for t in ckpt["tokenizer"]["models"]]
+            except (RuntimeError, KeyError, TypeError) as err:
+                raise TokenizerError(
+                    f"tokenizer.reuse={path}: not an mt checkpoint with a tokenizer ({err})"
+                ) from err
+        else:
+            blobs = [path.read_bytes()]
+        try:
+            return cls.from_bytes(blobs)
+        except TokenizerError as err:
+            raise TokenizerError(f"tokenizer.reuse={path}: {err}") from err
+
+    @classmethod
     def from_bytes(cls, blobs: list[bytes]) -> Tokenizer:
         """Rebuild from :meth:`to_bytes` (what a checkpoint embeds)."""
         models = []
@@ -159,6 +189,11 @@ class Tokenizer:
     def to_bytes(self) -> list[bytes]:
         """The serialized model(s), so a checkpoint is self-contained."""
         return [sp.serialized_model_proto() for sp in self.models]
+
+    def sha256(self) -> str:
+        """One hex digest of the model bytes: equal digests, identical pieces and ids."""
+        parts = b"".join(hashlib.sha256(b).digest() for b in self.to_bytes())
+        return hashlib.sha256(parts).hexdigest()
 
     def save(self, out_dir: str | Path) -> list[Path]:
         """Write the model file(s) into ``out_dir``; returns their paths (for :meth:`load`)."""

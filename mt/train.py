@@ -166,13 +166,17 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     resume, resume_path = resume_checkpoint(ckpt_dir)
     raw = build_model(cfg.model, prepared.vocab_size)  # same init on every rank (same seed)
     if resume is not None:
-        check_compatible(resume, cfg, prepared.vocab_size, resume_path)
+        check_compatible(
+            resume, cfg, prepared.vocab_size, resume_path, prepared.tokenizer.to_bytes()
+        )
         check_data_plan(resume, cfg, info.world_size, resume_path)
         raw.load_state_dict(resume["model"])
         log.info("resuming %s from %s (step %d)", run_dir, resume_path.name, resume["step"])
     elif tc.init_from:
         init = load_checkpoint(tc.init_from)
-        check_compatible(init, cfg, prepared.vocab_size, Path(tc.init_from))
+        check_compatible(
+            init, cfg, prepared.vocab_size, Path(tc.init_from), prepared.tokenizer.to_bytes()
+        )
         raw.load_state_dict(init["model"])
         log.info("initialised from %s (step %d); fresh optimiser", tc.init_from, init["step"])
     raw.to(info.device)

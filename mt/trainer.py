@@ -22,7 +22,7 @@ import torch
 
 from mt import distributed
 from mt.batching import Batch, BatchSampler, iterate_batches
-from mt.checkpoint import CheckpointError, model_cfg_from, model_state, rng_state
+from mt.checkpoint import CheckpointError, model_cfg_from, model_state, rng_state, tokenizer_blobs
 from mt.files import JsonlAppender
 from mt.loss import label_smoothed_cross_entropy
 from mt.schema import Config
@@ -383,11 +383,25 @@ class MetricsLog:
             self.tb.close()
 
 
-def check_compatible(ckpt: dict, cfg: Config, vocab_size: int, path: Path) -> None:
-    """Raise CheckpointError unless ``ckpt``'s model fits ``cfg.model`` and the vocabulary."""
+def check_compatible(
+    ckpt: dict, cfg: Config, vocab_size: int, path: Path, tokenizer_bytes: list[bytes] | None = None
+) -> None:
+    """Raise CheckpointError unless ``ckpt``'s model fits ``cfg.model`` and the vocabulary.
+
+    With ``tokenizer_bytes`` (the prepared data's SentencePiece model(s)), the checkpoint's
+    embedded model(s) must be byte-identical: the same vocabulary size with other pieces would
+    silently give every embedding row a different meaning.
+    """
     if int(ckpt["vocab_size"]) != vocab_size:
         raise CheckpointError(
             f"{path} has a vocabulary of {ckpt['vocab_size']}, the prepared data {vocab_size}"
+        )
+    if tokenizer_bytes is not None and tokenizer_blobs(ckpt) != list(tokenizer_bytes):
+        raise CheckpointError(
+            f"{path} was trained with a different SentencePiece model than the prepared data "
+            f"(same vocabulary size {vocab_size}, other pieces): its embeddings would map to "
+            f"the wrong pieces. Prepare the data with tokenizer.reuse={path} to encode it with "
+            f"the checkpoint's own model"
         )
     stored = model_cfg_from(ckpt)
     shape = ("N", "N_dec", "d_model", "d_ff", "h", "norm", "share_embeddings")

@@ -166,3 +166,30 @@ def test_multi30k_padding_under_ten_percent(real_data):
     sampler = BatchSampler(lengths[0], lengths[1], 4096, seed=1, max_len=1023)
     src_pad, tgt_pad = sampler.padding_fraction(0)
     assert src_pad < 0.10 and tgt_pad < 0.10, (src_pad, tgt_pad)
+
+
+def test_fast_chunking_equals_the_greedy_reference():
+    from mt.batching import _chunk, chunk_reference
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(1, 400))
+        max_tokens = int(rng.integers(60, 600))
+        src = rng.integers(2, 60, n)
+        tgt = rng.integers(2, 60, n)
+        order = rng.permutation(n)
+        fast = _chunk(order, src, tgt, max_tokens)
+        ref = chunk_reference(order, src, tgt, max_tokens)
+        assert [b.tolist() for b in fast] == [b.tolist() for b in ref]
+
+
+def test_packed_sort_key_equals_lexsort():
+    from mt.batching import _sort_keys
+
+    rng = np.random.default_rng(1)
+    for n in (0, 1, 7, 2000):
+        src = rng.integers(0, 300, n)
+        tgt = rng.integers(0, 300, n)
+        snake = np.where(src % 2 == 0, tgt, -tgt)
+        tie = rng.permutation(n)
+        assert _sort_keys(src, snake, tie).tolist() == np.lexsort((tie, snake, src)).tolist()

@@ -37,6 +37,8 @@ LAYERS = {
     "mt.checkpoint": 3,
     "mt.inference": 3,
     "mt.prepare": 3,
+    "mt.cleaning": 2.5,
+    "mt.metrics": 1,
     "mt.search": 4,
     "mt.export_hf": 3,
     "mt.export_ct2": 3.5,

@@ -1,0 +1,134 @@
+"""Corpus metrics on detokenized text: sacreBLEU's BLEU, chrF, chrF++ and TER, each with its
+signature, and the tokenized, compound-split BLEU that WMT14 en-de papers report.
+
+- :func:`corpus_scores` runs any subset of ``METRICS`` (``eval.metrics``) with sacreBLEU; BLEU
+  takes ``eval.bleu_tokenize`` (13a, intl, zh, char, ...). Each result carries sacreBLEU's
+  signature, which says exactly how the number was computed.
+- :func:`compound_split_bleu` is the score of "Attention Is All You Need" and of fairseq's
+  ``compound_split_bleu.sh`` / tensor2tensor's ``get_ende_bleu.sh``: hypotheses and references
+  Moses-tokenized (here ``sacremoses``, as ``tokenizer.perl -l LANG``, escaping on), every ``-``
+  between two non-spaces split as ``##AT##-##AT##``, then multi-bleu-style BLEU on whitespace
+  tokens (no smoothing). It depends on the tokenization, so it is NOT comparable with sacreBLEU;
+  it is reported beside it, labelled so, only to compare with papers.
+- :func:`testset_references` finds a sacreBLEU test set's references (``wmt14/full``) in
+  sacreBLEU's local cache, never downloading.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+METRICS = ("bleu", "chrf", "chrf++", "ter")
+COMPOUND_SPLIT_NOTE = (
+    "tokenized BLEU (Moses tokenizer, compound splitting ##AT##-##AT##, multi-bleu style) as in "
+    "papers; NOT comparable with sacreBLEU"
+)
+_COMPOUND = re.compile(r"(\S)-(\S)")  # perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'
+
+
+def _metric(name: str, bleu_tokenize: str):
+    from sacrebleu.metrics import BLEU, CHRF, TER
+
+    if name == "bleu":
+        return BLEU(tokenize=bleu_tokenize)
+    if name == "chrf":
+        return CHRF()
+    if name == "chrf++":
+        return CHRF(word_order=2)
+    if name == "ter":
+        return TER()
+    raise ValueError(f"eval.metrics: unknown metric {name!r}; expected a subset of {METRICS}")
+
+
+def corpus_scores(
+    hyps: list[str], streams: list[list[str]], metrics=("bleu", "chrf"), bleu_tokenize="13a"
+) -> dict[str, dict[str, Any]]:
+    """``{metric: {"score", "signature", "details"}}`` for each name in ``metrics``.
+
+    Args:
+        hyps: one detokenized translation per segment.
+        streams: reference streams, each with one reference per segment.
+        metrics: names from :data:`METRICS`.
+        bleu_tokenize: sacreBLEU's BLEU tokenizer (``13a`` is the WMT standard).
+    """
+    unknown = [m for m in metrics if m not in METRICS]
+    if unknown:
+        raise ValueError(f"eval.metrics: unknown {unknown}; expected a subset of {list(METRICS)}")
+    out = {}
+    for name in metrics:
+        metric = _metric(name, bleu_tokenize)
+        result = metric.corpus_score(list(hyps), streams)
+        out[name] = {
+            "score": float(result.score),
+            "signature": str(metric.get_signature()),
+            "details": str(result),
+        }
+    return out
+
+
+def split_compounds(line: str) -> str:
+    """``rich-text`` -> ``rich ##AT##-##AT## text`` (non-overlapping, left to right, as perl)."""
+    return _COMPOUND.sub(r"\1 ##AT##-##AT## \2", line)
+
+
+def compound_split_bleu(hyps: list[str], refs: list[str], lang: str) -> dict[str, Any]:
+    """Tokenized BLEU with compound splitting (see the module docstring).
+
+    Args:
+        hyps: detokenized translations.
+        refs: raw references (one stream).
+        lang: the target language, for the Moses tokenizer's rules.
+
+    Returns:
+        ``{"score", "details", "note"}``; ``note`` says the score is not comparable with
+        sacreBLEU.
+    """
+    from sacrebleu.metrics import BLEU
+    from sacremoses import MosesTokenizer
+
+    if len(hyps) != len(refs):
+        raise ValueError(f"{len(hyps)} hypotheses but {len(refs)} references")
+    moses = MosesTokenizer(lang=lang)
+
+    def prep(lines: list[str]) -> list[str]:
+        return [split_compounds(moses.tokenize(s.strip(), return_str=True)) for s in lines]
+
+    bleu = BLEU(tokenize="none", smooth_method="none", force=True)
+    result = bleu.corpus_score(prep(hyps), [prep(refs)])
+    return {"score": float(result.score), "details": str(result), "note": COMPOUND_SPLIT_NOTE}
+
+
+def is_testset(name: str) -> bool:
+    """True when ``name`` is one of sacreBLEU's test sets (``wmt14/full``, ``wmt17``, ...)."""
+    from sacrebleu.dataset import DATASETS
+
+    return name in DATASETS
+
+
+def testset_references(name: str, langpair: str) -> list[Path]:
+    """The reference files of sacreBLEU test set ``name`` for ``langpair`` from its cache.
+
+    Raises:
+        ValueError: an unknown language pair, or references not in the cache (with the command
+            that fetches them; nothing is downloaded here).
+    """
+    from sacrebleu.dataset import DATASETS
+
+    dataset = DATASETS[name]
+    if langpair not in dataset.langpairs:
+        raise ValueError(
+            f"sacreBLEU test set {name} has no pair {langpair}; it has "
+            f"{sorted(dataset.langpairs)} (set data.src_lang/data.tgt_lang)"
+        )
+    fields = [f for f in dataset.fieldnames(langpair) if f.startswith("ref")]
+    paths = [Path(dataset._get_txt_file_path(langpair, f)) for f in fields]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise ValueError(
+            f"sacreBLEU test set {name} ({langpair}) is not in sacreBLEU's cache ({missing[0]} "
+            f"missing); fetch it once with network access: sacrebleu -t {name} -l {langpair} "
+            f"--echo ref > /dev/null"
+        )
+    return paths
