@@ -33,18 +33,13 @@ from typing import Any, TextIO
 
 import torch
 
+from mt.alignment import attention_map
 from mt.checkpoint import CheckpointError, load_model
+from mt.decoding import fit_to_model, translate_ids, translate_nbest
+from mt.distributed import resolve_device
 from mt.files import TextError, atomic_text_output, read_lines
 from mt.schema import Config, DecodeConfig
-from mt.search import (
-    Hypothesis,
-    attention_map,
-    clip_to_length,
-    count_truncated,
-    max_positions,
-    translate_ids,
-    translate_nbest,
-)
+from mt.search import Hypothesis
 from mt.tokenizer import TokenizerError
 
 log = logging.getLogger(__name__)
@@ -67,7 +62,7 @@ class Translator:
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.decode_cfg = decode_cfg or DecodeConfig()
-        self.max_positions = max_positions(model)
+        self.max_positions = model.max_positions
 
     @classmethod
     def from_checkpoint(
@@ -99,11 +94,7 @@ class Translator:
     def encode(self, sentences: list[str], cfg: DecodeConfig, first_line: int = 1):
         """Source ids of each sentence, checked (or truncated) against ``max_positions``."""
         ids = self.tokenizer.encode([self.tokenizer.normalize(s) for s in sentences], side="src")
-        n_long = count_truncated(ids, self.max_positions)
-        if n_long and cfg.too_long == "truncate":
-            log.warning("%d input line(s) longer than max_positions=%d truncated",
-                        n_long, self.max_positions)  # fmt: skip
-        return clip_to_length(ids, self.max_positions, cfg.too_long, first_line)
+        return fit_to_model(ids, self.max_positions, cfg.too_long, first_line, "input")
 
     def translate_nbest(
         self, sentences: list[str], first_line: int = 1, **overrides: Any
@@ -222,9 +213,7 @@ def translate_main(cfg: Config) -> None:
     or a line too long for the model.
     """
     path = Path(cfg.checkpoint) if cfg.checkpoint else Path(cfg.run_dir) / "checkpoints/best.pt"
-    device = cfg.train.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(cfg.train.device)
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
     try:
