@@ -18,6 +18,7 @@ STAGES = {
     "evaluate": cli.evaluate_main,
     "export": cli.export_main,
     "serve": cli.serve_main,
+    "score": cli.score_main,
 }
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from mt.batching import make_src
+from mt.ensemble import Ensemble
 from mt.inference import for_decoding, needs_autocast
 from mt.schema import DecodeConfig
 from mt.search import Hypothesis, IncrementalDecoder, search
@@ -103,17 +104,23 @@ def autocast(device: torch.device | str, precision: str):
 def decoding_model(model: Any, cfg: DecodeConfig) -> tuple[IncrementalDecoder, str]:
     """The model search should run for ``cfg`` and the precision to autocast to.
 
-    ``model`` is an ``mt.model.Transformer`` (made into its decoding copy, ``mt.inference``) or
-    anything else that already follows the search contract (e.g. ``mt.ensemble.Ensemble``,
-    which makes its members' copies itself).
+    ``model`` is an ``mt.model.Transformer`` (made into its decoding copy, ``mt.inference``), an
+    :class:`mt.ensemble.Ensemble` of them (each member made into its copy), or anything else
+    that already follows the search contract (used as it is, e.g. the tests' stub models).
     """
     from mt.model import Transformer
 
-    if not isinstance(model, Transformer):
-        return model, cfg.precision
     settings = (cfg.quantize, cfg.precision, cfg.onednn)
-    precision = cfg.precision if needs_autocast(model, *settings) else "fp32"
-    return for_decoding(model, *settings), precision
+
+    def one(member: Any) -> tuple[Any, str]:
+        if not isinstance(member, Transformer):
+            return member, cfg.precision
+        precision = cfg.precision if needs_autocast(member, *settings) else "fp32"
+        return for_decoding(member, *settings), precision
+
+    if isinstance(model, Ensemble):
+        return model.map(lambda m: one(m)[0]), one(model.members[0])[1]
+    return one(model)
 
 
 def sample_seed(seed: int, index: int) -> int:

@@ -229,5 +229,3 @@ def _write_report(run_dir, prepared, split, hyps, model, tokenizer, decode_cfg, 
         log.warning("attention heatmap skipped: %s", err)
     examples = {"sources": sources, "references": prepared.references(split), "hypotheses": hyps}
     write_report(run_dir, examples=examples, attention=attention)
-
-

@@ -25,9 +25,9 @@
 Search runs a :class:`DecodingModel`: the copy, its output projection and the kernels, behind
 the contract search depends on (``mt.search.IncrementalDecoder``).
 
-The original model is never modified (no attribute is set on it). Copies are cached per model and rebuilt when its weights
-change (in-place updates bump a tensor's version; ``.to()`` moves them), so validation during
-training decodes with the current weights.
+The original model is never modified (no attribute is set on it). Copies are cached per model
+and rebuilt when its weights change (in-place updates bump a tensor's version; ``.to()`` moves
+them), so validation during training decodes with the current weights.
 """
 
 from __future__ import annotations
@@ -260,6 +260,7 @@ class DecodingModel(nn.Module):
         super().__init__()
         self.module, self.head, self.kernels = module, head, kernels
         self.max_positions: int = module.max_positions
+        self.vocab_size: int = module.vocab_size
 
     def encode(self, src: torch.Tensor):
         """(B, S) source ids -> the module's encoder output."""

@@ -191,9 +191,10 @@ class Sampling:
     def distribution(self, lprobs: torch.Tensor) -> torch.Tensor:
         """(n, V) model log-probs -> (n, V) sampling probabilities."""
         logits = lprobs / self.temperature
-        if self.top_k:
-            kth = logits.topk(min(self.top_k, logits.size(-1)), dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, NEG_INF)
+        if self.top_k:  # exactly k tokens (ties broken by topk)
+            best = logits.topk(min(self.top_k, logits.size(-1)), dim=-1).indices
+            kept = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, best, True)
+            logits = logits.masked_fill(~kept, NEG_INF)
         probs = logits.softmax(dim=-1)
         if self.top_p < 1:
             sorted_p, order = probs.sort(dim=-1, descending=True)

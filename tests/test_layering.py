@@ -49,7 +49,7 @@ LAYERS = {
     "mt.ensemble": 4.2,
     "mt.decoding": 4.5,
     "mt.alignment": 4.7,
-    "mt.score": 5,
+    "mt.score": 5.2,
     "mt.evaluate": 5,
     "mt.translate": 5,
     "mt.trainer": 5.5,
