@@ -1,6 +1,6 @@
 """``python -m mt STAGE [overrides...]``: the mt-* commands without relying on console scripts.
 
-STAGE is one of prepare, train, translate, evaluate, export, serve; the overrides are
+STAGE is one of prepare, train, translate, evaluate, export, serve, score; the overrides are
 Hydra's, as for the ``mt-*`` commands. Under torchrun:
 ``torchrun --nproc_per_node=8 -m mt train ...``.
 """

@@ -39,6 +39,7 @@ LAYERS = {
     "mt.prepare": 3,
     "mt.cache": 1,
     "mt.rows": 1,
+    "mt.strategy": 1,
     "mt.search": 4,
     "mt.export_hf": 3,
     "mt.export_ct2": 3.5,
