@@ -80,19 +80,21 @@ def length_penalty(length: int, alpha: float) -> float:
     return ((5.0 + length) / 6.0) ** alpha
 
 
-def max_lengths(src: torch.Tensor, a: float, b: float, limit: int | None) -> list[int]:
+def max_lengths(
+    src: torch.Tensor, a: float, b: float, model: IncrementalDecoder
+) -> list[int]:
     """Per-sentence maximum output length ``int(a * src_len + b)``, ``src_len`` without EOS.
 
     Args:
         src: (B, S) source ids, each row ``ids + EOS`` right-padded with PAD.
         a, b: the coefficients (``decode.max_len_a``, ``decode.max_len_b``).
-        limit: the model's ``max_positions`` (None: no cap).
+        model: its ``max_positions`` caps the lengths (None: no cap).
 
     Returns:
-        B lengths, each at least 1 and at most ``limit``.
+        B lengths, each at least 1 and at most the model's ``max_positions``.
     """
     src_len = ((src != PAD).sum(dim=1) - 1).clamp(min=0).tolist()
-    cap = limit or 1 << 30
+    cap = model.max_positions or 1 << 30
     return [max(1, min(cap, int(a * n + b))) for n in src_len]
 
 
@@ -174,7 +176,7 @@ def generate(
     K = strategy.K
     if not 1 <= nbest <= K:
         raise ValueError(f"nbest must be between 1 and beam_size={K}, got {nbest}")
-    limits = max_lengths(src, max_len_a, max_len_b, model.max_positions)
+    limits = max_lengths(src, max_len_a, max_len_b, model)
     forced = prefix_tensor(prefix, src.device)
     rows = Rows(model, src, K)
     finished: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]

@@ -50,7 +50,11 @@ class Beam:
         """scores (n, K) of the live hypotheses; lprobs (n, K or 1, V) of their next tokens
         (one row per sentence at the first step, when its K hypotheses are the same)."""
         n, K, V = scores.size(0), self.K, lprobs.size(-1)
-        cand = (scores[:, :, None] + lprobs).view(n, -1)  # (n, K*V): hypothesis k, token v
+        # score(y_1..y_t) = score(y_1..y_t-1) + log p(y_t | y_<t, x), hypothesis k and token v
+        if lprobs.size(1) == K:  # in place: the log-probabilities are not needed after
+            cand = lprobs.add_(scores[:, :, None]).view(n, K * V)
+        else:  # the first step: one row per sentence, broadcast to its K (equal) hypotheses
+            cand = (scores[:, :, None] + lprobs).view(n, K * V)
         top_score, top_index = cand.topk(min(2 * K, K * V), dim=1)  # (n, 2K), best first
         top_beam, top_tok = top_index // V, top_index % V
         is_eos = top_tok == EOS
