@@ -204,3 +204,11 @@ def test_interactive_translates_each_line_as_it_is_read(translator):
     typed = Typist(sentences(4, seed=6), batched)
     translate_stream(translator, typed, batched, translator.decode_cfg)
     assert typed.seen[:4] == [0, 0, 0, 0]  # from a file or pipe: read ahead, in chunks
+
+
+def test_command_line_takes_a_checkpoint_list_and_interactive_setting():
+    from mt.config import load_config
+
+    cfg = load_config(["checkpoint=[a.pt,b.pt]", "interactive=true", "alignment_layer=0"])
+    assert cfg.checkpoint == ["a.pt", "b.pt"] and cfg.interactive and cfg.alignment_layer == 0
+    assert load_config().interactive is None  # decided by whether stdin is a terminal
