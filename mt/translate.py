@@ -319,7 +319,8 @@ def translate_stream(
             )
             alignment.flush()
         n += len(chunk)
-        log.info("%d lines translated (%.1f lines/s)", n, n / (time.perf_counter() - start))
+        level = logging.DEBUG if interactive else logging.INFO  # a terminal shows the answers
+        log.log(level, "%d lines translated (%.1f lines/s)", n, n / (time.perf_counter() - start))
     return n
 
 
