@@ -9,6 +9,7 @@ EOS (``tokens`` of them), teacher-forced; it is what beam search reports as a hy
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from mt.checkpoint import CheckpointError
 from mt.distributed import resolve_device
+from mt.files import TextError, atomic_text_output, read_lines
 from mt.schema import Config
 from mt.translate import Translator, chunks
 
@@ -39,12 +41,11 @@ def score_main(cfg: Config) -> dict[str, float]:
     except CheckpointError as err:
         raise SystemExit(f"mt-score: {err}") from None
     total, tokens, n = 0.0, 0, 0
-    dst = sys.stdout
     try:
-        with open(cfg.src, encoding="utf-8") as src, open(cfg.tgt, encoding="utf-8") as tgt:
-            if cfg.output:
-                Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
-                dst = open(cfg.output, "w", encoding="utf-8", newline="\n")
+        with contextlib.ExitStack() as stack:
+            src = read_lines(stack.enter_context(open(cfg.src, "rb")), cfg.src)
+            tgt = read_lines(stack.enter_context(open(cfg.tgt, "rb")), cfg.tgt)
+            dst = stack.enter_context(atomic_text_output(cfg.output)) if cfg.output else sys.stdout
             pairs = itertools.zip_longest(src, tgt)
             for chunk in chunks((f"{s}\t{t}" for s, t in _checked(pairs, cfg)), CHUNK_LINES):
                 sources, targets = zip(*(line.split("\t", 1) for line in chunk))
@@ -52,11 +53,10 @@ def score_main(cfg: Config) -> dict[str, float]:
                     dst.write(f"{logprob:.4f}\t{count}\t{logprob / count:.4f}\n")
                     total, tokens, n = total + logprob, tokens + count, n + 1
                 dst.flush()
+    except TextError as err:  # names the file and line itself
+        raise SystemExit(f"mt-score: {err}") from None
     except (OSError, ValueError) as err:
         raise SystemExit(f"mt-score: {err}") from None
-    finally:
-        if dst is not sys.stdout:
-            dst.close()
     result = {"sentences": n, "logprob": total, "tokens": tokens,
               "logprob_per_token": total / max(tokens, 1)}  # fmt: skip
     log.info("%d pairs: total log-prob %.2f over %d tokens (%.4f per token)",
