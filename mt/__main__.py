@@ -1,6 +1,6 @@
 """``python -m mt STAGE [overrides...]``: the mt-* commands without relying on console scripts.
 
-STAGE is one of prepare, train, translate, evaluate, export, serve; the overrides are
+STAGE is one of prepare, train, translate, evaluate, export, serve, score; the overrides are
 Hydra's, as for the ``mt-*`` commands. Under torchrun:
 ``torchrun --nproc_per_node=8 -m mt train ...``.
 """
@@ -18,6 +18,7 @@ STAGES = {
     "evaluate": cli.evaluate_main,
     "export": cli.export_main,
     "serve": cli.serve_main,
+    "score": cli.score_main,
 }
 
 

@@ -24,7 +24,6 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from mt.masks import pad_mask, subsequent_mask
 from mt.vocab import BOS, EOS, PAD
 
 log = logging.getLogger(__name__)
@@ -38,33 +37,13 @@ class Batch:
     tgt_in: torch.Tensor  # (B, T) BOS + ids, PAD-padded
     tgt_out: torch.Tensor  # (B, T) ids + EOS, PAD-padded
     ntokens: int  # non-pad tokens in tgt_out (what the loss is normalised by)
-    nsents: int  # B
     weight: float = 1.0  # 0.0 for a filler batch (loss and token count must be multiplied)
-
-    @property
-    def src_mask(self) -> torch.Tensor:
-        """(B, 1, 1, S) bool, True at real source tokens (keys the model may attend)."""
-        return pad_mask(self.src)
-
-    @property
-    def tgt_mask(self) -> torch.Tensor:
-        """(B, 1, T, T) bool: target padding and the subsequent mask combined."""
-        return pad_mask(self.tgt_in) & subsequent_mask(self.tgt_in.size(1), self.tgt_in.device)
 
     def to(self, device: torch.device | str) -> Batch:
         """A copy with the tensors on ``device``."""
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return dataclasses.replace(
             self, src=move(self.src), tgt_in=move(self.tgt_in), tgt_out=move(self.tgt_out)
-        )
-
-    def pin_memory(self) -> Batch:
-        """A copy in pinned memory (for asynchronous host-to-GPU copies from worker processes)."""
-        return dataclasses.replace(
-            self,
-            src=self.src.pin_memory(),
-            tgt_in=self.tgt_in.pin_memory(),
-            tgt_out=self.tgt_out.pin_memory(),
         )
 
 
@@ -98,7 +77,6 @@ def collate(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> Batch:
         tgt_in=torch.from_numpy(_pad(tgts, bos=True, eos=False)),
         tgt_out=torch.from_numpy(_pad(tgts, bos=False, eos=True)),
         ntokens=sum(len(t) + 1 for t in tgts),
-        nsents=len(pairs),
     )
 
 

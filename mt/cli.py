@@ -1,5 +1,5 @@
 """Command-line entry points: ``mt-prepare``, ``mt-train``, ``mt-translate``, ``mt-evaluate``,
-``mt-export`` and ``mt-serve``.
+``mt-export``, ``mt-serve`` and ``mt-score``.
 
 Each is a Hydra app over the same config tree (conf/), so every setting can be overridden on
 the command line and every tool accepts ``experiment=NAME``. The stages themselves live in
@@ -230,3 +230,12 @@ translate_main = _hydra_app(_translate)
 evaluate_main = _hydra_app(_evaluate)
 export_main = _hydra_app(_export)
 serve_main = _hydra_app(_serve)
+
+
+def _score(cfg: Config) -> None:
+    from mt.score import score_main
+
+    score_main(cfg)
+
+
+score_main = _hydra_app(_score)

@@ -123,11 +123,6 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def is_main() -> bool:
-    """True on rank 0 (and in a single process): the one process that writes files and logs."""
-    return not is_initialized() or dist.get_rank() == 0
-
-
 def barrier() -> None:
     """Wait for every rank (no-op in a single process)."""
     if is_initialized():
@@ -170,11 +165,6 @@ def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
-
-
-def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
-    """For each flag, True if it is true on any rank (e.g. a stop request seen by one process)."""
-    return [x > 0 for x in max_over_ranks([1.0 if f else 0.0 for f in flags], device)]
 
 
 def wrap(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:

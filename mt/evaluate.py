@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from mt import files
+from mt.alignment import attention_map
+from mt.distributed import resolve_device
 from mt.schema import Config
-from mt.search import attention_map, max_positions
 
 log = logging.getLogger(__name__)
 
@@ -198,15 +199,15 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
     import torch
 
     from mt.checkpoint import CheckpointError, load_model
+    from mt.decoding import fit_to_model, translate_ids
     from mt.prepare import prepare
-    from mt.search import clip_to_length, count_truncated, translate_ids
 
     if cfg.split not in ("valid", "test"):
         raise ValueError(f"split must be valid or test, got {cfg.split!r}")
     stage_start = time.perf_counter()
     run_dir = Path(cfg.run_dir)
     ckpt_path = Path(cfg.checkpoint) if cfg.checkpoint else run_dir / "checkpoints" / "best.pt"
-    device = _device(cfg.train.device)
+    device = resolve_device(cfg.train.device)
     model, tokenizer, ckpt = load_model(ckpt_path, device)
     prepared = prepare(cfg)
     refs = prepared.references(cfg.split)
@@ -220,13 +221,7 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
         )
     if len(src_ids) != len(refs):
         raise CheckpointError(f"{len(src_ids)} sources but {len(refs)} references")
-    limit = max_positions(model)
-    if count_truncated(src_ids, limit):
-        log.warning(
-            "%d %s sources exceed max_positions=%s and are truncated",
-            count_truncated(src_ids, limit), cfg.split, limit,
-        )  # fmt: skip
-        src_ids = clip_to_length(src_ids, limit, "truncate")
+    src_ids = fit_to_model(src_ids, model.max_positions, "truncate", what=f"{cfg.split} source")
 
     log.info(
         "decoding %d %s sentences with %s (beam %d, alpha %.2f, %s)",
@@ -283,12 +278,3 @@ def _write_report(run_dir, prepared, split, hyps, model, tokenizer, decode_cfg, 
         log.warning("attention heatmap skipped: %s", err)
     examples = {"sources": sources, "references": prepared.references(split), "hypotheses": hyps}
     write_report(run_dir, examples=examples, attention=attention)
-
-
-def _device(name: str):
-    """``auto`` (cuda when available, else cpu) or an explicit torch device name."""
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
+from mt.decoding import translate_ids, translate_nbest
 from mt.schema import DecodeConfig
-from mt.search import Hypothesis, max_lengths, translate_ids, translate_nbest
+from mt.search import Hypothesis, max_lengths
 from mt.vocab import BOS, EOS, PAD
 
 

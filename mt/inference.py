@@ -1,6 +1,6 @@
 """Decoding copies of a Transformer: the fastest correct kernels for CPU decoding.
 
-``for_decoding(model, quantize, precision, onednn)`` returns the module that search should run:
+``for_decoding(model, quantize, precision, onednn)`` returns what search should run:
 
 * ``onednn`` (default; CPU only): every ``nn.Linear`` and the tied pre-softmax projection run
   through oneDNN's linear kernel (``torch.ops.mkldnn._linear_pointwise``, the kernel
@@ -17,13 +17,22 @@
   observed range, int32 accumulation, float32 output; ``torch.ao.quantization.quantize_dynamic``
   with fbgemm's VNNI kernels). Embeddings, LayerNorm, softmax and attention stay float32.
 
-The original model is never modified. Copies are cached per model and rebuilt when its weights
-change (in-place updates bump a tensor's version; ``.to()`` moves them), so validation during
-training decodes with the current weights.
+* attention (CPU; :class:`CPUDecodingKernels`): short queries through the written-out formula,
+  float32 attention and cache under bf16 autocast. They reach the model's attention layers
+  through its decoder cache and ``encode``; the paper's attention (``mt.attention``) stays free of
+  device rules.
+
+Search runs a :class:`DecodingModel`: the copy, its output projection and the kernels, behind
+the contract search depends on (``mt.search.IncrementalDecoder``).
+
+The original model is never modified (no attribute is set on it). Copies are cached per model
+and rebuilt when its weights change (in-place updates bump a tensor's version; ``.to()`` moves
+them), so validation during training decodes with the current weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import warnings
@@ -33,6 +42,9 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mt.attention import SDPA, Kernels
+from mt.cache import DecoderCache
 
 log = logging.getLogger(__name__)
 
@@ -110,21 +122,23 @@ class _FusedFeedForward(nn.Module):
         return self.w2.product(self.w1.product(x)).to(x.dtype)
 
 
-def onednn_copy(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A copy of ``model`` whose Linear layers and projection run through oneDNN.
+def onednn_copy(
+    model: nn.Module, dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, nn.Module | None]:
+    """A copy of ``model`` whose Linear layers run through oneDNN, and a oneDNN projection.
 
     Parameters and buffers are shared with ``model`` (not copied); with ``dtype=bfloat16`` the
     Linear and projection weights are bfloat16 copies.
 
     Args:
-        model: an ``mt.model.Transformer`` (any module with ``nn.Linear`` layers works; one with
-            ``output_weight`` and ``decode_head`` also gets a oneDNN projection).
+        model: an ``mt.model.Transformer`` (any module with ``nn.Linear`` layers works).
         dtype: float32 or bfloat16.
 
     Returns:
-        A new module in eval mode, for decoding only.
+        ``(copy, head)``: the copy in eval mode, for decoding only, and the pre-softmax
+        projection as a oneDNN product (None for a model without ``output_weight``).
     """
-    from mt.model import FeedForward
+    from mt.model import FeedForward, Transformer
 
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
     clone = copy.deepcopy(model, memo=shared).eval()
@@ -134,41 +148,43 @@ def onednn_copy(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Modu
                 setattr(parent, name, _FusedFeedForward(child, dtype))
             elif type(child) is nn.Linear:
                 setattr(parent, name, OneDNNLinear(child.weight, child.bias, dtype))
-    if hasattr(clone, "decode_head") and hasattr(clone, "output_weight"):
-        clone.decode_head = OneDNNLinear(clone.output_weight, None, dtype)
-    return clone
+    head = None
+    if isinstance(clone, Transformer):
+        head = OneDNNLinear(clone.output_weight, None, dtype)
+    return clone, head
 
 
-def quantize_int8(model: nn.Module) -> nn.Module:
-    """An int8 dynamically quantized copy of ``model`` for decoding.
+def quantize_int8(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
+    """An int8 dynamically quantized copy of ``model`` and of its projection, for decoding.
 
     Args:
-        model: an ``mt.model.Transformer`` (anything with ``nn.Linear`` layers works; a model
-            with ``output_weight`` and ``decode_head`` also gets an int8 output projection).
+        model: an ``mt.model.Transformer`` (anything with ``nn.Linear`` layers works).
 
     Returns:
-        A new module in eval mode; ``model`` is not modified.
+        ``(copy, head)`` in eval mode: the quantized model and the int8 pre-softmax projection
+        (None for a model without ``output_weight``); ``model`` is not modified.
     """
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
+    from mt.model import Transformer
+
     was_training = model.training
-    head = None
-    if hasattr(model, "decode_head") and hasattr(model, "output_weight"):
+    parts = nn.ModuleDict({"model": model})
+    if isinstance(model, Transformer):
         weight = model.output_weight.detach()  # (V_padded, D), tied to the target embedding
         head = nn.Linear(weight.size(1), weight.size(0), bias=False)
         head.weight = nn.Parameter(weight.clone(), requires_grad=False)
-        model.decode_head = head  # quantize_dynamic copies it with the rest
+        parts["head"] = head
     try:
         with warnings.catch_warnings():  # torch.ao.quantization's deprecation notices
             warnings.simplefilter("ignore")
-            qmodel = quantize_dynamic(
-                model.eval(), {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8
+            quantized = quantize_dynamic(
+                parts.eval(), {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8
             )
     finally:
-        if head is not None:
-            model.decode_head = None
         model.train(was_training)
-    return qmodel.eval()
+    qhead = quantized["head"].eval() if "head" in quantized else None
+    return quantized["model"].eval(), qhead
 
 
 def _identity(model: nn.Module) -> tuple:
@@ -191,10 +207,82 @@ def _kind(model: nn.Module, quantize: str, precision: str, onednn: bool) -> str 
     return f"onednn-{precision}"
 
 
+# Query lengths up to this go through explicit matrix products on CPU (see CPUDecodingKernels).
+EXPLICIT_MAX_QUERIES = 16
+
+
+class CPUDecodingKernels(Kernels):
+    """Attention rules that make decoding fast on CPU (measured: README, Performance).
+
+    * Short queries (incremental decoding: 1 query per row in self-attention, one per beam in
+      encoder-decoder attention; short sources in the encoder) use the explicit
+      ``softmax(q k^T) v`` with batched matrix products: 40-70% of the time of SDPA's CPU
+      kernel, which is built for long queries. Gradients on (training) keep SDPA.
+    * Under bf16 autocast the projections run in bfloat16, but CPU attention with one query per
+      row is several times slower in bfloat16 than in float32 (and the cache is small): the
+      cache and the attention of incremental decoding stay float32, autocast off inside them.
+    """
+
+    def __init__(self, max_queries: int | None = None) -> None:
+        self.max_queries = EXPLICIT_MAX_QUERIES if max_queries is None else max_queries
+
+    def explicit(self, q: torch.Tensor) -> bool:
+        return q.size(-2) <= self.max_queries and not torch.is_grad_enabled()
+
+    def inputs(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if tensors[0].dtype == torch.float32:
+            return tensors
+        return tuple(t.float() for t in tensors)
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        if torch.is_autocast_enabled("cpu"):
+            return torch.autocast("cpu", enabled=False)
+        return contextlib.nullcontext()
+
+
+def kernels_for(device: torch.device | str, fast: bool = True) -> Kernels:
+    """The attention kernels for decoding on ``device`` (``fast=False``: torch's defaults)."""
+    return CPUDecodingKernels() if fast and torch.device(device).type == "cpu" else SDPA
+
+
+class DecodingModel(nn.Module):
+    """What search runs: a model (or its decoding copy), its output projection and the attention
+    kernels for its device, behind the decoding contract (``mt.search.IncrementalDecoder``).
+
+    Args:
+        module: an ``mt.model.Transformer`` or a copy made by :func:`onednn_copy` /
+            :func:`quantize_int8` (not modified here).
+        head: a replacement for the output projection (None: the module's own).
+        kernels: how attention runs while decoding (see :func:`kernels_for`).
+    """
+
+    def __init__(self, module: nn.Module, head: nn.Module | None, kernels: Kernels) -> None:
+        super().__init__()
+        self.module, self.head, self.kernels = module, head, kernels
+        self.max_positions: int = module.max_positions
+        self.vocab_size: int = module.vocab_size
+
+    def encode(self, src: torch.Tensor):
+        """(B, S) source ids -> the module's encoder output."""
+        return self.module.encode(src, self.kernels)
+
+    def new_cache(self) -> DecoderCache:
+        """An empty incremental state that carries this model's attention kernels."""
+        return self.module.new_cache(self.kernels)
+
+    def decode(self, tgt_in: torch.Tensor, enc, cache: DecoderCache | None = None):
+        """(B, T) new target ids -> (B, T, V) logits (see ``Transformer.decode``)."""
+        return self.module.decode(tgt_in, enc, cache, head=self.head)
+
+
 def for_decoding(
-    model: nn.Module, quantize: str = "none", precision: str = "fp32", onednn: bool = True
-) -> nn.Module:
-    """The module to decode with for the ``decode.*`` settings (see the module docstring).
+    model: nn.Module,
+    quantize: str = "none",
+    precision: str = "fp32",
+    onednn: bool = True,
+    fast_attention: bool = True,
+) -> DecodingModel:
+    """The model to decode with for the ``decode.*`` settings (see the module docstring).
 
     Args:
         model: the trained model (left unchanged).
@@ -202,29 +290,35 @@ def for_decoding(
         precision: ``decode.precision``: fp32 | bf16. On CPU with oneDNN the bf16 copy does its
             own casting (see :func:`needs_autocast`); elsewhere callers autocast.
         onednn: ``decode.onednn``: use oneDNN's kernels on CPU when this torch has them.
+        fast_attention: the device's attention rules (:func:`kernels_for`); False: SDPA.
 
     Returns:
-        ``model`` itself (GPU, or ``onednn=False`` in fp32), or a cached decoding copy.
+        A :class:`DecodingModel` over ``model`` itself (GPU, or ``onednn=False`` in fp32) or
+        over a cached decoding copy.
 
     Raises:
         ValueError: for an unknown ``quantize`` or ``precision``.
     """
     kind = _kind(model, quantize, precision, onednn)
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    kernels = kernels_for(device, fast_attention)
     if kind is None:
-        return model
-    copies = _CACHE.setdefault(model, {})
+        return DecodingModel(model, None, kernels)
+    copies = _CACHE.setdefault(model, {})  # the copies never refer to `model` itself
     identity = _identity(model)
-    hit = copies.get(kind)
+    hit = copies.get((kind, fast_attention))
     if hit is not None and hit[0] == identity:
         return hit[1]
     if kind == "int8":
-        clone = quantize_int8(model)
+        clone, head = quantize_int8(model)
         log.info("decoding with an int8 dynamically quantized copy of the model")
     else:
         dtype = torch.bfloat16 if kind == "onednn-bf16" else torch.float32
-        clone = onednn_copy(model, dtype)
-    copies[kind] = (identity, clone)
-    return clone
+        clone, head = onednn_copy(model, dtype)
+    decoder = DecodingModel(clone, head, kernels)
+    copies[(kind, fast_attention)] = (identity, decoder)
+    return decoder
 
 
 def needs_autocast(model: nn.Module, quantize: str, precision: str, onednn: bool) -> bool:
@@ -233,9 +327,12 @@ def needs_autocast(model: nn.Module, quantize: str, precision: str, onednn: bool
 
 
 __all__ = [
+    "CPUDecodingKernels",
+    "DecodingModel",
     "QUANTIZE_CHOICES",
     "OneDNNLinear",
     "for_decoding",
+    "kernels_for",
     "needs_autocast",
     "onednn_available",
     "onednn_copy",

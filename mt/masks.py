@@ -23,14 +23,20 @@ def pad_mask(tokens: torch.Tensor) -> torch.Tensor:
     return (tokens != PAD)[:, None, None, :]
 
 
-def subsequent_mask(T: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Causal ("subsequent") mask: ``mask[0, 0, i, j] = j <= i`` (position i sees 0..i only).
+def subsequent_mask(
+    T: int, device: torch.device | str | None = None, past: int = 0
+) -> torch.Tensor:
+    """Causal ("subsequent") mask: ``mask[0, 0, i, j] = j <= past + i``.
+
+    Query i is the target position ``past + i``: it sees the ``past`` cached positions and the
+    new ones up to itself (``past = 0``: the usual lower-triangular mask).
 
     Args:
-        T: target length.
+        T: new target positions (queries).
         device: where to build the mask.
+        past: positions decoded before these (incremental decoding).
 
     Returns:
-        (1, 1, T, T) bool, lower-triangular including the diagonal.
+        (1, 1, T, past + T) bool.
     """
-    return torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
+    return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(diagonal=past)[None, None]

@@ -15,8 +15,9 @@
   (``attention_dropout``, default = ``dropout``). ``dropout=0`` turns all of them off.
 
 ``encode``/``decode`` are separate so search can cache the encoder output; ``decode`` with a
-cache dict decodes incrementally (keys/values of the target prefix are kept per layer, the
-encoder-decoder keys/values are computed once). Masks are boolean, True = may attend.
+:class:`mt.cache.DecoderCache` (``new_cache()``) decodes incrementally (keys/values of the
+target prefix are kept per layer, the encoder-decoder keys/values are computed once). Masks are
+boolean, True = may attend.
 
 Shape letters: B batch, S source length, T target length, D d_model, V vocab_size.
 """
@@ -32,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mt.attention import CrossAttention, SelfAttention
-from mt.masks import pad_mask
+from mt.attention import SDPA, CrossAttention, Kernels, SelfAttention
+from mt.cache import DecoderCache, LayerCache
+from mt.masks import pad_mask, subsequent_mask
 from mt.schema import ModelConfig
 from mt.vocab import PAD
 
@@ -43,6 +45,10 @@ class EncoderOut(NamedTuple):
 
     memory: torch.Tensor  # (B, S, D) encoder output
     src_mask: torch.Tensor  # (B, 1, 1, S) bool, True at real source tokens
+
+    def select(self, sents: torch.Tensor) -> EncoderOut:
+        """The rows ``sents`` (n',) of the encoder output (sentences still searching)."""
+        return EncoderOut(self.memory.index_select(0, sents), self.src_mask.index_select(0, sents))
 
 
 def sinusoidal_positions(max_positions: int, d_model: int) -> torch.Tensor:
@@ -116,10 +122,14 @@ class EncoderLayer(_Layer):
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
 
     def forward(
-        self, x: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        kernels: Kernels = SDPA,
     ) -> torch.Tensor:
         """x (B, S, D), mask (B, 1, 1, S), rows (see :func:`real_rows`) -> (B, S, D)."""
-        x = self.residual(x, 0, lambda y: self.self_attn(y, mask=mask))
+        x = self.residual(x, 0, lambda y: self.self_attn(y, mask=mask, kernels=kernels))
         return self.packed_residual(x, 1, self.ffn, rows)
 
 
@@ -138,22 +148,24 @@ class DecoderLayer(_Layer):
         enc: EncoderOut,
         self_mask: torch.Tensor | None,
         is_causal: bool,
-        cache: dict | None,
-        prefix: str,
+        cache: LayerCache | None,
         need_weights: bool = False,
         rows: torch.Tensor | None = None,
+        kernels: Kernels = SDPA,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x (B, T, D) -> (B, T, D) and the cross-attention weights (B, H, T, S) or None.
         ``rows``: the non-pad positions for the FFN (see :func:`real_rows`)."""
+        self_cache = None if cache is None else cache.self_attn
+        cross_cache = None if cache is None else cache.cross_attn
         x = self.residual(
-            x, 0, lambda y: self.self_attn(y, self_mask, is_causal, cache, prefix + "self.")
+            x, 0, lambda y: self.self_attn(y, self_mask, is_causal, self_cache, kernels)
         )
         weights = None
 
         def cross(y: torch.Tensor) -> torch.Tensor:
             nonlocal weights
             out, weights = self.cross_attn(
-                y, enc.memory, enc.src_mask, cache, prefix + "cross.", need_weights
+                y, enc.memory, enc.src_mask, cross_cache, need_weights, kernels
             )
             return out
 
@@ -168,12 +180,6 @@ def real_rows(tokens: torch.Tensor) -> torch.Tensor | None:
     if bool(keep.all()):
         return None
     return keep.nonzero().squeeze(1)
-
-
-def _filled(cache: dict, key: str) -> torch.Tensor:
-    """The filled positions of a self-attention cache buffer ``cache[key]`` (B, H, C, d_k):
-    the first ``cache["<layer>.self.len"]`` of its C (see ``mt.attention.append_to_cache``)."""
-    return cache[key][:, :, : cache[key[: key.rindex(".") + 1] + "len"]]
 
 
 class Transformer(nn.Module):
@@ -202,8 +208,6 @@ class Transformer(nn.Module):
         pre = cfg.norm == "pre"
         self.encoder_norm = nn.LayerNorm(D) if pre else nn.Identity()
         self.decoder_norm = nn.LayerNorm(D) if pre else nn.Identity()
-        # Decoding only: replaces `project` in `decode` when set (mt.inference's copies).
-        self.decode_head: nn.Module | None = None
 
     @staticmethod
     def _embedding(rows: int, d_model: int) -> nn.Parameter:
@@ -237,11 +241,12 @@ class Transformer(nn.Module):
         x = F.embedding(tokens, weight) * math.sqrt(self.d_model)
         return self.dropout(x + self.pe[start : start + L])
 
-    def encode(self, src: torch.Tensor) -> EncoderOut:
+    def encode(self, src: torch.Tensor, kernels: Kernels = SDPA) -> EncoderOut:
         """Encode a right-padded source batch.
 
         Args:
             src: (B, S) ids (tokens + EOS, PAD-padded).
+            kernels: how attention is computed (``mt.inference`` picks them for decoding).
 
         Returns:
             EncoderOut(memory (B, S, D), src_mask (B, 1, 1, S)).
@@ -250,39 +255,52 @@ class Transformer(nn.Module):
         rows = real_rows(src)
         x = self._embed(src, self.src_embedding)
         for layer in self.encoder:
-            x = layer(x, mask, rows)
+            x = layer(x, mask, rows, kernels)
         return EncoderOut(self.encoder_norm(x), mask)
 
     def _decoder(
-        self, tgt_in: torch.Tensor, enc: EncoderOut, cache: dict | None, need_attn: bool
+        self,
+        tgt_in: torch.Tensor,
+        enc: EncoderOut,
+        cache: DecoderCache | None,
+        need_attn: bool,
+        attn_layer: int = -1,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decoder stack: (B, T) ids -> (B, T, D) features and (B, T, S) attention or None."""
         T = tgt_in.size(1)
-        past = 0 if cache is None else cache.get("dec0.self.len", 0)  # positions decoded so far
+        past = 0 if cache is None else cache.length  # positions decoded so far
         # Targets are right-padded, so the causal mask alone keeps real positions off pad keys.
         if cache is None or past == 0:
             self_mask, is_causal = None, T > 1
         elif T == 1:
             self_mask, is_causal = None, False  # one new token sees the whole cached prefix
         else:  # several new tokens after a prefix: new token i sees keys <= past + i
-            ones = torch.ones(T, past + T, dtype=torch.bool, device=tgt_in.device)
-            self_mask, is_causal = ones.tril(diagonal=past)[None, None], False
+            self_mask, is_causal = subsequent_mask(T, tgt_in.device, past), False
         x = self._embed(tgt_in, self.tgt_embedding, past)
         rows = real_rows(tgt_in) if cache is None else None
-        last = len(self.decoder) - 1
-        weights = None
+        kernels = SDPA if cache is None or cache.kernels is None else cache.kernels
+        wanted = attn_layer % len(self.decoder)
+        attn = None
         for i, layer in enumerate(self.decoder):
-            want = need_attn and i == last
-            x, weights = layer(x, enc, self_mask, is_causal, cache, f"dec{i}.", want, rows)
-        attn = weights.mean(dim=1) if weights is not None else None  # (B, H, T, S) -> (B, T, S)
+            layer_cache = None if cache is None else cache.layers[i]
+            want = need_attn and i == wanted
+            x, weights = layer(x, enc, self_mask, is_causal, layer_cache, want, rows, kernels)
+            if want:  # (B, H, T, S) -> (B, T, S)
+                attn = weights.mean(dim=1)
         return self.decoder_norm(x), attn
+
+    def new_cache(self, kernels: Kernels | None = None) -> DecoderCache:
+        """An empty incremental state for :meth:`decode` (one cache per decoder layer)."""
+        return DecoderCache(len(self.decoder), kernels)
 
     def decode(
         self,
         tgt_in: torch.Tensor,
         enc: EncoderOut,
-        cache: dict | None = None,
+        cache: DecoderCache | None = None,
         need_attn: bool = False,
+        head: nn.Module | None = None,
+        attn_layer: int = -1,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Decode target tokens given the encoder output.
 
@@ -291,25 +309,29 @@ class Transformer(nn.Module):
                 continue from what the cache holds.
             enc: the output of :meth:`encode`: rows matching ``tgt_in``, or one row per G
                 consecutive rows of ``tgt_in`` (beam search: the K beams of a sentence share
-                its encoder row and encoder-decoder keys/values; see :meth:`reorder_beams`).
-            cache: None (decode the whole prefix) or a dict, ``{}`` at the first step, updated
-                in place with per-layer keys/values.
-            need_attn: also return the last layer's cross-attention averaged over heads.
+                its encoder row and encoder-decoder keys/values; see ``DecoderCache.select``).
+            cache: None (decode the whole prefix) or a :class:`DecoderCache` (empty at the
+                first step: :meth:`new_cache`), updated in place with per-layer keys/values.
+            need_attn: also return a layer's cross-attention averaged over heads.
+            head: a replacement for the output projection (``mt.inference``'s oneDNN or int8
+                copies of it), producing ``padded_vocab`` columns.
+            attn_layer: which decoder layer's attention ``need_attn`` returns (-1: the last).
 
         Returns:
             logits (B, T, V), or ``(logits, attn (B, T, S))`` with ``need_attn``.
         """
-        h, attn = self._decoder(tgt_in, enc, cache, need_attn)
-        if self.decode_head is None:
+        h, attn = self._decoder(tgt_in, enc, cache, need_attn, attn_layer)
+        if head is None:
             logits = self.project(h)
         else:  # a oneDNN or int8 copy of the projection (mt.inference); same padded columns
-            logits = self.decode_head(h)[..., : self.vocab_size]
+            logits = head(h)[..., : self.vocab_size]
         return (logits, attn) if need_attn else logits
 
     def reorder(
-        self, enc: EncoderOut, cache: dict | None, index: torch.Tensor
-    ) -> tuple[EncoderOut, dict | None]:
-        """Select/reorder batch rows of the encoder output and the cache (beam search).
+        self, enc: EncoderOut, cache: DecoderCache | None, index: torch.Tensor
+    ) -> tuple[EncoderOut, DecoderCache | None]:
+        """Select/reorder batch rows of the encoder output and the cache, the encoder output
+        kept row-aligned with the decoder rows.
 
         Args:
             index: (B',) long row indices into the current batch.
@@ -317,69 +339,7 @@ class Transformer(nn.Module):
         Returns:
             The new ``(enc, cache)``; the inputs are left unchanged.
         """
-        return self.reorder_beams(enc, cache, index, index)
-
-    def reorder_beams(
-        self,
-        enc: EncoderOut,
-        cache: dict | None,
-        index: torch.Tensor,
-        sents: torch.Tensor | None = None,
-    ) -> tuple[EncoderOut, dict | None]:
-        """Reorder the decoder rows, and select encoder rows only when sentences are dropped.
-
-        Beam search keeps one encoder row per sentence for its K decoder rows: a reorder of
-        beams within sentences (the common step) copies only the self-attention cache; the
-        encoder output and the encoder-decoder keys/values move only when ``sents`` is given.
-
-        Args:
-            index: (B',) long rows of the decoder state (self-attention keys/values).
-            sents: (n',) long rows of the encoder state (memory, mask, encoder-decoder keys/
-                values), or None to leave them as they are.
-
-        Returns:
-            The new ``(enc, cache)``; the inputs are left unchanged.
-        """
-        if sents is not None:
-            enc = EncoderOut(enc.memory.index_select(0, sents), enc.src_mask.index_select(0, sents))
-        if cache is None:
-            return enc, None
-        out = {}
-        for key, value in cache.items():
-            if not torch.is_tensor(value):  # lengths
-                out[key] = value
-            elif ".self." in key:  # (B, H, C, d_k) buffer: copy only the filled positions
-                filled = _filled(cache, key)
-                if value.requires_grad and torch.is_grad_enabled():  # out= has no autograd
-                    out[key] = filled.index_select(0, index)
-                    continue
-                new = value.new_empty(index.numel(), *value.shape[1:])
-                torch.index_select(filled, 0, index, out=new[:, :, : filled.size(2)])
-                out[key] = new
-            elif sents is not None:
-                out[key] = value.index_select(0, sents)
-            else:
-                out[key] = value
-        return enc, out
-
-    def copy_beams(self, cache: dict, dst: torch.Tensor, src: torch.Tensor) -> dict:
-        """In place: the decoder-state rows ``dst`` take the contents of the rows ``src``.
-
-        Beam search moves only the beams whose parent changed, within their sentences, so the
-        encoder state stays as it is. ``dst`` and ``src`` must be disjoint (no row is written
-        before it is read).
-
-        Args:
-            dst, src: (m,) long row indices of the self-attention keys/values.
-
-        Returns:
-            ``cache``, updated.
-        """
-        for key, value in cache.items():
-            if torch.is_tensor(value) and ".self." in key:
-                filled = _filled(cache, key)
-                filled.index_copy_(0, dst, filled.index_select(0, src))
-        return cache
+        return enc.select(index), None if cache is None else cache.select(index, index)
 
     def features(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         """Decoder output before the projection: (B, S), (B, T) -> (B, T, D)."""

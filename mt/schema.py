@@ -154,6 +154,12 @@ class DecodeConfig:
     precision: str = "fp32"  # fp32 | bf16 (CPU or GPU autocast)
     quantize: str = "none"  # none | int8: dynamic int8 Linear layers (CPU decoding speed)
     onednn: bool = True  # CPU: Linear products through oneDNN (same precision; mt.inference)
+    # Sampling (decode=sample): one draw per sentence instead of a search.
+    sample: bool = False  # sample translations (beam_size is then ignored)
+    temperature: float = 1.0  # p ~ exp(log p / temperature); 0 = greedy
+    top_k: int = 0  # sample among the k most probable tokens only (0 = all)
+    top_p: float = 1.0  # ... and among the smallest set reaching this probability (1 = all)
+    seed: int = 0  # the same seed gives the same samples, however the input is batched
 
 
 @dataclass
@@ -194,13 +200,21 @@ class Config:
     run_dir: str = "runs/default"  # where a run writes; an existing one is resumed
     cache_dir: str = ".cache/mt"  # prepared data (SentencePiece model, encoded splits)
     # Arguments of mt-translate / mt-evaluate.
-    checkpoint: Optional[str] = None  # a checkpoint file (default: <run_dir>/checkpoints/best.pt)
+    # A checkpoint file (default: <run_dir>/checkpoints/best.pt); mt-translate and mt-score
+    # also take a list, [a.pt,b.pt]: an ensemble averaging the models' log-probabilities.
+    checkpoint: Any = None
     split: str = "test"  # the split mt-evaluate decodes and scores: valid | test
     input: Optional[str] = None  # mt-translate: input file (default stdin)
     output: Optional[str] = None  # mt-translate: output file; mt-evaluate: JSON results file
     hyp: Optional[str] = None  # mt-evaluate: score this translation file instead of decoding
     ref: Any = None  # mt-evaluate: reference file(s), or a sacreBLEU test set (wmt14/full) cached
     attention: Optional[str] = None  # mt-translate: draw the first sentence's attention (PNG)
+    alignment: Optional[str] = None  # mt-translate: write word alignments (Pharaoh i-j) here
+    alignment_layer: int = -1  # the decoder layer whose cross-attention aligns (-1: the last)
+    prefix: Optional[str] = None  # mt-translate: a file of target prefixes, one per input line
+    interactive: Optional[bool] = None  # mt-translate: one line at a time (None: when a TTY)
+    src: Optional[str] = None  # mt-score: the source file
+    tgt: Optional[str] = None  # mt-score: the target file whose log-probabilities are scored
     report: bool = True  # mt-evaluate: write report.md with plots into the run directory
     format: Optional[str] = None  # mt-export: hf | ctranslate2 (output= is the directory)
     host: str = "127.0.0.1"  # mt-serve: the address to listen on (loopback unless told)

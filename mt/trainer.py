@@ -274,8 +274,8 @@ def valid_loss(
 @torch.no_grad()
 def valid_bleu(model: torch.nn.Module, prepared, cfg: Config, device: torch.device) -> float:
     """Greedy-decode the valid sources and score them: the code path of final evaluation."""
+    from mt.decoding import translate_ids
     from mt.evaluate import score
-    from mt.search import translate_ids
 
     split = prepared.split("valid")
     n = len(split)

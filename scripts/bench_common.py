@@ -33,10 +33,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def pick_device(name: str) -> torch.device:
-    """``auto`` -> cuda when available, else cpu."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+    """``auto`` -> cuda when available, else cpu (``mt.distributed.resolve_device``)."""
+    from mt.distributed import resolve_device
+
+    return resolve_device(name)
 
 
 def set_threads(threads: int) -> int:

@@ -27,10 +27,11 @@ from bench_common import (
 )
 
 from mt.batching import make_src
+from mt.decoding import autocast
 from mt.inference import for_decoding, needs_autocast
 from mt.model import build_model
 from mt.schema import DecodeConfig
-from mt.search import autocast, beam_search, greedy_search
+from mt.search import beam_search, greedy_search
 
 log = logging.getLogger("bench")
 
@@ -67,25 +68,18 @@ def _load(args, device):
 def _searcher(model, args, device, k: int, a: float, b: float, min_len: int, plain: bool):
     """One search over a batch with ``model``: mt's kernels, or (``plain``) torch's defaults
     (``nn.Linear`` on the default BLAS, SDPA for every attention, autocast for bf16)."""
-    import mt.attention
-
     quantize = getattr(args, "quantize", "none")
     onednn = args.kernels == "onednn" and not plain
     autocast_to = (
         args.precision if needs_autocast(model, quantize, args.precision, onednn) else "fp32"
     )
-    model = for_decoding(model, quantize, args.precision, onednn)
-    explicit = 0 if plain else mt.attention.EXPLICIT_MAX_QUERIES
+    model = for_decoding(model, quantize, args.precision, onednn, fast_attention=not plain)
 
     def run(src):
-        saved, mt.attention.EXPLICIT_MAX_QUERIES = mt.attention.EXPLICIT_MAX_QUERIES, explicit
-        try:
-            with autocast(device, autocast_to):
-                if k == 1:
-                    return [[h] for h in greedy_search(model, src, a, b, min_len, alpha=0.0)]
-                return beam_search(model, src, k, DecodeConfig().alpha, a, b, 1, min_len)
-        finally:
-            mt.attention.EXPLICIT_MAX_QUERIES = saved
+        with autocast(device, autocast_to):
+            if k == 1:
+                return [[h] for h in greedy_search(model, src, a, b, min_len, alpha=0.0)]
+            return beam_search(model, src, k, DecodeConfig().alpha, a, b, 1, min_len)
 
     return run
 

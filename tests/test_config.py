@@ -98,3 +98,37 @@ def test_python_dash_m_mt_runs_a_stage_and_names_a_bad_key():
         [sys.executable, "-m", "mt", "fly"], capture_output=True, text=True, cwd=root, timeout=60
     )
     assert usage.returncode != 0 and "prepare,train,translate,evaluate" in usage.stderr
+
+
+def _decode_file(choice: str) -> dict:
+    """The values a decode group file sets, its parents in the group merged first (read with
+    plain YAML, independently of Hydra's composition)."""
+    import yaml
+
+    text = yaml.safe_load((CONF / "decode" / f"{choice}.yaml").read_text(encoding="utf-8"))
+    values: dict = {}
+    for parent in text.pop("defaults", []):
+        if parent != "_self_":
+            values.update(_decode_file(parent))
+    values.update(text)
+    return values
+
+
+@pytest.mark.parametrize("experiment", _options("experiment"))
+@pytest.mark.parametrize("choice", _options("decode"))
+def test_command_line_decode_choice_wins_over_every_experiment(experiment, choice):
+    # The bug: experiments set `decode: {beam_size: ..}` as plain values, merged after the
+    # group that the command line picked, so `decode=greedy` still ran beam search.
+    cfg = load_config([f"experiment={experiment}", f"decode={choice}"])
+    expected = _decode_file(choice)
+    assert expected, choice
+    for key, value in expected.items():
+        assert getattr(cfg.decode, key) == value, (experiment, choice, key)
+
+
+def test_experiments_choose_their_decode_group():
+    assert load_config().decode.beam_size == 5  # Multi30k: beam 5, alpha 1.0 chosen on val
+    assert load_config().decode.alpha == 1.0
+    assert load_config(["experiment=smoke"]).decode.max_len_b == 20
+    assert load_config(["experiment=wmt14_en_de_base"]).decode.beam_size == 4
+    assert load_config(["decode=greedy", "decode.max_len_b=7"]).decode.max_len_b == 7

@@ -11,9 +11,10 @@ from torch import nn
 
 import mt.inference
 from mt.batching import make_src
+from mt.decoding import translate_nbest
 from mt.inference import OneDNNLinear, for_decoding, needs_autocast, onednn_available
 from mt.schema import DecodeConfig
-from mt.search import beam_search, translate_nbest
+from mt.search import beam_search
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="no oneDNN linear kernel")
 
@@ -49,12 +50,13 @@ def test_onednn_linear_equals_f_linear(relu, bias):
 @needs_onednn
 def test_fp32_copy_shares_weights_and_computes_the_same_logits(model):
     fast = for_decoding(model, "none", "fp32", onednn=True)
-    assert fast is not model and for_decoding(model) is fast  # the default, cached
-    assert type(fast.decoder[0].self_attn.qkv) is OneDNNLinear
-    assert type(model.decoder[0].self_attn.qkv) is nn.Linear and model.decode_head is None
-    qkv = fast.decoder[0].self_attn.qkv.weight
+    assert fast.module is not model and for_decoding(model) is fast  # the default, cached
+    assert type(fast.module.decoder[0].self_attn.qkv) is OneDNNLinear
+    assert type(model.decoder[0].self_attn.qkv) is nn.Linear
+    assert not hasattr(model, "decode_head")  # nothing set on the caller's model
+    qkv = fast.module.decoder[0].self_attn.qkv.weight
     assert qkv.data_ptr() == model.decoder[0].self_attn.qkv.weight.data_ptr()  # not copied
-    assert fast.decode_head.weight.data_ptr() == model.embed.data_ptr()
+    assert fast.head.weight.data_ptr() == model.embed.data_ptr()
     src = make_src(sources(0, [7, 3, 11]))
     tgt = torch.randint(4, 45, (3, 6))
     with torch.inference_mode():
@@ -81,7 +83,7 @@ def test_copies_follow_weight_changes(model):
 @needs_onednn
 def test_bf16_copy_is_close_and_keeps_float32_activations(model):
     fast = for_decoding(model, "none", "bf16")
-    assert fast.decoder[0].ffn.w1.weight.dtype == torch.bfloat16
+    assert fast.module.decoder[0].ffn.w1.weight.dtype == torch.bfloat16
     assert model.decoder[0].ffn.w1.weight.dtype == torch.float32  # the model is untouched
     assert not needs_autocast(model, "none", "bf16", True)  # the copy casts for itself
     assert needs_autocast(model, "none", "bf16", False)  # plain kernels: autocast
@@ -104,9 +106,9 @@ def test_beam_search_on_the_copy_equals_the_model(model):
 
 
 def test_without_onednn_the_model_itself_decodes(model, monkeypatch):
-    assert for_decoding(model, onednn=False) is model
+    assert for_decoding(model, onednn=False).module is model
     monkeypatch.setattr(mt.inference, "onednn_available", lambda: False)
-    assert for_decoding(model) is model  # a torch without oneDNN: plain kernels
+    assert for_decoding(model).module is model  # a torch without oneDNN: plain kernels
     ids = sources(4, [6, 2])
     cfg = DecodeConfig(beam_size=3, max_len_a=0, max_len_b=5)
     plain = translate_nbest(model, ids, DecodeConfig(**{**cfg.__dict__, "onednn": False}))

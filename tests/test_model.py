@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-import mt.attention
 from mt.attention import SelfAttention, attention
 from mt.model import build_model
 from mt.schema import ModelConfig
@@ -213,7 +212,7 @@ def test_incremental_decoding_equals_full_prefix(norm):
     src[2, 4:] = PAD
     tgt = torch.cat([torch.full((3, 1), BOS), rand_tokens(3, 7, 2)], 1)  # (3, 8)
     full, full_attn = model.decode(tgt, model.encode(src), need_attn=True)
-    enc, cache = model.encode(src), {}
+    enc, cache = model.encode(src), model.new_cache()
     steps, attns = [], []
     for t in range(8):
         logits, attn = model.decode(tgt[:, t : t + 1], enc, cache, need_attn=True)
@@ -222,7 +221,7 @@ def test_incremental_decoding_equals_full_prefix(norm):
     assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
     assert torch.allclose(torch.cat(attns, 1), full_attn, atol=1e-5)
     # Several new tokens at once after a cached prefix.
-    enc, cache = model.encode(src), {}
+    enc, cache = model.encode(src), model.new_cache()
     first = model.decode(tgt[:, :3], enc, cache)
     rest = model.decode(tgt[:, 3:], enc, cache)
     assert torch.allclose(torch.cat([first, rest], 1), full, atol=1e-5)
@@ -232,7 +231,7 @@ def test_incremental_decoding_after_reorder():
     model = make()
     src = rand_tokens(3, 6, 1)
     tgt = torch.cat([torch.full((3, 1), BOS), rand_tokens(3, 5, 2)], 1)  # (3, 6)
-    enc, cache = model.encode(src), {}
+    enc, cache = model.encode(src), model.new_cache()
     for t in range(3):
         model.decode(tgt[:, t : t + 1], enc, cache)
     index = torch.tensor([2, 0, 0, 1])
@@ -257,9 +256,8 @@ def test_need_attn_is_a_distribution_over_real_source_tokens():
     assert torch.allclose(logits, model.decode(tgt, enc), atol=1e-5)  # explicit path == SDPA
 
 
-@pytest.mark.parametrize("explicit_max_queries", [0, 16])  # SDPA; explicit short queries
-def test_sdpa_equals_plain_softmax_attention(monkeypatch, explicit_max_queries):
-    monkeypatch.setattr(mt.attention, "EXPLICIT_MAX_QUERIES", explicit_max_queries)
+@pytest.mark.parametrize("explicit", [False, True])  # SDPA; explicit short queries
+def test_sdpa_equals_plain_softmax_attention(explicit):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 5, 8, generator=g) for _ in range(3))
     k, v = torch.randn(2, 3, 6, 8, generator=g), torch.randn(2, 3, 6, 8, generator=g)
@@ -270,14 +268,14 @@ def test_sdpa_equals_plain_softmax_attention(monkeypatch, explicit_max_queries):
     expected = torch.softmax(scores, -1) @ v
     for need_weights in (False, True):
         with torch.no_grad():  # the explicit short-query path is for inference
-            out, _ = attention(q, k, v, mask=mask, need_weights=need_weights)
+            out, _ = attention(q, k, v, mask=mask, need_weights=need_weights, explicit=explicit)
         assert torch.allclose(out, expected, atol=1e-5)
     # Causal path.
     qc, kc, vc = q, torch.randn(2, 3, 5, 8, generator=g), torch.randn(2, 3, 5, 8, generator=g)
     causal = torch.ones(5, 5).tril().bool()
     s = (qc @ kc.transpose(-2, -1) / math.sqrt(8)).masked_fill(~causal, float("-inf"))
     with torch.no_grad():
-        out, _ = attention(qc, kc, vc, is_causal=True)
+        out, _ = attention(qc, kc, vc, is_causal=True, explicit=explicit)
     assert torch.allclose(out, torch.softmax(s, -1) @ vc, atol=1e-5)
 
 
@@ -351,7 +349,7 @@ def test_too_long_input_is_an_error():
     model = make(max_positions=8)
     with pytest.raises(ValueError, match="max_positions"):
         model.encode(rand_tokens(1, 9, 1))
-    enc, cache = model.encode(rand_tokens(1, 4, 1)), {}
+    enc, cache = model.encode(rand_tokens(1, 4, 1)), model.new_cache()
     model.decode(rand_tokens(1, 8, 2), enc, cache)
     with pytest.raises(ValueError, match="max_positions"):
         model.decode(rand_tokens(1, 1, 3), enc, cache)
@@ -370,7 +368,7 @@ def test_incremental_decoding_past_cache_capacity():
     model = make()
     src = rand_tokens(2, 5, 1)
     tgt = torch.cat([torch.full((2, 1), BOS), rand_tokens(2, 19, 2)], 1)  # (2, 20)
-    enc, cache = model.encode(src), {}
+    enc, cache = model.encode(src), model.new_cache()
     with torch.inference_mode():
         steps = [model.decode(tgt[:, t : t + 1], enc, cache) for t in range(18)]
         index = torch.tensor([1, 0, 1])  # a reorder after the growth, then two more steps
@@ -381,8 +379,8 @@ def test_incremental_decoding_past_cache_capacity():
     assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
 
 
-def test_reorder_beams_shared_encoder_rows_equal_full_reorder():
-    """K decoder rows per encoder row (reorder_beams) give what expanded rows give (reorder)."""
+def test_shared_encoder_rows_equal_full_reorder():
+    """K decoder rows per encoder row (cache.select) give what expanded rows give (reorder)."""
     model = make()
     K = 3
     src = torch.cat([rand_tokens(2, 6, 1), torch.full((2, 1), EOS)], 1)
@@ -390,21 +388,21 @@ def test_reorder_beams_shared_encoder_rows_equal_full_reorder():
     tgt = torch.cat([torch.full((6, 1), BOS), rand_tokens(6, 6, 2)], 1)  # (2*K, 7)
     expand = torch.arange(2).repeat_interleave(K)
     with torch.inference_mode():
-        enc_g, cache_g = model.encode(src), {}  # 2 encoder rows for 6 decoder rows
-        enc_f, cache_f = model.reorder(model.encode(src), {}, expand)
+        enc_g, cache_g = model.encode(src), model.new_cache()  # 2 encoder rows for 6 decoder rows
+        enc_f, cache_f = model.reorder(model.encode(src), model.new_cache(), expand)
         for t in range(3):
             a = model.decode(tgt[:, t : t + 1], enc_g, cache_g)
             b = model.decode(tgt[:, t : t + 1], enc_f, cache_f)
             assert torch.allclose(a, b, atol=1e-5)
         beams = torch.tensor([2, 2, 0, 4, 3, 3])  # reorder within each sentence
-        enc_g, cache_g = model.reorder_beams(enc_g, cache_g, beams)
+        cache_g = cache_g.select(beams)  # the encoder rows stay
         enc_f, cache_f = model.reorder(enc_f, cache_f, beams)
         a, attn_a = model.decode(tgt[:, 3:4], enc_g, cache_g, need_attn=True)
         b, attn_b = model.decode(tgt[:, 3:4], enc_f, cache_f, need_attn=True)
         assert torch.allclose(a, b, atol=1e-5) and torch.allclose(attn_a, attn_b, atol=1e-6)
         # drop sentence 0 and reorder the beams of sentence 1
         rows, sents = torch.tensor([5, 3, 3]), torch.tensor([1])
-        enc_g, cache_g = model.reorder_beams(enc_g, cache_g, rows, sents)
+        enc_g, cache_g = enc_g.select(sents), cache_g.select(rows, sents)
         enc_f, cache_f = model.reorder(enc_f, cache_f, rows)
         a = model.decode(tgt[rows, 4:5], enc_g, cache_g)
         b = model.decode(tgt[rows, 4:5], enc_f, cache_f)

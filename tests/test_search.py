@@ -15,15 +15,10 @@ import torch
 from conftest import assert_same_nbest, sharp_random_model
 from torch import nn
 
+from mt.decoding import fit_to_model as clip_to_length
+from mt.decoding import make_batches, translate_ids, translate_nbest
 from mt.schema import DecodeConfig
-from mt.search import (
-    beam_search,
-    clip_to_length,
-    greedy_search,
-    make_batches,
-    translate_ids,
-    translate_nbest,
-)
+from mt.search import beam_search, greedy_search
 from mt.vocab import BOS, EOS, PAD, UNK
 
 A, B = 4, 5  # two ordinary tokens of the stub vocabulary
@@ -35,6 +30,21 @@ class StubEnc(NamedTuple):
     src_mask: torch.Tensor  # (B, 1, 1, S)
     cond: torch.Tensor  # (B,) which table each sentence uses
 
+    def select(self, sents: torch.Tensor) -> StubEnc:
+        return StubEnc(*(x.index_select(0, sents) for x in self))
+
+
+class StubCache(dict):
+    """The stub's incremental state: the length decoded and a per-row record of the inputs
+    (checks that the search keeps rows aligned), with the row operations of the contract."""
+
+    def select(self, rows: torch.Tensor, sents: torch.Tensor | None = None) -> StubCache:
+        return StubCache({k: v.index_select(0, rows) if torch.is_tensor(v) else v
+                          for k, v in self.items()})  # fmt: skip
+
+    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self["inputs"][dst] = self["inputs"][src]
+
 
 class TableModel(nn.Module):
     """p(y_t | y_{t-1}, t, sentence) from a table of probabilities (C, P, V, V).
@@ -42,6 +52,8 @@ class TableModel(nn.Module):
     The table is chosen per sentence by ``src[:, 0] % C`` (so batching mistakes show), indexed by
     the decoder position (clamped to P - 1) and the previous token. Counts decoder calls.
     """
+
+    max_positions = None
 
     def __init__(self, probs: torch.Tensor):
         super().__init__()
@@ -56,23 +68,22 @@ class TableModel(nn.Module):
         cond = src[:, 0] % self.logp.size(0)
         return StubEnc(src.float()[..., None], (src != PAD)[:, None, None, :], cond)
 
+    def new_cache(self) -> StubCache:
+        return StubCache()
+
     def decode(self, tgt_in, enc: StubEnc, cache=None):
         self.calls += 1
         start = cache.get("len", 0) if cache is not None else 0
         T = tgt_in.size(1)
         pos = (start + torch.arange(T)).clamp(max=self.logp.size(1) - 1)  # (T,)
-        logits = self.logp[enc.cond[:, None], pos[None, :], tgt_in]  # (B, T, V)
+        cond = enc.cond.repeat_interleave(tgt_in.size(0) // enc.cond.size(0))  # G rows a sentence
+        logits = self.logp[cond[:, None], pos[None, :], tgt_in]  # (B, T, V)
         if cache is not None:
             cache["len"] = start + T
             # A per-row record of the inputs so far: checks that reorder keeps rows aligned.
             prev = cache.get("inputs", torch.zeros(tgt_in.size(0), 0, dtype=torch.long))
             cache["inputs"] = torch.cat([prev, tgt_in], dim=1)
         return logits.float()
-
-    def reorder(self, enc: StubEnc, cache: dict, index: torch.Tensor):
-        enc = StubEnc(*(x.index_select(0, index) for x in enc))
-        cache = {k: v.index_select(0, index) if torch.is_tensor(v) else v for k, v in cache.items()}
-        return enc, cache
 
 
 def row(**p: float) -> list[float]:
@@ -339,9 +350,26 @@ def test_translate_ids_truncates_sources_beyond_max_positions(real_model, caplog
     assert out[0] == translate_ids(real_model, [ids[0][:127]], cfg)[0]
 
 
+class PlainCache:
+    """The real model's cache handled the plainest way: encoder-decoder keys/values recomputed
+    from expanded encoder rows at every step, every row move a full reorder."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def select(self, rows, sents=None):
+        return PlainCache(self.inner.select(rows))
+
+    def copy_rows(self, dst, src):
+        index = torch.arange(self.inner.layers[0].self_attn.k.size(0))
+        index[dst] = src
+        self.inner = self.inner.select(index)
+
+
 class ContractOnly(nn.Module):
-    """The real model seen through the contract only (encode/decode/reorder): no reorder_beams,
-    so the search keeps the encoder output row-aligned with the beams, as before."""
+    """The real model seen through the contract only, without its shared encoder rows: the
+    encoder output is expanded to one row per decoder row at every step (as before the K beams
+    of a sentence shared its encoder row)."""
 
     def __init__(self, model):
         super().__init__()
@@ -351,11 +379,17 @@ class ContractOnly(nn.Module):
     def encode(self, src):
         return self.model.encode(src)
 
-    def decode(self, tgt_in, enc, cache=None):
-        return self.model.decode(tgt_in, enc, cache)
+    def new_cache(self):
+        return PlainCache(self.model.new_cache())
 
-    def reorder(self, enc, cache, index):
-        return self.model.reorder(enc, cache, index)
+    def decode(self, tgt_in, enc, cache):
+        from mt.cache import CrossAttentionCache
+
+        G = tgt_in.size(0) // enc.memory.size(0)
+        expanded = enc.select(torch.arange(enc.memory.size(0)).repeat_interleave(G))
+        for layer in cache.inner.layers:
+            layer.cross_attn = CrossAttentionCache()
+        return self.model.decode(tgt_in, expanded, cache.inner)
 
 
 def test_real_model_shared_encoder_rows_equal_contract_path(real_model):
@@ -384,8 +418,9 @@ def test_int8_copy_follows_weight_changes(real_model):
 
     int8 = for_decoding(real_model, "int8")
     assert for_decoding(real_model, "int8") is int8  # cached
-    assert for_decoding(real_model, "none", onednn=False) is real_model
-    assert type(int8.decoder[0].ffn.w1) is not nn.Linear and real_model.decode_head is None
+    assert for_decoding(real_model, "none", onednn=False).module is real_model
+    assert type(int8.module.decoder[0].ffn.w1) is not nn.Linear
+    assert not hasattr(real_model, "decode_head")  # nothing set on the caller's model
     with torch.no_grad():
         real_model.decoder[0].ffn.w1.weight.add_(0.0)  # an in-place update: re-quantize
     assert for_decoding(real_model, "int8") is not int8
@@ -394,7 +429,7 @@ def test_int8_copy_follows_weight_changes(real_model):
 
 
 def test_rows_for_moves_only_the_beams_whose_parent_changed():
-    from mt.search import _rows_for
+    from mt.rows import rows_for as _rows_for
 
     g = torch.Generator().manual_seed(0)
     for K in (1, 2, 4, 5):
@@ -413,22 +448,19 @@ def test_rows_for_moves_only_the_beams_whose_parent_changed():
     assert _rows_for(torch.tensor([[3, 1, 3, 3]])).tolist() == [[3, 1, 0, 2]]
 
 
-def test_copy_beams_equals_reorder(real_model):
+def test_copy_rows_equals_reorder(real_model):
     pytest.importorskip("mt.batching")
     from mt.batching import make_src
 
     src = make_src(random_sources(6, [5, 3]))
-    enc, cache = real_model.encode(src), {}
-    enc = enc._replace(memory=enc.memory.repeat_interleave(3, 0))  # 3 rows per sentence
-    enc = enc._replace(src_mask=enc.src_mask.repeat_interleave(3, 0))
-    for _ in range(4):  # fill 4 positions of the self-attention caches
+    enc, cache = real_model.encode(src), real_model.new_cache()
+    for _ in range(4):  # fill 4 positions of the self-attention caches, 3 rows per sentence
         real_model.decode(torch.randint(4, 40, (6, 1)), enc, cache)
     dst, src_rows = torch.tensor([1, 2, 5]), torch.tensor([0, 0, 3])
     index = torch.arange(6)
     index[dst] = src_rows
-    _, expected = real_model.reorder(enc, cache, index)
-    copied = real_model.copy_beams(cache, dst, src_rows)
-    for key, value in expected.items():
-        if torch.is_tensor(value) and ".self." in key:
-            n = cache[key[: key.rindex(".") + 1] + "len"]
-            assert torch.equal(copied[key][:, :, :n], value[:, :, :n]), key
+    expected = cache.select(index)
+    cache.copy_rows(dst, src_rows)
+    for got, want in zip(cache.layers, expected.layers):
+        for a, b in zip(got.self_attn.filled(), want.self_attn.filled()):
+            assert a.size(2) == 4 and torch.equal(a, b)
