@@ -48,6 +48,11 @@ class Job:
 
     @property
     def key(self) -> tuple:
+        """Jobs with equal keys are decoded in one call. A sampled job is decoded on its own:
+        each sentence's draw is seeded by its line number, which must not depend on which
+        other requests arrived with it."""
+        if self.options.get("sample"):
+            return ("sample", id(self))
         return tuple(sorted(self.options.items()))
 
 

@@ -37,7 +37,12 @@ from mt.translate import Translator
 log = logging.getLogger(__name__)
 
 PAGE = Path(__file__).resolve().parent / "static" / "index.html"
-OPTIONS = {"beam_size": int, "nbest": int, "alpha": float}  # per-request decoding options
+# Per-request decoding options: search, and sampling (decode=sample) with its settings.
+OPTIONS = {
+    "beam_size": int, "nbest": int, "alpha": float,
+    "sample": bool, "temperature": float, "top_k": int, "top_p": float, "seed": int,
+}  # fmt: skip
+SAMPLING = ("temperature", "top_k", "top_p", "seed")
 
 
 class BadRequest(ValueError):
@@ -48,8 +53,12 @@ class BadRequest(ValueError):
         self.status = status
 
 
-def _number(name: str, value: Any, kind: type) -> int | float:
+def _number(name: str, value: Any, kind: type) -> int | float | bool:
     """``value`` as ``kind`` (JSON booleans are not numbers; 3.0 is not an int)."""
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise BadRequest(422, f"'{name}' must be true or false, got {json.dumps(value)}")
+        return value
     ok = isinstance(value, int) if kind is int else isinstance(value, (int, float))
     if isinstance(value, bool) or not ok:
         raise BadRequest(422, f"'{name}' must be {'an integer' if kind is int else 'a number'}, "
@@ -76,7 +85,26 @@ def parse_options(
                               f"{options['nbest']}")  # fmt: skip
     if "alpha" in options and not 0.0 <= options["alpha"] <= 10.0:
         raise BadRequest(422, f"'alpha' must be between 0 and 10, got {options['alpha']}")
+    _check_sampling(options)
     return options
+
+
+def _check_sampling(options: dict[str, Any]) -> None:
+    """Sampling settings are in range and come with ``"sample": true``; a sample is one draw,
+    so ``nbest`` stays 1 and ``beam_size`` is not given."""
+    given = [k for k in SAMPLING if k in options]
+    if not options.get("sample"):
+        if given:
+            raise BadRequest(422, f"{given} only apply with \"sample\": true")
+        return
+    if options.get("nbest", 1) != 1 or "beam_size" in options:
+        raise BadRequest(422, "'sample' draws one translation: no 'beam_size', 'nbest' 1")
+    bounds = {"temperature": (0.0, 100.0), "top_k": (0, 1 << 20), "top_p": (1e-9, 1.0),
+              "seed": (0, (1 << 63) - 1)}  # fmt: skip
+    for key in given:
+        low, high = bounds[key]
+        if not low <= options[key] <= high:
+            raise BadRequest(422, f"'{key}' must be between {low} and {high}, got {options[key]}")
 
 
 def check_sentence(text: Any, where: str, limits: ServeConfig, translator: Translator) -> str:

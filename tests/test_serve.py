@@ -64,6 +64,26 @@ def test_translate_matches_the_translator(client, translator):
     assert r.status_code == 200 and len(r.json()["translations"][0]["nbest"]) == 2
 
 
+def test_sampling_matches_the_translator_and_is_reproducible(client, translator):
+    text = sentences(4)
+    body = {"text": text, "sample": True, "top_k": 5, "temperature": 1.5, "seed": 3}
+    first = client.post("/translate", json=body)
+    assert first.status_code == 200, first.text
+    got = [t["text"] for t in first.json()["translations"]]
+    expected = translator.translate_nbest(text, sample=True, top_k=5, temperature=1.5, seed=3,
+                                          nbest=1)  # fmt: skip
+    assert got == [hyps[0][0] for hyps in expected]
+    # Sent together with other requests, a sampled request still gets the same draws.
+    with ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(client.post, "/translate", json={"text": text[::-1]})
+                  for _ in range(3)]  # fmt: skip
+        again = client.post("/translate", json=body)
+        assert all(f.result().status_code == 200 for f in others)
+    assert [t["text"] for t in again.json()["translations"]] == got
+    other_seed = client.post("/translate", json={**body, "seed": 4}).json()["translations"]
+    assert len(other_seed) == len(text)
+
+
 def test_health_info_and_page(client):
     assert client.get("/health").json() == {"status": "ok"}
     info = client.get("/info").json()
@@ -100,7 +120,13 @@ BAD = [
     ("beam a bool", b'{"text": ["ein"], "beam_size": true}', 422, "'beam_size' must be an"),
     ("beam too large", b'{"text": ["ein"], "beam_size": 50}', 422, "serve.max_beam=4"),
     ("nbest > beam", b'{"text": ["ein"], "beam_size": 2, "nbest": 3}', 422, "'nbest'"),
-    ("unknown option", b'{"text": ["ein"], "temperature": 1}', 422, "unknown option"),
+    ("unknown option", b'{"text": ["ein"], "temprature": 1}', 422, "unknown option"),
+    ("sampling without sample", b'{"text": ["ein"], "top_k": 5}', 422, "only apply with"),
+    ("sample a string", b'{"text": ["ein"], "sample": "yes"}', 422, "true or false"),
+    ("sample with nbest", b'{"text": ["ein"], "sample": true, "nbest": 2}', 422, "one translation"),
+    ("top_p zero", b'{"text": ["ein"], "sample": true, "top_p": 0}', 422, "'top_p' must be"),
+    ("negative temperature", b'{"text": ["ein"], "sample": true, "temperature": -1}', 422,
+     "'temperature' must be"),
     ("a path", b'{"text": ["ein"], "checkpoint": "/etc/passwd"}', 422, "unknown option"),
     ("too many", _body(["ein"] * 9), 413, "max_sentences=8"),
     ("too long", _body(["a" * 401]), 422, "serve.max_chars=400"),
