@@ -193,7 +193,8 @@ def trained(real_data, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("export")
     cfg = load_config([
-        "experiment=smoke", f"run_dir={tmp / 'run'}", "train.max_steps=30", "train.threads=2",
+        "experiment=smoke", f"run_dir={tmp / 'run'}", f"data.dir={real_data / 'multi30k'}",
+        f"cache_dir={tmp / 'cache'}", "train.max_steps=30", "train.threads=2",
         "train.max_tokens=1024",
         "data.max_train_pairs=3000", "train.eval_every=0", "train.save_every=0",
         "train.log_every=20", "train.eval_bleu=false",
