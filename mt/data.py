@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from mt import files
 from mt.schema import CleanConfig, DataConfig
 
 log = logging.getLogger(__name__)
@@ -68,21 +69,14 @@ def read_lines(path: Path, errors: str = "strict") -> Iterator[str]:
     try:
         with open(path, "rb") as f:  # binary iteration splits on b"\n" alone
             for lineno, raw in enumerate(f, 1):
-                if raw.endswith(b"\n"):
-                    raw = raw[:-2] if raw.endswith(b"\r\n") else raw[:-1]
-                if b"\x00" in raw:
-                    raise DataError(
-                        f"{path}, line {lineno}: holds a NUL byte (column {raw.index(0) + 1}); "
-                        "a binary file? (text must be UTF-8 without NUL bytes)"
-                    )
+                raw = files.strip_line_end(raw)
                 try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as err:
+                    line = files.decode_line(raw, str(path), lineno)
+                except files.TextError as err:
+                    if b"\x00" in raw:
+                        raise DataError(str(err)) from None
                     if errors != "replace":
-                        raise DataError(
-                            f"{path}, line {lineno}: not valid UTF-8 ({err.reason} at byte "
-                            f"{err.start}); fix the file or set data.errors=replace"
-                        ) from None
+                        raise DataError(f"{err}; fix the file or set data.errors=replace") from None
                     replaced += 1
                     line = raw.decode("utf-8", errors="replace")
                 yield line

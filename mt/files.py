@@ -231,9 +231,14 @@ def read_lines(stream: Iterable[bytes], name: str, first_line: int = 1) -> Itera
         TextError: a line that is not UTF-8 or holds a NUL byte, naming file and line.
     """
     for lineno, raw in enumerate(stream, first_line):
-        if raw.endswith(b"\n"):
-            raw = raw[:-2] if raw.endswith(b"\r\n") else raw[:-1]
-        yield decode_line(raw, name, lineno)
+        yield decode_line(strip_line_end(raw), name, lineno)
+
+
+def strip_line_end(raw: bytes) -> bytes:
+    """A line's bytes without its ``"\\n"`` or ``"\\r\\n"`` ending (a lone ``"\\r"`` stays)."""
+    if raw.endswith(b"\n"):
+        return raw[:-2] if raw.endswith(b"\r\n") else raw[:-1]
+    return raw
 
 
 def decode_line(raw: bytes, name: str, lineno: int, errors: str = "strict") -> str:

@@ -113,15 +113,19 @@ class EncodedSplit:
 
 
 class Prepared:
-    """A prepared-data directory: the tokenizer, encoded splits and raw references."""
+    """A prepared-data directory: the tokenizer, encoded splits and raw references.
 
-    def __init__(self, path: Path):
+    ``verify`` checks every file's size and checksum against ``meta.json`` (a cache read back
+    later); a directory this process has just written needs no second read.
+    """
+
+    def __init__(self, path: Path, verify: bool = True):
         self.dir = Path(path)
         try:
             self.meta = json.loads((self.dir / "meta.json").read_text(encoding="utf-8"))
         except (OSError, ValueError) as err:
             raise CacheError(f"{self.dir / 'meta.json'} is unreadable ({err})") from None
-        damaged = damaged_file(self.dir, self.meta.get("files"))
+        damaged = damaged_file(self.dir, self.meta.get("files")) if verify else None
         if damaged is not None:
             raise CacheError(f"prepared data file {damaged} is damaged (size or checksum differs)")
         self.tokenizer = Tokenizer.load([self.dir / n for n in self.meta["tokenizer_files"]])
@@ -222,7 +226,7 @@ def prepare(cfg: Config) -> Prepared:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return Prepared(final)
+    return Prepared(final, verify=False)
 
 
 def _valid(path: Path, key: str) -> bool:
