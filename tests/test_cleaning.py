@@ -155,8 +155,27 @@ def test_fast_moses_punct_equals_sacremoses_on_news_text(real_data, lang):
     tricky = ["a  b", "x ( y ) .", "„q“ –  r …", "5 %", 'er sagte."x', "it’s", "a\u00a0»b«\u00a0"]
     lines = lines + tricky + [a + "  " + b for a, b in zip(lines[::2], lines[1::2])]
     reference = MosesPunctNormalizer(lang=lang)
+    # a line for each rule: its pattern's text with regex syntax filled in (and mixed in news)
+    for pattern, _ in reference.substitutions:
+        filled = pattern.replace("\\", "").replace("(\\d)", "7").replace("([a-zA-Z])", "x")
+        for probe in (pattern, filled, "3\u00a04 x‘y ..\" z (a) , b", ") ."):
+            lines += [probe, f"{lines[0]} {probe} {lines[1]}", f"{probe}  {probe}"]
     fast = cleaning.MosesPunct(lang)
+    changed = [s for s in lines if reference.normalize(s) != s.strip()]
+    assert len(changed) > 100  # the probes reach the rules
     assert [fast.normalize(s) for s in lines] == [reference.normalize(s) for s in lines]
+
+
+def test_fast_control_char_removal_equals_sacremoses():
+    from sacremoses import MosesPunctNormalizer
+
+    reference = MosesPunctNormalizer(lang="en")
+    fast = cleaning.MosesPunct("en")
+    lines = ["plain text", "tab\there", "nbsp\u00a0here", "zero\u200bwidth", "bom\ufeffx",
+             "bell\x07", "line\u2028sep", "priv\ue000ate", "unassigned\U000e0fff", "ok ü ß"]
+    assert [fast.remove_control_chars(s) for s in lines] == [
+        reference.remove_control_chars(s) for s in lines
+    ]
 
 
 def test_bad_input_under_the_moses_pass_names_the_file(tmp_path, monkeypatch):
