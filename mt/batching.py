@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
+from mt.masks import RealPositions
 from mt.vocab import BOS, EOS, PAD
 
 log = logging.getLogger(__name__)
@@ -36,21 +37,33 @@ class Batch:
     src: torch.Tensor  # (B, S) ids + EOS, PAD-padded
     tgt_in: torch.Tensor  # (B, T) BOS + ids, PAD-padded
     tgt_out: torch.Tensor  # (B, T) ids + EOS, PAD-padded
+    real: RealPositions  # flat indices of the non-pad positions, known on the host
     ntokens: int  # non-pad tokens in tgt_out (what the loss is normalised by)
     weight: float = 1.0  # 0.0 for a filler batch (loss and token count must be multiplied)
 
-    def to(self, device: torch.device | str) -> Batch:
-        """A copy with the tensors on ``device``."""
-        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    def _map(self, fn) -> Batch:
+        """A copy with ``fn`` applied to every tensor (the real positions' too)."""
+        real = RealPositions(*(None if t is None else fn(t) for t in self.real))
         return dataclasses.replace(
-            self, src=move(self.src), tgt_in=move(self.tgt_in), tgt_out=move(self.tgt_out)
+            self, src=fn(self.src), tgt_in=fn(self.tgt_in), tgt_out=fn(self.tgt_out), real=real
         )
 
+    def to(self, device: torch.device | str) -> Batch:
+        """A copy with the tensors on ``device`` (asynchronous from pinned memory)."""
+        return self._map(lambda t: t.to(device, non_blocking=True))
 
-def _pad(seqs: Sequence[Sequence[int] | np.ndarray], bos: bool, eos: bool) -> np.ndarray:
-    """(B, L) int64: each sequence with optional BOS before and EOS after, right-padded."""
+    def pin_memory(self) -> Batch:
+        """A copy with the tensors in page-locked memory, so :meth:`to` a GPU is asynchronous."""
+        return self._map(lambda t: t.pin_memory())
+
+
+def _pad(
+    seqs: Sequence[Sequence[int] | np.ndarray], bos: bool, eos: bool, multiple: int = 1
+) -> np.ndarray:
+    """(B, L) int64: each sequence with optional BOS before and EOS after, right-padded to the
+    longest, rounded up to a multiple of ``multiple``."""
     lengths = [len(s) for s in seqs]
-    width = max(lengths) + bos + eos
+    width = -(-(max(lengths) + bos + eos) // multiple) * multiple
     out = np.full((len(seqs), width), PAD, dtype=np.int64)
     for i, (seq, n) in enumerate(zip(seqs, lengths)):
         if bos:
@@ -61,8 +74,18 @@ def _pad(seqs: Sequence[Sequence[int] | np.ndarray], bos: bool, eos: bool) -> np
     return out
 
 
-def collate(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> Batch:
+def _real_rows(lengths: np.ndarray, width: int) -> torch.Tensor | None:
+    """Flat indices of the first ``lengths[b]`` positions of each row of a (B, width) batch;
+    None when every position is real."""
+    real = np.arange(width)[None, :] < lengths[:, None]  # (B, width)
+    return None if real.all() else torch.from_numpy(np.flatnonzero(real))
+
+
+def collate(pairs: Sequence[tuple[np.ndarray, np.ndarray]], pad_multiple: int = 1) -> Batch:
     """Pad a list of (source ids, target ids) pairs (no BOS/EOS in the inputs) into a Batch.
+
+    ``pad_multiple`` rounds both padded lengths up to a multiple (fewer distinct shapes for
+    ``torch.compile``, aligned GPU kernels). The real positions are found here, on the host.
 
     Example:
         >>> b = collate([(np.array([7, 8]), np.array([9]))])
@@ -71,12 +94,21 @@ def collate(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> Batch:
     """
     if not pairs:
         raise ValueError("collate needs at least one pair")
+    if pad_multiple < 1:
+        raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
     srcs, tgts = zip(*pairs)
+    src = _pad(srcs, bos=False, eos=True, multiple=pad_multiple)
+    tgt_in = _pad(tgts, bos=True, eos=False, multiple=pad_multiple)
+    src_len = np.array([len(s) + 1 for s in srcs], dtype=np.int64)  # + EOS
+    tgt_len = np.array([len(t) + 1 for t in tgts], dtype=np.int64)  # + BOS / EOS
     return Batch(
-        src=torch.from_numpy(_pad(srcs, bos=False, eos=True)),
-        tgt_in=torch.from_numpy(_pad(tgts, bos=True, eos=False)),
-        tgt_out=torch.from_numpy(_pad(tgts, bos=False, eos=True)),
-        ntokens=sum(len(t) + 1 for t in tgts),
+        src=torch.from_numpy(src),
+        tgt_in=torch.from_numpy(tgt_in),
+        tgt_out=torch.from_numpy(_pad(tgts, bos=False, eos=True, multiple=pad_multiple)),
+        real=RealPositions(
+            _real_rows(src_len, src.shape[1]), _real_rows(tgt_len, tgt_in.shape[1])
+        ),
+        ntokens=int(tgt_len.sum()),
     )
 
 
@@ -241,11 +273,13 @@ class BatchSampler:
         return tuple(float(x) for x in pads / np.maximum(total, 1))
 
 
-def iterate_batches(split, sampler: BatchSampler, epoch: int, start: int = 0) -> Iterator[Batch]:
+def iterate_batches(
+    split, sampler: BatchSampler, epoch: int, start: int = 0, pad_multiple: int = 1
+) -> Iterator[Batch]:
     """Yield this rank's Batches of ``epoch`` from ``split`` (an EncodedSplit: ``.src``/``.tgt``
     TokenArrays), beginning at batch index ``start`` (exact resume mid-epoch)."""
     batches, weights = sampler.batches(epoch), sampler.weights(epoch)
     for i in range(start, len(batches)):
-        batch = collate([(split.src[j], split.tgt[j]) for j in batches[i]])
+        batch = collate([(split.src[j], split.tgt[j]) for j in batches[i]], pad_multiple)
         batch.weight = weights[i]
         yield batch

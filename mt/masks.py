@@ -6,9 +6,24 @@ Shapes broadcast against attention scores of shape (B, H, T_query, T_key).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from mt.vocab import PAD
+
+
+class RealPositions(NamedTuple):
+    """The real (non-pad) positions of a padded (source, target) batch as flat row-major
+    indices, computed on the host when the batch is made (``mt.batching.collate``): selecting
+    them on a GPU then needs no read of the device (a boolean mask or ``nonzero`` would wait).
+
+    ``src`` (n_src,) indexes the B*S source positions, ``tgt`` (n_tgt,) the B*T target positions
+    (``tgt_in`` and ``tgt_out`` have the same real positions). None: that side has no padding.
+    """
+
+    src: torch.Tensor | None
+    tgt: torch.Tensor | None
 
 
 def pad_mask(tokens: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +35,7 @@ from torch import nn
 
 from mt.attention import SDPA, CrossAttention, Kernels, SelfAttention
 from mt.cache import DecoderCache, LayerCache
-from mt.masks import pad_mask, subsequent_mask
+from mt.masks import RealPositions, pad_mask, subsequent_mask
 from mt.schema import ModelConfig
 from mt.vocab import PAD
 
@@ -241,18 +241,22 @@ class Transformer(nn.Module):
         x = F.embedding(tokens, weight) * math.sqrt(self.d_model)
         return self.dropout(x + self.pe[start : start + L])
 
-    def encode(self, src: torch.Tensor, kernels: Kernels = SDPA) -> EncoderOut:
+    def encode(
+        self, src: torch.Tensor, kernels: Kernels = SDPA, real: RealPositions | None = None
+    ) -> EncoderOut:
         """Encode a right-padded source batch.
 
         Args:
             src: (B, S) ids (tokens + EOS, PAD-padded).
             kernels: how attention is computed (``mt.inference`` picks them for decoding).
+            real: the real positions when the caller knows them (training batches); None:
+                found here (which reads the device).
 
         Returns:
             EncoderOut(memory (B, S, D), src_mask (B, 1, 1, S)).
         """
         mask = pad_mask(src)
-        rows = real_rows(src)
+        rows = real_rows(src) if real is None else real.src
         x = self._embed(src, self.src_embedding)
         for layer in self.encoder:
             x = layer(x, mask, rows, kernels)
@@ -265,6 +269,7 @@ class Transformer(nn.Module):
         cache: DecoderCache | None,
         need_attn: bool,
         attn_layer: int = -1,
+        real: RealPositions | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decoder stack: (B, T) ids -> (B, T, D) features and (B, T, S) attention or None."""
         T = tgt_in.size(1)
@@ -277,7 +282,7 @@ class Transformer(nn.Module):
         else:  # several new tokens after a prefix: new token i sees keys <= past + i
             self_mask, is_causal = subsequent_mask(T, tgt_in.device, past), False
         x = self._embed(tgt_in, self.tgt_embedding, past)
-        rows = real_rows(tgt_in) if cache is None else None
+        rows = None if cache is not None else real_rows(tgt_in) if real is None else real.tgt
         kernels = SDPA if cache is None or cache.kernels is None else cache.kernels
         wanted = attn_layer % len(self.decoder)
         attn = None
@@ -341,9 +346,12 @@ class Transformer(nn.Module):
         """
         return enc.select(index), None if cache is None else cache.select(index, index)
 
-    def features(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+    def features(
+        self, src: torch.Tensor, tgt_in: torch.Tensor, real: RealPositions | None = None
+    ) -> torch.Tensor:
         """Decoder output before the projection: (B, S), (B, T) -> (B, T, D)."""
-        return self._decoder(tgt_in, self.encode(src), None, False)[0]
+        enc = self.encode(src, real=real)
+        return self._decoder(tgt_in, enc, None, False, real=real)[0]
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """Pre-softmax projection with the tied embedding: (..., D) -> (..., V).
@@ -355,16 +363,20 @@ class Transformer(nn.Module):
         return logits if self.padded_vocab == self.vocab_size else logits[..., : self.vocab_size]
 
     def forward(
-        self, src: torch.Tensor, tgt_in: torch.Tensor, keep: Optional[torch.Tensor] = None
+        self, src: torch.Tensor, tgt_in: torch.Tensor, real: RealPositions | None = None
     ) -> torch.Tensor:
         """Teacher-forced logits: src (B, S), tgt_in (B, T) -> (B, T, V).
 
-        With ``keep`` (a (B, T) bool mask, e.g. the non-pad target positions) only those
-        positions are projected: -> (n, V), rows in row-major order of the mask. Training uses
-        this, so padding costs nothing in the projection and the loss.
+        With ``real`` (a batch's real positions, ``mt.batching.Batch.real``) only the real
+        target positions are projected: -> (n, V), rows in row-major order (all B*T of them
+        when the target has no padding). Training uses this, so padding costs nothing in the
+        projection and the loss, and nothing waits for the device to find the positions.
         """
-        h = self.features(src, tgt_in)
-        return self.project(h if keep is None else h[keep])
+        h = self.features(src, tgt_in, real)
+        if real is None:
+            return self.project(h)
+        h = h.reshape(-1, h.size(-1))  # (B*T, D)
+        return self.project(h if real.tgt is None else h.index_select(0, real.tgt))
 
 
 def build_model(model_cfg: ModelConfig | dict, vocab_size: int) -> Transformer:

@@ -64,7 +64,7 @@ from mt.run_state import (
 )
 from mt.schedule import cooldown_factor, noam_lambda
 from mt.schema import Config
-from mt.update import Updater, build_optimizer
+from mt.update import Updater, UpdateResult, build_optimizer
 from mt.validation import better, metric_key, validate
 
 log = logging.getLogger(__name__)
@@ -227,7 +227,8 @@ def train_loop(run: Run) -> str:
         "train", total=tc.max_steps or None, initial=state.step, disable=not run.info.is_main
     )
     wall0, t0 = state.wall, time.perf_counter()
-    tokens = seconds = 0.0  # since the last log record
+    logged: list[UpdateResult] = []  # the updates since the last log record (on the device)
+    t_log, paused = t0, 0.0  # when that record was written; time validating/saving since
     stop = _limits(run)
     while stop is None:
         n_batches = len(run.sampler.batches(state.epoch))
@@ -237,36 +238,24 @@ def train_loop(run: Run) -> str:
         for group in _groups(batches, tc.accum_steps):
             group = [b.to(run.info.device) for b in group]
             lr = _apply_cooldown(run)
-            t_update = time.perf_counter()
             result = run.update(group, state)
-            seconds += time.perf_counter() - t_update
             state.batch += len(group)
             state.wall = wall0 + time.perf_counter() - t0
             if result is not None:
                 state.step += 1
-                tokens += result.ntokens
                 bar.update(1)
-                tok_s = tokens / max(seconds, 1e-9)
-                bar.set_postfix_str(f"loss {result.loss:.3f} lr {lr:.2e} tok/s {tok_s:,.0f}")
+                if tc.log_every > 0:
+                    logged.append(result)
                 if tc.log_every > 0 and (state.step % tc.log_every == 0 or state.step == 1):
-                    run.metrics.write(
-                        {
-                            "step": state.step,
-                            "epoch": round(state.epoch + state.batch / n_batches, 4),
-                            "loss": result.loss,
-                            "nll": result.nll,
-                            "ppl": math.exp(min(result.nll, 50.0)),
-                            "lr": lr,
-                            "gnorm": result.gnorm,
-                            "tgt_tok_per_s": tok_s,
-                            "wall": round(state.wall, 3),
-                        }
-                    )
-                    tokens = seconds = 0.0
+                    epoch = round(state.epoch + state.batch / n_batches, 4)
+                    _log_updates(run, logged, lr, epoch, bar, t_log, paused)
+                    logged, t_log, paused = [], time.perf_counter(), 0.0
+                t_pause = time.perf_counter()
                 if tc.eval_every > 0 and state.step % tc.eval_every == 0:
                     evaluate(run)
                 if tc.save_every > 0 and state.step % tc.save_every == 0:
                     save(run, periodic=True)
+                paused += time.perf_counter() - t_pause
             stop = _limits(run)
             if stop is not None:
                 break
@@ -278,6 +267,33 @@ def train_loop(run: Run) -> str:
     bar.close()
     log.info("training stopped at step %d (%s)", state.step, stop)
     return stop
+
+
+def _log_updates(
+    run: Run, results: list[UpdateResult], lr: float, epoch: float, bar, since: float,
+    paused: float,
+) -> None:  # fmt: skip
+    """The log record of the latest update, and the progress bar's figures: ONE read of the
+    device for all the updates since the last record (their tokens give the rate over the
+    training time since ``since``, less ``paused`` seconds of validation and saving)."""
+    state = run.state
+    figures = torch.stack([r.figures for r in results]).tolist()  # (k, 4): waits for the device
+    loss, nll, _, gnorm = figures[-1]
+    tok_s = sum(f[2] for f in figures) / max(time.perf_counter() - since - paused, 1e-9)
+    bar.set_postfix_str(f"loss {loss:.3f} lr {lr:.2e} tok/s {tok_s:,.0f}")
+    run.metrics.write(
+        {
+            "step": state.step,
+            "epoch": epoch,
+            "loss": loss,
+            "nll": nll,
+            "ppl": math.exp(min(nll, 50.0)),
+            "lr": lr,
+            "gnorm": gnorm,
+            "tgt_tok_per_s": tok_s,
+            "wall": round(state.wall, 3),
+        }
+    )
 
 
 def evaluate(run: Run) -> dict[str, float]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,7 +19,6 @@ from mt.batching import Batch
 from mt.loss import label_smoothed_cross_entropy
 from mt.run_state import TrainState
 from mt.schema import Config
-from mt.vocab import PAD
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +29,33 @@ class NonFiniteError(RuntimeError):
 
 @dataclass
 class UpdateResult:
-    """One update's figures, reduced over accumulation steps and ranks."""
+    """One update's figures, reduced over accumulation steps and ranks, left on the device.
 
-    loss: float  # label-smoothed loss per target token
-    nll: float  # negative log-likelihood per target token
-    ntokens: int  # target tokens of the update (all ranks)
-    gnorm: float  # gradient norm before clipping
+    Reading them waits for the device to finish the update, so the training loop reads them
+    only when it logs (every ``train.log_every`` updates); each property here is such a read.
+    """
+
+    figures: torch.Tensor  # (4,) float64: loss, NLL per target token, target tokens, gnorm
+
+    @property
+    def loss(self) -> float:
+        """Label-smoothed loss per target token."""
+        return float(self.figures[0])
+
+    @property
+    def nll(self) -> float:
+        """Negative log-likelihood per target token."""
+        return float(self.figures[1])
+
+    @property
+    def ntokens(self) -> int:
+        """Target tokens of the update (all ranks)."""
+        return int(self.figures[2])
+
+    @property
+    def gnorm(self) -> float:
+        """Gradient norm before clipping."""
+        return float(self.figures[3])
 
 
 def autocast(device: torch.device, precision: str):
@@ -54,11 +73,14 @@ def batch_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed (label-smoothed loss, NLL) of one batch, in float32 (weight 0 for fillers).
 
-    Only the non-pad target positions are projected and scored."""
-    keep = batch.tgt_out != PAD
+    Only the non-pad target positions are projected and scored; they are selected by the
+    indices ``collate`` found on the host, so nothing here reads the device."""
     with autocast(batch.src.device, precision):
-        logits = model(batch.src, batch.tgt_in, keep)  # (n, V)
-    loss, nll = label_smoothed_cross_entropy(logits, batch.tgt_out[keep], eps, None)
+        logits = model(batch.src, batch.tgt_in, batch.real)  # (n, V)
+    target = batch.tgt_out.reshape(-1)  # (B*T,)
+    if batch.real.tgt is not None:
+        target = target.index_select(0, batch.real.tgt)  # (n,)
+    loss, nll = label_smoothed_cross_entropy(logits, target, eps, None)
     return loss * batch.weight, nll * batch.weight
 
 
@@ -103,15 +125,19 @@ class Updater:
         self.world_size = world_size
 
     def __call__(self, batches: list[Batch], state: TrainState) -> Optional[UpdateResult]:
-        """Forward/backward every batch, then step; None when the update was skipped."""
+        """Forward/backward every batch, then step; None when the update was skipped.
+
+        On a GPU nothing here waits for the device but one read: whether the loss and the
+        gradient norm are finite (:func:`_all_finite`), which decides between step and skip.
+        The token count comes from the host (``collate``); the figures stay on the device.
+        """
         device = batches[0].src.device
-        local_tokens = sum(b.ntokens * b.weight for b in batches)
-        ntok = distributed.all_reduce_sum(
-            torch.tensor([local_tokens], dtype=torch.float64, device=device)
-        )
-        total_tokens = max(float(ntok.item()), 1.0)
+        local_tokens = float(sum(b.ntokens * b.weight for b in batches))
+        total = distributed.all_reduce_sum(
+            torch.full((1,), local_tokens, dtype=torch.float64, device=device)
+        ).clamp_min_(1.0)  # (1,) target tokens of the update, all ranks
         # DDP averages gradients over ranks; scaling by W / tokens gives sum-over-ranks / tokens.
-        scale = self.world_size / total_tokens
+        scale = (self.world_size / total).to(torch.float32).squeeze(0)
         sums = torch.zeros(2, dtype=torch.float64, device=device)
         self.optimizer.zero_grad(set_to_none=True)
         for i, batch in enumerate(batches):
@@ -122,7 +148,6 @@ class Updater:
                 self.scaler.scale(loss * scale).backward()
             sums += torch.stack([loss.detach(), nll.detach()]).double()
         distributed.all_reduce_sum(sums)
-        loss_sum, nll_sum = sums.tolist()
 
         self.scaler.unscale_(self.optimizer)
         if self.tc.clip_norm > 0:
@@ -131,33 +156,41 @@ class Updater:
             gnorm = torch.nn.utils.get_total_norm(
                 [p.grad for p in self.params if p.grad is not None]
             )
-        gnorm = float(gnorm)
-        fp16 = self.tc.precision == "fp16"
-        if not (math.isfinite(loss_sum) and math.isfinite(gnorm)):
-            if fp16:
-                self.scaler.update()  # the dynamic loss scale backs off
-            self.optimizer.zero_grad(set_to_none=True)
-            if fp16 and math.isfinite(loss_sum):
-                log.info("fp16 gradient overflow: update skipped, loss scale lowered")
-                return None
-            state.nonfinite += 1
-            log.warning(
-                "non-finite %s at update %d: update skipped (%d consecutive)",
-                "loss" if not math.isfinite(loss_sum) else "gradient",
-                state.step + 1,
-                state.nonfinite,
-            )
-            if state.nonfinite >= self.tc.max_nonfinite:
-                raise NonFiniteError(
-                    f"{state.nonfinite} consecutive updates had a non-finite loss or gradient "
-                    f"(train.max_nonfinite={self.tc.max_nonfinite}); stopping. Try a lower "
-                    "learning rate (train.lr / train.factor), train.clip_norm, or precision=fp32."
-                )
-            return None
+        figures = torch.cat([sums / total, total, gnorm.detach().double().reshape(1)])
+        if not _all_finite(torch.isfinite(figures).all()):
+            return self._skip(state, loss_finite=bool(torch.isfinite(figures[0])))
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
         state.nonfinite = 0
-        return UpdateResult(
-            loss_sum / total_tokens, nll_sum / total_tokens, int(total_tokens), gnorm
+        return UpdateResult(figures)
+
+    def _skip(self, state: TrainState, loss_finite: bool) -> None:
+        """Drop a non-finite update (fp16: lower the loss scale); stop after too many."""
+        fp16 = self.tc.precision == "fp16"
+        if fp16:
+            self.scaler.update()  # the dynamic loss scale backs off
+        self.optimizer.zero_grad(set_to_none=True)
+        if fp16 and loss_finite:
+            log.info("fp16 gradient overflow: update skipped, loss scale lowered")
+            return None
+        state.nonfinite += 1
+        log.warning(
+            "non-finite %s at update %d: update skipped (%d consecutive)",
+            "gradient" if loss_finite else "loss",
+            state.step + 1,
+            state.nonfinite,
         )
+        if state.nonfinite >= self.tc.max_nonfinite:
+            raise NonFiniteError(
+                f"{state.nonfinite} consecutive updates had a non-finite loss or gradient "
+                f"(train.max_nonfinite={self.tc.max_nonfinite}); stopping. Try a lower "
+                "learning rate (train.lr / train.factor), train.clip_norm, or precision=fp32."
+            )
+        return None
+
+
+def _all_finite(flag: torch.Tensor) -> bool:
+    """The one read of the device in an update: is the () bool ``flag`` set (step) or not
+    (skip)? Kept apart so that the tests can tell it from a read that should not be there."""
+    return bool(flag)

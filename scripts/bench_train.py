@@ -87,7 +87,7 @@ class TorchTransformer(nn.Module):
         x = self.embed(tokens) * math.sqrt(self.d_model)  # (B, L, D)
         return self.dropout(x + self.pe[: tokens.size(1)])
 
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, keep=None) -> torch.Tensor:
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, real=None) -> torch.Tensor:
         """src (B, S), tgt_in (B, T) -> logits (B, T, V) (all positions, as fairseq does)."""
         T = tgt_in.size(1)
         causal = nn.Transformer.generate_square_subsequent_mask(T, device=src.device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -142,15 +143,24 @@ def test_causality():
         assert not torch.allclose(out[:, t + 1 :], base[:, t + 1 :], atol=1e-3)
 
 
-def test_keep_projects_only_the_selected_positions():
-    """forward(..., keep) returns exactly the rows of the full logits at the kept positions."""
+def test_real_positions_project_only_the_real_target_positions():
+    """forward(..., batch.real) (indices found by collate on the host) returns exactly the rows
+    of the full logits at the non-pad target positions, and the full logits agree with the
+    model finding the padding itself."""
+    from mt.batching import collate
+
     model = make()
-    src, tgt = rand_tokens(3, 6, 1), rand_tokens(3, 5, 2)
-    keep = torch.rand(3, 5, generator=torch.Generator().manual_seed(0)) > 0.4
-    full = model(src, tgt)
-    kept = model(src, tgt, keep)
-    assert kept.shape == (int(keep.sum()), V)
+    pairs = [(np.arange(4, 4 + n), np.arange(5, 5 + m)) for n, m in [(5, 2), (2, 4), (3, 1)]]
+    batch = collate(pairs)
+    full = model(batch.src, batch.tgt_in)  # (B, T, V), padding found from the ids
+    kept = model(batch.src, batch.tgt_in, batch.real)
+    keep = batch.tgt_out != PAD
+    assert kept.shape == (batch.ntokens, V) == (int(keep.sum()), V)
     torch.testing.assert_close(kept, full[keep])
+    same = collate([(np.arange(4, 7), np.arange(5, 8))] * 2)  # no padding: every position
+    assert same.real == (None, None)
+    flat = model(same.src, same.tgt_in, same.real)
+    torch.testing.assert_close(flat, model(same.src, same.tgt_in).reshape(-1, V))
 
 
 @pytest.mark.parametrize("norm", ["post", "pre"])

@@ -369,9 +369,12 @@ class _Bigram(torch.nn.Module):
             torch.randn(V, V, generator=torch.Generator().manual_seed(0))
         )
 
-    def forward(self, src, tgt_in, keep=None):
+    def forward(self, src, tgt_in, real=None):
         logits = self.table[tgt_in]  # (B, T, V)
-        return logits if keep is None else logits[keep]
+        if real is None:
+            return logits
+        flat = logits.reshape(-1, logits.size(-1))  # (B*T, V)
+        return flat if real.tgt is None else flat[real.tgt]
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.05])

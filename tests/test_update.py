@@ -1,0 +1,179 @@
+"""The update step waits for the device only once: the step-or-skip read of ``_all_finite``.
+
+Method (CPU): a ``TorchFunctionMode`` sees every torch function and Tensor method called from
+Python during one ``Updater`` call (forward, loss, backward of the fused loss, clipping, Adam,
+schedule) and records each call that makes the host wait for a GPU: ``item``, ``tolist``,
+``bool``/``float``/``int`` of a tensor, ``nonzero`` and other ops whose output size depends on
+the data, boolean-mask indexing, copies to the host (``cpu``, ``numpy``), ``equal``... The one
+allowed read goes through ``mt.update._all_finite``, which the test lets through and counts.
+Kernels launched from C++ are not seen, but the synchronising calls are made from Python.
+Each "would it catch it" test injects one such call into the step and expects it recorded.
+On a GPU, ``torch.cuda.set_sync_debug_mode("error")`` checks the same on the device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import mt.update
+from mt.batching import collate
+from mt.config import load_config
+from mt.model import build_model
+from mt.run_state import TrainState
+from mt.update import Updater, batch_loss, build_optimizer
+from mt.vocab import PAD
+
+V = 40
+# Calls that make the host wait for the device (or whose output size depends on the data).
+SYNCING = {
+    "item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__complex__", "nonzero",
+    "argwhere", "masked_select", "unique", "unique_consecutive", "equal", "allclose",
+    "is_nonzero", "cpu", "numpy", "bincount", "histc", "_local_scalar_dense",
+}  # fmt: skip
+
+
+def _bool_index(args) -> bool:
+    index = args[1] if len(args) > 1 else None
+    parts = index if isinstance(index, (tuple, list)) else (index,)
+    return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+
+
+class SyncRecorder(TorchFunctionMode):
+    """Records the synchronising calls made while it is active (see the module docstring)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+        self.paused = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if not self.paused:
+            if name in SYNCING:
+                self.calls.append(name)
+            elif name == "__getitem__" and _bool_index(args):
+                self.calls.append("boolean-mask indexing")
+            elif name == "repeat_interleave" and "output_size" not in (kwargs or {}):
+                self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _update(precision="fp32", clip=1.0, loss_fn=None, device="cpu"):
+    cfg = load_config(
+        [
+            "model.N=1", "model.d_model=16", "model.d_ff=32", "model.h=2", "model.dropout=0.1",
+            f"train.precision={precision}", f"train.clip_norm={clip}",
+        ]
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = build_model(cfg.model, V).to(device).train()
+    opt = build_optimizer(model.parameters(), cfg.train, torch.device(device))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1e-3)
+    scaler = torch.amp.GradScaler(torch.device(device).type, enabled=precision == "fp16")
+    return Updater(model, model.parameters(), opt, sched, scaler, cfg, 1, loss_fn)
+
+
+def _batches(device="cpu"):
+    rng = np.random.default_rng(0)
+    pairs = [(rng.integers(4, V, n), rng.integers(4, V, m)) for n, m in [(5, 2), (2, 6), (4, 4)]]
+    real = collate(pairs)  # padding on both sides
+    assert real.real.src is not None and real.real.tgt is not None
+    filler = collate(pairs[:1])  # no padding, weight 0 (the shortfall of a rank)
+    filler.weight = 0.0
+    return [real.to(device), filler.to(device)]
+
+
+def syncs_in_update(update: Updater, batches, monkeypatch) -> tuple[list[str], int]:
+    """(the synchronising calls of one update, how often the allowed read was made)."""
+    recorder = SyncRecorder()
+    reads = []
+
+    def allowed_read(flag):
+        recorder.paused = True
+        try:
+            reads.append(flag)
+            return bool(flag)
+        finally:
+            recorder.paused = False
+
+    monkeypatch.setattr(mt.update, "_all_finite", allowed_read)
+    with recorder:
+        result = update(batches, TrainState())
+    assert result is not None
+    return recorder.calls, len(reads)
+
+
+@pytest.mark.parametrize("precision,clip", [("fp32", 1.0), ("fp32", 0.0), ("bf16", 1.0)])
+def test_update_reads_the_device_once(precision, clip, monkeypatch):
+    update = _update(precision, clip)
+    calls, reads = syncs_in_update(update, _batches(), monkeypatch)
+    assert calls == [], f"the update step waits for the device: {calls}"
+    assert reads == 1
+
+
+def _item_loss(model, batch, eps, precision):
+    loss, nll = batch_loss(model, batch, eps, precision)
+    loss.item()  # the kind of call that must not creep in
+    return loss, nll
+
+
+def _masked_loss(model, batch, eps, precision):
+    loss, nll = batch_loss(model, batch, eps, precision)
+    _ = batch.tgt_out[batch.tgt_out != PAD]  # boolean-mask indexing: a nonzero inside
+    return loss, nll
+
+
+def _float_loss(model, batch, eps, precision):
+    loss, nll = batch_loss(model, batch, eps, precision)
+    if float(nll) < 0:  # a host-side decision on a device value
+        raise AssertionError
+    return loss, nll
+
+
+@pytest.mark.parametrize(
+    "loss_fn,expected",
+    [(_item_loss, "item"), (_masked_loss, "boolean-mask indexing"), (_float_loss, "__float__")],
+)
+def test_the_check_catches_an_added_sync(loss_fn, expected, monkeypatch):
+    """The recorder is not blind: one synchronising call per batch is found."""
+    calls, _ = syncs_in_update(_update(loss_fn=loss_fn), _batches(), monkeypatch)
+    assert calls == [expected, expected]
+
+
+def test_the_update_figures_stay_on_the_device_until_read(monkeypatch):
+    """UpdateResult holds a device tensor; its properties are the (only) reads."""
+    update = _update()
+    recorder = SyncRecorder()
+    with recorder:
+        result = update(_batches(), TrainState())
+    assert isinstance(result.figures, torch.Tensor) and result.figures.shape == (4,)
+    assert recorder.calls == ["__bool__"]  # the step-or-skip decision alone
+    assert result.ntokens == 2 + 1 + 6 + 1 + 4 + 1  # each target + EOS (the filler: weight 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_update_on_a_gpu_makes_no_synchronising_call(monkeypatch):
+    """torch's own check: ``set_sync_debug_mode("error")`` raises on any synchronising CUDA
+    call; only the step-or-skip read is let through."""
+    update = _update("bf16", device="cuda")
+    update(_batches("cuda"), TrainState())  # warm-up: lazy initialisation may synchronise
+    torch.cuda.synchronize()
+    batches = [b.pin_memory().to("cuda") for b in _batches()]
+
+    def allowed_read(flag):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return bool(flag)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(mt.update, "_all_finite", allowed_read)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = update(batches, TrainState())
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert result is not None and result.ntokens == 15
