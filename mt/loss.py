@@ -93,13 +93,29 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
+CPU_BLOCK_BYTES = 1 << 22  # ~4 MB of float32 per row block: the block stays in a CPU cache
+GPU_BLOCK_BYTES = 1 << 26  # 64 MB: few, large kernels (a 25k-token x 37k batch: ~55 blocks)
+
+
+def block_rows(V: int, device: torch.device | str) -> int:
+    """Rows of (N, V) logits that the fused loss treats at once on ``device``.
+
+    On a CPU a block of ~4 MB of float32 stays in cache (28 rows at V = 37k); a GPU wants few
+    large kernels instead, so its blocks hold 64 MB (the float32 block is the only extra
+    memory the loss needs beyond the logits and their gradient).
+    """
+    budget = GPU_BLOCK_BYTES if torch.device(device).type == "cuda" else CPU_BLOCK_BYTES
+    return max(1, budget // (4 * max(V, 1)))
+
+
 def label_smoothed_cross_entropy(
     logits: torch.Tensor, target: torch.Tensor, eps: float, ignore_index: int | None = PAD
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`label_smoothed_nll_loss` of ``log_softmax(logits)``, fused (what training uses).
 
-    Computed in float32 whatever the logits' dtype, one block of rows at a time; the gradient
-    has the logits' dtype. Only the loss is differentiable (the NLL is for reporting).
+    Computed in float32 whatever the logits' dtype, one block of rows at a time (its size
+    chosen for the logits' device: :func:`block_rows`); the gradient has the logits' dtype.
+    Only the loss is differentiable (the NLL is for reporting).
 
     Args:
         logits: (N, V) unnormalised scores (float32, bfloat16 or float16).
@@ -125,5 +141,5 @@ def label_smoothed_cross_entropy(
         keep = target != ignore_index
         if not bool(keep.all()):
             logits, target = logits[keep], target[keep]
-    rows = max(1, (1 << 20) // max(logits.size(1), 1))  # ~4 MB of float per block
+    rows = block_rows(logits.size(1), logits.device)
     return _SmoothedCrossEntropy.apply(logits, target, float(eps), rows)
