@@ -105,9 +105,7 @@ def collate(pairs: Sequence[tuple[np.ndarray, np.ndarray]], pad_multiple: int = 
         src=torch.from_numpy(src),
         tgt_in=torch.from_numpy(tgt_in),
         tgt_out=torch.from_numpy(_pad(tgts, bos=False, eos=True, multiple=pad_multiple)),
-        real=RealPositions(
-            _real_rows(src_len, src.shape[1]), _real_rows(tgt_len, tgt_in.shape[1])
-        ),
+        real=RealPositions(_real_rows(src_len, src.shape[1]), _real_rows(tgt_len, tgt_in.shape[1])),
         ntokens=int(tgt_len.sum()),
     )
 

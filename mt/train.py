@@ -297,9 +297,9 @@ def _log_updates(
 
 
 def evaluate(run: Run) -> dict[str, float]:
-    """Validate on rank 0, share the metric, keep best.pt and the patience count."""
+    """Validate (the work shared by all ranks), keep best.pt and the patience count."""
     state, info = run.state, run.info
-    result = validate(run.raw_model, run.prepared, run.cfg, info.device) if info.is_main else {}
+    result = validate(run.raw_model, run.prepared, run.cfg, info.device, info.rank, info.world_size)
     value = distributed.broadcast_float(result.get(run.key), info.device)
     state.last_eval_step = state.step
     improved = better(run.key, value, state.best)

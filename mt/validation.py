@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from mt import distributed
 from mt.batching import BatchSampler, iterate_batches
 from mt.schema import Config
 from mt.update import batch_loss
@@ -16,9 +17,15 @@ from mt.update import batch_loss
 
 @torch.no_grad()
 def valid_loss(
-    model: torch.nn.Module, split, cfg: Config, device: torch.device
-) -> tuple[float, float]:
-    """Label-smoothed loss and NLL per target token over a whole split (one process)."""
+    model: torch.nn.Module, split, cfg: Config, device: torch.device, rank: int = 0,
+    world_size: int = 1,
+) -> tuple[float, float]:  # fmt: skip
+    """Label-smoothed loss and NLL per target token over a whole split.
+
+    With ``world_size`` > 1 every rank must call this: each scores its share of the batches
+    (the training plan's sharding, zero-weight fillers included) and the sums are added over
+    ranks, so every rank returns the single-process values.
+    """
     was_training = model.training
     model.eval()
     sampler = BatchSampler(
@@ -26,17 +33,22 @@ def valid_loss(
         split.tgt.lengths,
         cfg.train.max_tokens,
         seed=0,
+        rank=rank,
+        world_size=world_size,
         max_len=cfg.model.max_positions - 1,
     )
-    loss = nll = 0.0
-    ntok = 0
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, NLL (read once, below)
+    ntok = 0.0
     for batch in iterate_batches(split, sampler, 0):
         batch = batch.to(device)
         lsum, nsum = batch_loss(model, batch, cfg.train.label_smoothing, cfg.train.precision)
-        loss += float(lsum)
-        nll += float(nsum)
-        ntok += int(batch.ntokens)
+        sums += torch.stack([lsum, nsum]).double()
+        ntok += batch.ntokens * batch.weight
     model.train(was_training)
+    totals = torch.cat([sums, sums.new_tensor([ntok])])
+    if world_size > 1:
+        distributed.all_reduce_sum(totals)
+    loss, nll, ntok = totals.tolist()
     if ntok == 0:  # a loss of 0.0 would become "best"
         raise ValueError(
             "the validation split has no target tokens (empty, or every pair too long for "
@@ -46,31 +58,58 @@ def valid_loss(
 
 
 @torch.no_grad()
-def valid_bleu(model: torch.nn.Module, prepared, cfg: Config, device: torch.device) -> float:
-    """Greedy-decode the valid sources and score them: the code path of final evaluation."""
+def valid_hypotheses(
+    model: torch.nn.Module, prepared, cfg: Config, device: torch.device, rank: int = 0,
+    world_size: int = 1,
+) -> list[str]:  # fmt: skip
+    """Greedy translations of the valid sources (the first ``train.eval_max_sentences``), in
+    order. With ``world_size`` > 1 every rank must call this: rank r decodes sentences r,
+    r + W, ... and the translations are gathered, so every rank returns all of them."""
     from mt.decoding import translate_ids
-    from mt.evaluate import score
 
     split = prepared.split("valid")
     n = len(split)
     if cfg.train.eval_max_sentences > 0:
         n = min(n, cfg.train.eval_max_sentences)
-    src_ids = [split.src[i].tolist() for i in range(n)]
+    mine = range(rank, n, world_size)
+    src_ids = [split.src[i].tolist() for i in mine]
     greedy = dataclasses.replace(cfg.decode, beam_size=1, nbest=1)
     was_training = model.training
     model.eval()
-    hyp_ids = translate_ids(model, src_ids, greedy, device)
+    hyp_ids = translate_ids(model, src_ids, greedy, device) if src_ids else []
     model.train(was_training)
-    hyps = prepared.tokenizer.decode(hyp_ids, side="tgt")
-    return float(score(hyps, prepared.references("valid")[:n])["bleu"])
+    if world_size == 1:
+        return prepared.tokenizer.decode(hyp_ids, side="tgt")
+    shards = distributed.all_gather_object(hyp_ids)  # rank r's: sentences r, r + W, ...
+    ordered = [shards[i % world_size][i // world_size] for i in range(n)]
+    return prepared.tokenizer.decode(ordered, side="tgt")
 
 
-def validate(model: torch.nn.Module, prepared, cfg: Config, device: torch.device) -> dict:
-    """Valid loss, NLL and (with train.eval_bleu) greedy BLEU of ``model``, in this process."""
-    loss, nll = valid_loss(model, prepared.split("valid"), cfg, device)
+def valid_bleu(
+    model: torch.nn.Module, prepared, cfg: Config, device: torch.device, rank: int = 0,
+    world_size: int = 1,
+) -> float:  # fmt: skip
+    """Greedy-decode the valid sources and score them: the code path of final evaluation
+    (shared over ranks as :func:`valid_hypotheses`; every rank scores the gathered set)."""
+    from mt.evaluate import score
+
+    hyps = valid_hypotheses(model, prepared, cfg, device, rank, world_size)
+    return float(score(hyps, prepared.references("valid")[: len(hyps)])["bleu"])
+
+
+def validate(
+    model: torch.nn.Module, prepared, cfg: Config, device: torch.device, rank: int = 0,
+    world_size: int = 1,
+) -> dict:  # fmt: skip
+    """Valid loss, NLL and (with train.eval_bleu) greedy BLEU of ``model``.
+
+    ``world_size`` > 1: every rank calls this with its ``rank``; the work is shared and every
+    rank returns the values a single process computes.
+    """
+    loss, nll = valid_loss(model, prepared.split("valid"), cfg, device, rank, world_size)
     out = {"valid_loss": loss, "valid_nll": nll, "valid_ppl": math.exp(min(nll, 50.0))}
     if cfg.train.eval_bleu:
-        out["valid_bleu"] = valid_bleu(model, prepared, cfg, device)
+        out["valid_bleu"] = valid_bleu(model, prepared, cfg, device, rank, world_size)
     return out
 
 

@@ -269,7 +269,7 @@ def test_init_from_uses_weights_with_fresh_optimizer(tmp_path):
 def test_patience_stops_and_best_follows_the_metric(tmp_path, monkeypatch):
     values = iter([5.0, 4.0, 4.5, 4.2, 3.0, 1.0])
 
-    def fake_validate(model, prepared, cfg, device):
+    def fake_validate(model, prepared, cfg, device, rank=0, world_size=1):
         return {"valid_loss": next(values), "valid_nll": 1.0}
 
     monkeypatch.setattr("mt.train.validate", fake_validate)
