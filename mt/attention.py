@@ -39,8 +39,43 @@ class Kernels:
         """The context the attention of incremental decoding runs in (e.g. autocast off)."""
         return contextlib.nullcontext()
 
+    def key_mask(self, keep: torch.Tensor, padded: bool) -> torch.Tensor | None:
+        """The source key mask that attention is given, from (B, 1, 1, S) bool ``keep`` (True
+        at real tokens); ``padded`` is False when the batch is known to have no padding.
+        Here: ``keep`` itself."""
+        return keep
+
 
 SDPA = Kernels()
+
+
+class GPUTrainingKernels(Kernels):
+    """Teacher-forced attention on a GPU, with the masks the fastest SDPA backends accept:
+    none when the source has no padding (the flash kernel takes no mask; batches sorted by
+    source length often have none), else an additive float mask (0 / -inf) in the compute
+    dtype, built once per batch, for the memory-efficient and cuDNN kernels (SDPA would
+    convert a boolean mask on every call). The same attention as :data:`SDPA`."""
+
+    def key_mask(self, keep: torch.Tensor, padded: bool) -> torch.Tensor | None:
+        if not padded:
+            return None
+        device = keep.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+        else:
+            dtype = torch.get_default_dtype()
+        return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(
+            ~keep, float("-inf")
+        )
+
+
+GPU_TRAINING = GPUTrainingKernels()
+
+
+def teacher_forced_kernels(device: torch.device) -> Kernels:
+    """How attention is computed in teacher-forced passes (training, validation loss) on
+    ``device``: :data:`GPU_TRAINING` on CUDA, the plain :data:`SDPA` elsewhere."""
+    return GPU_TRAINING if device.type == "cuda" else SDPA
 
 
 def attention(
@@ -59,7 +94,8 @@ def attention(
         q: (B, H, T, d_k) queries.
         k: (B, H, S, d_k) keys.
         v: (B, H, S, d_k) values.
-        mask: bool, broadcastable to (B, H, T, S); True = may attend. None: attend everywhere.
+        mask: bool, broadcastable to (B, H, T, S); True = may attend (or an additive float
+            mask: 0 = may attend, -inf = may not). None: attend everywhere.
         is_causal: apply the subsequent mask (query i sees keys <= i; needs T == S, no mask).
         dropout_p: dropout on the attention weights (pass 0.0 in eval mode).
         need_weights: also return the weights (computed explicitly, not through SDPA).
@@ -77,8 +113,10 @@ def attention(
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, H, T, S)
     if is_causal:
         mask = subsequent_mask(scores.size(-2), q.device)
-    if mask is not None:
+    if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask
     weights = scores.softmax(dim=-1)
     out = F.dropout(weights, p=dropout_p) @ v
     return out, weights if need_weights else None

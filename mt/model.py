@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mt.attention import SDPA, CrossAttention, Kernels, SelfAttention
+from mt.attention import SDPA, CrossAttention, Kernels, SelfAttention, teacher_forced_kernels
 from mt.cache import DecoderCache, LayerCache
 from mt.masks import RealPositions, pad_mask, subsequent_mask
 from mt.schema import ModelConfig
@@ -44,11 +44,12 @@ class EncoderOut(NamedTuple):
     """What the decoder needs from the encoder."""
 
     memory: torch.Tensor  # (B, S, D) encoder output
-    src_mask: torch.Tensor  # (B, 1, 1, S) bool, True at real source tokens
+    src_mask: torch.Tensor | None  # (B, 1, 1, S) key mask (see Kernels.key_mask); None: no pad
 
     def select(self, sents: torch.Tensor) -> EncoderOut:
         """The rows ``sents`` (n',) of the encoder output (sentences still searching)."""
-        return EncoderOut(self.memory.index_select(0, sents), self.src_mask.index_select(0, sents))
+        mask = None if self.src_mask is None else self.src_mask.index_select(0, sents)
+        return EncoderOut(self.memory.index_select(0, sents), mask)
 
 
 def sinusoidal_positions(max_positions: int, d_model: int) -> torch.Tensor:
@@ -255,7 +256,7 @@ class Transformer(nn.Module):
         Returns:
             EncoderOut(memory (B, S, D), src_mask (B, 1, 1, S)).
         """
-        mask = pad_mask(src)
+        mask = kernels.key_mask(pad_mask(src), padded=real is None or real.src is not None)
         rows = real_rows(src) if real is None else real.src
         x = self._embed(src, self.src_embedding)
         for layer in self.encoder:
@@ -350,7 +351,7 @@ class Transformer(nn.Module):
         self, src: torch.Tensor, tgt_in: torch.Tensor, real: RealPositions | None = None
     ) -> torch.Tensor:
         """Decoder output before the projection: (B, S), (B, T) -> (B, T, D)."""
-        enc = self.encode(src, real=real)
+        enc = self.encode(src, teacher_forced_kernels(src.device), real)
         return self._decoder(tgt_in, enc, None, False, real=real)[0]
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
