@@ -277,7 +277,7 @@ class Transformer(nn.Module):
         past = 0 if cache is None else cache.length  # positions decoded so far
         # Targets are right-padded, so the causal mask alone keeps real positions off pad keys.
         if cache is None or past == 0:
-            self_mask, is_causal = None, T > 1
+            self_mask, is_causal = None, True  # T = 1: the same (a SymBool under compile)
         elif T == 1:
             self_mask, is_causal = None, False  # one new token sees the whole cached prefix
         else:  # several new tokens after a prefix: new token i sees keys <= past + i

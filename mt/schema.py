@@ -125,6 +125,8 @@ class TrainConfig:
     label_smoothing: float = 0.1
     precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 uses a dynamic loss scale)
     compile: bool = False  # torch.compile the model
+    pad_multiple: int = 0  # pad batch lengths to a multiple of this (0: 8 with compile, else 1)
+    tf32: bool = True  # CUDA: float32 matrix products on TF32 tensor cores
     # Logging, validation, checkpoints.
     log_every: int = 50
     eval_every: int = 1000  # validate every N updates (0 = only at the end)

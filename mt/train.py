@@ -31,6 +31,7 @@ from typing import Any, Optional
 import torch
 
 from mt import distributed, preempt
+from mt.acceleration import compile_model, compiled_graphs, pad_multiple, set_fp32_precision
 from mt.batching import BatchSampler, iterate_batches
 from mt.checkpoint import (
     average_checkpoints,
@@ -154,6 +155,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     run_dir = Path(cfg.run_dir)
     if tc.threads > 0:
         torch.set_num_threads(tc.threads)
+    set_fp32_precision(info.device, tc.tf32)
     seed_everything(tc.seed)
     ckpt_dir = run_dir / "checkpoints"
     if info.is_main:
@@ -200,7 +202,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
         state = TrainState(**resume["state"])
         keep_best_of_best_pt(state, ckpt_dir / "best.pt", metric_key(cfg))
 
-    model = torch.compile(raw) if tc.compile else raw
+    model = compile_model(raw, tc)  # compile, then wrap in DDP: the order torch documents
     model = distributed.wrap(model, info)
     split = prepared.split("train")
     sampler = train_sampler(split, cfg, info.rank, info.world_size)
@@ -234,7 +236,9 @@ def train_loop(run: Run) -> str:
         n_batches = len(run.sampler.batches(state.epoch))
         if n_batches == 0:
             raise RuntimeError("no training batches: check the data and train.max_tokens")
-        batches = iterate_batches(split, run.sampler, state.epoch, start=state.batch)
+        batches = iterate_batches(
+            split, run.sampler, state.epoch, start=state.batch, pad_multiple=pad_multiple(tc)
+        )
         for group in _groups(batches, tc.accum_steps):
             group = [b.to(run.info.device) for b in group]
             lr = _apply_cooldown(run)
@@ -292,6 +296,7 @@ def _log_updates(
             "gnorm": gnorm,
             "tgt_tok_per_s": tok_s,
             "wall": round(state.wall, 3),
+            **({"compiled_graphs": compiled_graphs()} if run.cfg.train.compile else {}),
         }
     )
 

@@ -56,6 +56,7 @@ LAYERS = {
     "mt.evaluate": 5,
     "mt.translate": 5,
     "mt.metrics_log": 2,
+    "mt.acceleration": 1.5,
     "mt.run_state": 5.3,
     "mt.update": 5.4,
     "mt.validation": 5.5,
