@@ -179,7 +179,7 @@ class Runner:
         """One full training update; returns (seconds, loss per target token)."""
         sync(self.device)
         start = time.perf_counter()
-        result = self.update([batch], self.state)  # ends with .item(): waits for the GPU too
+        result = self.update([batch], self.state)  # one read of the device (step or skip)
         sync(self.device)
         seconds = time.perf_counter() - start
         return seconds, result.loss if result is not None else float("nan")

@@ -42,6 +42,13 @@ def test_collate_exact():
     assert batch.weight == 1.0
     moved = batch.to("cpu")
     assert isinstance(moved, Batch) and torch.equal(moved.src, batch.src)
+    # the real positions, found on the host: flat indices of the non-pad positions
+    assert batch.real.src.tolist() == [0, 1, 2, 3, 4, 5]
+    assert batch.real.tgt.tolist() == [0, 1, 3, 4, 5]
+    assert torch.equal(batch.real.tgt, (batch.tgt_out != PAD).flatten().nonzero().squeeze(1))
+    meta = batch.to("meta")  # every tensor moves, the real positions too
+    assert {t.device.type for t in (meta.src, meta.tgt_in, meta.tgt_out, *meta.real)} == {"meta"}
+    assert meta.ntokens == 5
 
 
 def test_make_src_matches_training_source():
