@@ -154,7 +154,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         OmegaConfBaseException,
     ]
     try:
-        from mt.trainer import NonFiniteError
+        from mt.update import NonFiniteError
 
         types.append(NonFiniteError)
     except ImportError:  # a broken torch install: its own error is clearer

@@ -6,19 +6,29 @@
   step; ``best.pt`` may have been saved later with a better one, which then stays the bar.
 - :func:`record_config`: ``config.yaml`` keeps the run's original configuration; a resume with
   other settings writes ``config.resume-<n>.yaml`` and logs each changed key.
+- :func:`training_state`: what a checkpoint of the run holds, so that it can be resumed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-from mt.checkpoint import CheckpointError, load_checkpoint, periodic_checkpoints
+from mt import distributed
+from mt.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    model_state,
+    periodic_checkpoints,
+    rng_state,
+)
 from mt.config import to_yaml
 from mt.files import write_text
+from mt.run_state import TrainState, data_plan
 from mt.schema import Config
-from mt.trainer import TrainState, better
+from mt.validation import better, metric_key
 
 log = logging.getLogger(__name__)
 
@@ -118,3 +128,26 @@ def _changed_keys(old: str, new: str) -> list[str]:
         return ["config.yaml is not valid YAML"]
     keys = sorted(set(a) | set(b))
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+
+
+def training_state(
+    raw_model, prepared, cfg: Config, state: TrainState, optimizer, scheduler, scaler, full: bool,
+    world_size: int = 1,
+) -> dict[str, Any]:  # fmt: skip
+    """A checkpoint dict: the self-describing model part, plus training state when ``full``.
+
+    With ``full`` every rank must call this (the RNG states of all ranks are gathered).
+    """
+    ckpt = model_state(raw_model, cfg.model, prepared.tokenizer, prepared.vocab_size)
+    ckpt.update(step=state.step, epoch=state.epoch, best=state.best, best_metric=metric_key(cfg))
+    if full:
+        ckpt.update(
+            optimizer=optimizer.state_dict(),
+            scheduler=scheduler.state_dict(),
+            scaler=scaler.state_dict(),
+            rng=distributed.all_gather_object(rng_state()),
+            data={"epoch": state.epoch, "batch": state.batch, "plan": data_plan(cfg, world_size)},
+            train_cfg=dataclasses.asdict(cfg.train),
+            state=dataclasses.asdict(state),
+        )
+    return ckpt

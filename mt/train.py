@@ -44,26 +44,28 @@ from mt.checkpoint import (
 )
 from mt.files import remove_stale_temps, write_json
 from mt.lock import LockError, RunLock
+from mt.metrics_log import MetricsLog
 from mt.model import build_model
 from mt.prepare import prepare
 from mt.progress import progress
-from mt.resume import has_checkpoints, keep_best_of_best_pt, record_config, resume_checkpoint
-from mt.schedule import cooldown_factor, noam_lambda
-from mt.schema import Config
-from mt.trainer import (
-    MetricsLog,
+from mt.resume import (
+    has_checkpoints,
+    keep_best_of_best_pt,
+    record_config,
+    resume_checkpoint,
+    training_state,
+)
+from mt.run_state import (
     TrainState,
-    Updater,
-    better,
-    build_optimizer,
     check_compatible,
     check_data_plan,
-    metric_key,
     seed_everything,
     train_sampler,
-    training_state,
-    validate,
 )
+from mt.schedule import cooldown_factor, noam_lambda
+from mt.schema import Config
+from mt.update import Updater, build_optimizer
+from mt.validation import better, metric_key, validate
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Training-step benchmark: mt's Transformer (and optionally torch.nn.Transformer) on one shape.
 
-A step is what training does, through the training code itself (``mt.trainer.Updater``):
+A step is what training does, through the training code itself (``mt.update.Updater``):
 forward, label-smoothed loss, backward, gradient norm, Adam, Noam scheduler.
 Throughput is non-pad target tokens (EOS included; fairseq's ``wps``) per second of a step,
 the median over the timed steps after ``--warmup-steps`` untimed ones. With ``--baseline torch``
@@ -45,9 +45,10 @@ from torch import nn
 
 from mt.loss import label_smoothed_nll_loss
 from mt.model import build_model, sinusoidal_positions
+from mt.run_state import TrainState
 from mt.schedule import noam_lambda
 from mt.schema import Config, ModelConfig
-from mt.trainer import TrainState, Updater, build_optimizer
+from mt.update import Updater, build_optimizer
 from mt.vocab import PAD
 
 log = logging.getLogger("bench")
@@ -137,7 +138,7 @@ def textbook_loss(model, batch, eps: float, precision: str):
 
 
 class Runner:
-    """One implementation under test, stepped by the training code's own ``mt.trainer.Updater``
+    """One implementation under test, stepped by the training code's own ``mt.update.Updater``
     (forward, label-smoothed loss, backward, gradient norm, Adam, Noam), set up as
     ``mt.train.setup`` does."""
 

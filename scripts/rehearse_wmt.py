@@ -173,7 +173,7 @@ def plan_epoch(out: Path) -> dict:
     """Time the batch plan of one epoch of the prepared train split, as training builds it."""
     from mt.config import load_config
     from mt.prepare import prepare
-    from mt.trainer import train_sampler
+    from mt.run_state import train_sampler
 
     cfg = load_config(overrides(out))
     split = prepare(cfg).split("train")

@@ -255,7 +255,7 @@ def test_empty_validation_is_an_error_not_a_best_loss_of_zero(corpus, tmp_path):
     import numpy as np
 
     from mt.prepare import EncodedSplit, TokenArray
-    from mt.trainer import valid_loss
+    from mt.validation import valid_loss
 
     cfg = cfg_for(corpus, tmp_path / "r", 1)
     empty = TokenArray(np.zeros(0, np.uint16), np.zeros(1, np.int64))

@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-import mt.trainer
+import mt.update
 from mt.checkpoint import CheckpointError, load_checkpoint, periodic_checkpoints
 from mt.config import load_config
 from mt.loss import label_smoothed_nll_loss
 from mt.preempt import EXIT_PREEMPTED
+from mt.run_state import train_sampler
 from mt.train import train
-from mt.trainer import NonFiniteError, train_sampler
+from mt.update import NonFiniteError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -227,9 +228,9 @@ def test_cooldown_decays_the_rate_to_zero_over_the_end_of_the_budget(tmp_path):
 
 
 def test_budget_progress_takes_the_nearer_limit():
+    from mt.run_state import TrainState
     from mt.schema import TrainConfig
     from mt.train import budget_progress
-    from mt.trainer import TrainState
 
     state = TrainState(step=30, wall=90.0)
     assert budget_progress(TrainConfig(max_steps=100), state) == pytest.approx(0.3)
@@ -289,7 +290,7 @@ def test_patience_stops_and_best_follows_the_metric(tmp_path, monkeypatch):
 
 
 def test_nonfinite_updates_are_skipped_then_stop(tmp_path, monkeypatch, caplog):
-    real = mt.trainer.label_smoothed_cross_entropy
+    real = mt.update.label_smoothed_cross_entropy
     calls = {"n": 0}
 
     def sometimes_nan(logits, target, eps, *rest):
@@ -299,7 +300,7 @@ def test_nonfinite_updates_are_skipped_then_stop(tmp_path, monkeypatch, caplog):
             return loss * float("nan"), nll
         return loss, nll
 
-    monkeypatch.setattr(mt.trainer, "label_smoothed_cross_entropy", sometimes_nan)
+    monkeypatch.setattr(mt.update, "label_smoothed_cross_entropy", sometimes_nan)
     run = tmp_path / "run"
     result = train(_cfg(run, "train.max_steps=4", "train.eval_every=0"))
     assert result["step"] == 4
@@ -311,7 +312,7 @@ def test_nonfinite_updates_are_skipped_then_stop(tmp_path, monkeypatch, caplog):
         loss, nll = real(logits, target, eps, *rest)
         return loss * float("nan"), nll
 
-    monkeypatch.setattr(mt.trainer, "label_smoothed_cross_entropy", always_nan)
+    monkeypatch.setattr(mt.update, "label_smoothed_cross_entropy", always_nan)
     with pytest.raises(NonFiniteError, match="3 consecutive updates"):
         train(_cfg(tmp_path / "nan", "train.max_steps=10", "train.max_nonfinite=3"))
 
@@ -379,7 +380,8 @@ def test_updater_normalises_by_update_tokens_and_clips(clip):
     -lr * grad(sum of smoothed losses / real tokens), clipped to clip_norm: checked against
     autograd on the real batch alone."""
     from mt.batching import collate
-    from mt.trainer import TrainState, Updater
+    from mt.run_state import TrainState
+    from mt.update import Updater
 
     cfg = load_config([*TINY, f"train.clip_norm={clip}"])
     real = collate([(np.array([4, 5]), np.array([6, 7, 8])), (np.array([9]), np.array([5]))])

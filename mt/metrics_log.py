@@ -1,0 +1,55 @@
+"""The run's metrics: ``metrics.jsonl`` and TensorBoard, written by rank 0."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+from mt.files import JsonlAppender
+
+log = logging.getLogger(__name__)
+
+
+class MetricsLog:
+    """``metrics.jsonl`` (one flushed line per record, appended) and TensorBoard, rank 0 only.
+
+    Args:
+        run_dir: the run directory.
+        resume_step: records from the first one with a larger step on are cut off (they were
+            written after the checkpoint being resumed, and will be written again).
+        enabled: False on ranks other than 0.
+    """
+
+    def __init__(self, run_dir: Path, resume_step: int, enabled: bool = True):
+        self.enabled = enabled
+        self.file: Optional[JsonlAppender] = None
+        self.tb = None
+        if not enabled:
+            return
+        # Appended, never rewritten: a torn last line and the records after the resumed step
+        # are cut off with one truncate.
+        self.file = JsonlAppender(run_dir / "metrics.jsonl", keep_through_step=resume_step)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1)
+        except Exception as e:  # tensorboard missing or broken: JSONL is enough
+            log.info("TensorBoard disabled (%s)", e)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record; scalars also go to TensorBoard under their key."""
+        if not self.enabled:
+            return
+        self.file.write(record)
+        if self.tb is not None and "step" in record:
+            for key, value in record.items():
+                if key not in ("step", "epoch") and isinstance(value, (int, float)):
+                    self.tb.add_scalar(key, value, record["step"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()
