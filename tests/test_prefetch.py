@@ -168,3 +168,19 @@ def test_batch_tokens_off_keeps_the_settings_and_a_conflict_names_both():
         batch_plan(25000, 4096, 1, accum_steps=4)
     with pytest.raises(ValueError, match="train.batch_tokens"):
         batch_plan(-1, 4096, 1)
+
+
+@pytest.mark.parametrize("name", ["wmt14_en_de_base", "wmt14_en_de_big"])
+def test_wmt_experiments_train_the_papers_batch_in_bf16_on_one_or_eight_gpus(name):
+    from mt.config import load_config
+    from mt.train import _resolve_batch
+
+    cfg = load_config([f"experiment={name}"])
+    assert cfg.train.precision == "bf16" and cfg.train.batch_tokens == 25000
+    sizes = []
+    for world in (1, 8):
+        tc = _resolve_batch(cfg, world).train
+        assert tc.max_tokens <= cfg.train.max_tokens
+        sizes.append(world * tc.accum_steps * tc.max_tokens)
+    assert sizes == [25000, 25000]
+    assert load_config(["experiment=multi30k_de_en"]).train.batch_tokens == 0  # the CPU recipe
