@@ -221,7 +221,7 @@ def wrap(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
     ``broadcast_buffers=False``: the model's only buffers are constants (the sinusoidal
     positions), identical on every rank, so the per-forward broadcast would copy nothing new.
     ``gradient_as_bucket_view=True``: gradients live in DDP's all-reduce buckets instead of
-    being copied into and out of them (less memory, two copies fewer per update).
+    being copied into them and back after the all-reduce (less memory, no copies).
     """
     if not info.distributed:
         return model

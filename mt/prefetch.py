@@ -33,6 +33,8 @@ import threading
 from collections.abc import Iterator
 from typing import Generic, Protocol, TypeVar
 
+import torch
+
 log = logging.getLogger(__name__)
 
 
@@ -63,15 +65,23 @@ class Prefetcher(Generic[T]):
         depth: items kept ready (>= 1). 0 makes no thread: ``source`` is iterated in the
             caller's thread, as without a prefetcher (for debugging).
         pin: call each item's ``pin_memory()`` in the background thread (for CUDA devices).
+        device: the CUDA device the batches go to, made current in the thread before pinning
+            (the current device is per thread; without it a rank on GPU 3 would pin through
+            GPU 0's context). None: leave the thread's current device alone.
         name: the thread's name (shown in stack dumps).
     """
 
     def __init__(
-        self, source: Iterator[T], depth: int = 2, pin: bool = False, name: str = "mt-prefetch"
+        self,
+        source: Iterator[T],
+        depth: int = 2,
+        pin: bool = False,
+        device: torch.device | None = None,
+        name: str = "mt-prefetch",
     ) -> None:
         if depth < 0:
             raise ValueError(f"train.prefetch must be >= 0, got {depth}")
-        self._source, self._pin = iter(source), pin
+        self._source, self._pin, self._device = iter(source), pin, device
         self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self._stop = threading.Event()
         self._done = False
@@ -83,6 +93,8 @@ class Prefetcher(Generic[T]):
     def _produce(self) -> None:
         end = _End()
         try:
+            if self._pin and self._device is not None and self._device.type == "cuda":
+                torch.cuda.set_device(self._device)
             for item in self._source:
                 if self._pin:
                     item = item.pin_memory()

@@ -94,8 +94,9 @@ class Run:
     def prefetch(self, source) -> Prefetcher:
         """Collate ``source``'s batches ahead in a background thread (pinned for a GPU)."""
         self.close_batches()
-        pin = self.info.device.type == "cuda"
-        self.batches = Prefetcher(source, self.cfg.train.prefetch, pin=pin)
+        device = self.info.device
+        pin = device.type == "cuda"
+        self.batches = Prefetcher(source, self.cfg.train.prefetch, pin=pin, device=device)
         return self.batches
 
     def close_batches(self) -> None:

@@ -112,11 +112,12 @@ def test_items_are_pinned_in_the_thread_when_asked():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned host memory)")
 def test_batches_are_pinned_for_a_gpu():
     batch = collate([(np.array([7, 8]), np.array([9]))])
-    with Prefetcher(iter([batch]), depth=2, pin=True) as items:
+    dev = torch.device("cuda", torch.cuda.device_count() - 1)
+    with Prefetcher(iter([batch]), depth=2, pin=True, device=dev) as items:
         (got,) = list(items)
     assert isinstance(got, Batch)
     assert got.src.is_pinned() and got.tgt_in.is_pinned() and got.tgt_out.is_pinned()
-    on_gpu = got.to("cuda")
+    on_gpu = got.to(dev)
     assert torch.equal(on_gpu.src.cpu(), batch.src)
 
 
