@@ -3,6 +3,8 @@ and the global batch size of train.batch_tokens (mt.batching.batch_plan)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -122,12 +124,14 @@ def test_batches_are_pinned_for_a_gpu():
 
 
 def test_training_leaves_no_prefetch_thread(monkeypatch, tmp_path, real_data):
-    """A real run, ended by max_steps and then by an error mid-epoch: the thread is gone."""
+    """A real run ended by max_steps, by an error mid-epoch, by a stop signal: each time the
+    thread is gone when train() returns or raises."""
     from test_train import _cfg
 
     import mt.train as train_mod
 
     monkeypatch.setenv("MT_DATA_DIR", str(real_data))
+    update = train_mod.Updater.__call__
     train_mod.train(_cfg(tmp_path / "ok", "train.max_steps=2"))
     assert not _prefetch_threads()
 
@@ -137,6 +141,16 @@ def test_training_leaves_no_prefetch_thread(monkeypatch, tmp_path, real_data):
     monkeypatch.setattr(train_mod.Updater, "__call__", failing_update)
     with pytest.raises(RuntimeError, match="update failed"):
         train_mod.train(_cfg(tmp_path / "bad", "train.max_steps=2"))
+    assert not _prefetch_threads()
+
+    def signalled_update(self, group, state):  # a SIGUSR1 arrives during the first update
+        monkeypatch.setattr(train_mod.Updater, "__call__", update)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return update(self, group, state)
+
+    monkeypatch.setattr(train_mod.Updater, "__call__", signalled_update)
+    summary = train_mod.train(_cfg(tmp_path / "signal", "train.max_steps=50"))
+    assert (summary["stop"], summary["step"]) == ("signal", 1)
     assert not _prefetch_threads()
 
 
