@@ -281,3 +281,54 @@ def iterate_batches(
         batch = collate([(split.src[j], split.tgt[j]) for j in batches[i]], pad_multiple)
         batch.weight = weights[i]
         yield batch
+
+
+def batch_plan(
+    batch_tokens: int, max_tokens: int, world_size: int, accum_steps: int = 1
+) -> tuple[int, int]:
+    """Each rank's ``(max_tokens, accum_steps)`` for a global batch of ``batch_tokens``.
+
+    ``batch_tokens`` (``train.batch_tokens``) is the paper's batch size, "approximately 25000
+    source tokens and 25000 target tokens", counted as ``max_tokens`` counts: padded positions
+    of the longer side, so an update of ``world_size x accum_steps`` batches holds at most
+    ``world_size x accum_steps x max_tokens`` of them (the real target tokens per update are
+    fewer by the padding; logged as ``ntokens`` at each update). ``max_tokens`` is then a
+    ceiling (what one GPU's memory holds) and the rule is::
+
+        accum_steps = ceil(batch_tokens / (max_tokens x world_size))
+        max_tokens  = batch_tokens // (accum_steps x world_size)      (<= the ceiling)
+
+    so 1 GPU and 8 GPUs train with the same global batch (within ``accum_steps x world_size``
+    tokens of rounding): ``round()`` of the first ratio alone would give 8 GPUs x 25k = 200k
+    where one GPU has 25k.
+
+    Args:
+        batch_tokens: the global target; 0 leaves ``max_tokens`` and ``accum_steps`` as given.
+        max_tokens: ``train.max_tokens``, the largest batch one rank may hold.
+        world_size: number of ranks.
+        accum_steps: ``train.accum_steps``; with ``batch_tokens`` it must be left at 1.
+
+    Raises:
+        ValueError: naming the settings, when both are set or a value is out of range.
+
+    Example:
+        >>> batch_plan(25000, 16384, 1), batch_plan(25000, 16384, 8)
+        ((12500, 2), (3125, 1))
+    """
+    if batch_tokens < 0 or max_tokens < 1 or world_size < 1 or accum_steps < 1:
+        raise ValueError(
+            f"train.batch_tokens={batch_tokens} must be >= 0, train.max_tokens={max_tokens} and "
+            f"train.accum_steps={accum_steps} >= 1 ({world_size} ranks)"
+        )
+    if batch_tokens == 0:
+        return max_tokens, accum_steps
+    if accum_steps != 1:
+        raise ValueError(
+            f"train.batch_tokens={batch_tokens} decides train.accum_steps for any number of "
+            f"ranks, but train.accum_steps={accum_steps} was also given: set one of them "
+            "(train.batch_tokens=0 to give accum_steps yourself)"
+        )
+    if batch_tokens < world_size:
+        raise ValueError(f"train.batch_tokens={batch_tokens} is fewer than {world_size} ranks")
+    accum = -(-batch_tokens // (max_tokens * world_size))  # ceil
+    return batch_tokens // (accum * world_size), accum

@@ -142,7 +142,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from omegaconf.errors import OmegaConfBaseException
 
     from mt.checkpoint import CheckpointError
-    from mt.distributed import LauncherError
+    from mt.distributed import LauncherError, RankError
     from mt.lock import LockError
 
     types: list[type[BaseException]] = [
@@ -151,6 +151,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         CheckpointError,
         LockError,
         LauncherError,
+        RankError,
         OmegaConfBaseException,
     ]
     try:

@@ -6,6 +6,14 @@ MASTER_ADDR and MASTER_PORT in each process; :func:`setup` reads them, picks the
 torchrun (WORLD_SIZE unset or 1) every function here is a cheap no-op, so the rest of ``mt`` is
 single-process code that calls them unconditionally.
 
+Control collectives (a stop signal seen by any rank, the shared wall time, rank 0's decisions,
+barriers) carry a few numbers or objects that the host needs. Under NCCL they would live on the
+GPU, and reading them back (``.item()``, ``.tolist()``) waits for every kernel queued before
+them: a device synchronisation per update. So next to the NCCL group :func:`setup` creates a
+gloo group over the same ranks, and these collectives run there on CPU tensors; they then only
+wait for the other ranks' hosts, never for a GPU. Under gloo (CPU training) the default group
+already is that group.
+
 Example (one machine, 8 GPUs; two machines: ``--nnodes=2 --node_rank=i
 --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT`` on each):
     torchrun --standalone --nproc_per_node=8 $(which mt-train) experiment=wmt14_en_de_base
@@ -54,12 +62,16 @@ def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
     return torch.device(device)
 
 
+_CONTROL = None  # the gloo group of the control collectives (None: the default group)
+
+
 def setup(device: str = "auto", timeout_minutes: float = 30.0) -> DistInfo:
     """Join the process group torchrun describes (if any) and pick this process's device.
 
     Args:
         device: auto | cpu | cuda | cuda:N (see :func:`resolve_device`).
-        timeout_minutes: collective timeout (rank 0 prepares data while the others wait).
+        timeout_minutes: collective timeout (``train.dist_timeout_minutes``): how long a rank
+            waits for the others (e.g. while rank 0 validates or saves) before failing.
 
     Returns:
         The :class:`DistInfo` of this process.
@@ -73,11 +85,11 @@ def setup(device: str = "auto", timeout_minutes: float = 30.0) -> DistInfo:
         torch.cuda.set_device(dev)
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(minutes=timeout_minutes)
         dist.init_process_group(
-            backend=backend,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
-            device_id=dev if dev.type == "cuda" else None,
+            backend=backend, timeout=timeout, device_id=dev if dev.type == "cuda" else None
         )
+        init_control_group(timeout)
         log.info("DDP: rank %d/%d (local %d) on %s, %s", rank, world_size, local_rank, dev, backend)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
 
@@ -119,14 +131,23 @@ def check_launcher(env) -> None:
             )
 
 
+def init_control_group(timeout: datetime.timedelta) -> None:
+    """After ``init_process_group``: a gloo group for the control collectives when the default
+    backend is not gloo (NCCL); under gloo the default group serves. Every rank must call it."""
+    global _CONTROL
+    _CONTROL = None
+    if dist.get_backend() != "gloo":
+        _CONTROL = dist.new_group(backend="gloo", timeout=timeout)
+
+
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
 def barrier() -> None:
-    """Wait for every rank (no-op in a single process)."""
+    """Wait for every rank (no-op in a single process); host-side, on the control group."""
     if is_initialized():
-        dist.barrier()
+        dist.barrier(group=_CONTROL)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -141,40 +162,73 @@ def all_gather_object(obj: object) -> list:
     if not is_initialized():
         return [obj]
     out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=_CONTROL)
     return out
 
 
-def broadcast_float(value: float | None, device: torch.device) -> float | None:
-    """Rank 0's ``value`` on every rank (None stays None; other ranks' inputs are ignored)."""
+def broadcast_object(obj: object) -> object:
+    """Rank 0's ``obj`` (picklable) on every rank (``obj`` itself in a single process)."""
+    if not is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=_CONTROL)
+    return box[0]
+
+
+class RankError(RuntimeError):
+    """Another rank failed a check that every rank had to pass (its message is included)."""
+
+
+def check_all(error: BaseException | None, what: str) -> None:
+    """Stop every rank together when any rank failed ``what``.
+
+    Each rank passes its own outcome (None: passed); the outcomes are gathered, so a rank that
+    failed raises its own error and the others raise :class:`RankError` with every failed rank's
+    message, instead of going on to the next collective and hanging there until the timeout.
+    """
+    errors = all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise RankError(f"{what} failed on another rank: " + " | ".join(failed))
+
+
+def broadcast_float(value: float | None, device: torch.device | None = None) -> float | None:
+    """Rank 0's ``value`` on every rank (None stays None; other ranks' inputs are ignored).
+    A host-side collective (``device`` is not used; kept for callers)."""
     if not is_initialized():
         return value
-    t = torch.tensor(
-        [math.nan if value is None else float(value)], dtype=torch.float64, device=device
-    )
-    dist.broadcast(t, src=0)
+    t = torch.tensor([math.nan if value is None else float(value)], dtype=torch.float64)
+    dist.broadcast(t, src=0, group=_CONTROL)
     out = float(t.item())
     return None if math.isnan(out) else out
 
 
-def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    """Each value's maximum over ranks, in one collective (the values as they are in a single
-    process)."""
+def max_over_ranks(values: list[float], device: torch.device | None = None) -> list[float]:
+    """Each value's maximum over ranks, in one host-side collective on the control group (no
+    GPU synchronisation: the training loop calls it every update). ``device`` is not used."""
     if not is_initialized():
         return [float(v) for v in values]
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_CONTROL)
     return t.tolist()
 
 
 def wrap(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
-    """Wrap the model in DistributedDataParallel when there are several ranks."""
+    """Wrap the model in DistributedDataParallel when there are several ranks.
+
+    ``broadcast_buffers=False``: the model's only buffers are constants (the sinusoidal
+    positions), identical on every rank, so the per-forward broadcast would copy nothing new.
+    ``gradient_as_bucket_view=True``: gradients live in DDP's all-reduce buckets instead of
+    being copied into them and back after the all-reduce (less memory, no copies).
+    """
     if not info.distributed:
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ids = [info.device.index] if info.device.type == "cuda" else None
-    return DDP(model, device_ids=ids)
+    return DDP(model, device_ids=ids, broadcast_buffers=False, gradient_as_bucket_view=True)
 
 
 def no_sync(model: torch.nn.Module, skip: bool):
@@ -187,5 +241,7 @@ def no_sync(model: torch.nn.Module, skip: bool):
 
 def cleanup() -> None:
     """Leave the process group (safe to call twice or without one)."""
+    global _CONTROL
+    _CONTROL = None
     if is_initialized():
         dist.destroy_process_group()

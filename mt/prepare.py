@@ -188,8 +188,14 @@ def cache_key(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def prepare(cfg: Config) -> Prepared:
+def prepare(cfg: Config, build: bool = True) -> Prepared:
     """Read, clean, train SentencePiece and encode all splits, or load the cached result.
+
+    Args:
+        cfg: the configuration (data, tokenizer, cache_dir).
+        build: False: only load; a cache miss is a :class:`CacheError` that says to run
+            ``mt-prepare`` first (each rank of a torchrun job, which must not build it
+            inside a collective's timeout).
 
     Returns:
         The :class:`Prepared` data.
@@ -204,10 +210,18 @@ def prepare(cfg: Config) -> Prepared:
         try:
             prepared = Prepared(final)
         except (CacheError, TokenizerError) as err:
+            if not build:
+                raise CacheError(f"{err}: run `mt-prepare` with the same settings first") from err
             log.warning("%s: rebuilding it", err)
         else:
             log.info("prepared data: cache hit %s", final)
             return prepared
+    if not build:
+        raise CacheError(
+            f"no prepared data for this configuration in {final} (cache_dir={cfg.cache_dir}): "
+            "run `mt-prepare` with the same settings first (under torchrun each rank only "
+            "loads prepared data)"
+        )
     if final.exists():  # no meta.json or a different key: never trust it
         log.warning("discarding incomplete prepared data at %s", final)
         shutil.rmtree(final)

@@ -2,6 +2,9 @@
 
 - :func:`resume_checkpoint`: ``last.pt``, or when it is unreadable the newest readable periodic
   checkpoint (each holds the full training state), with a warning naming both.
+- :func:`agree_on_resume`: under several ranks, rank 0 makes that choice and every rank checks
+  that it sees the same checkpoint (a run directory that is not one shared directory, or a
+  checkpoint rewritten in between, stops every rank with an error instead of a silent split).
 - :func:`keep_best_of_best_pt`: a resumed state knows the best validation value as of its own
   step; ``best.pt`` may have been saved later with a better one, which then stays the bar.
 - :func:`record_config`: ``config.yaml`` keeps the run's original configuration; a resume with
@@ -67,6 +70,62 @@ def resume_checkpoint(ckpt_dir: Path) -> tuple[Optional[dict], Optional[Path]]:
             f"no checkpoint in {ckpt_dir} can resume the run: " + " | ".join(errors)
         )
     return None, None
+
+
+def agree_on_resume(ckpt_dir: Path, is_main: bool) -> tuple[Optional[dict], Optional[Path]]:
+    """:func:`resume_checkpoint` decided by rank 0 and checked by every rank.
+
+    Rank 0 chooses (as in a single process) and broadcasts the file name and step; each other
+    rank loads that file from its own ``ckpt_dir`` and checks the step (or, for a new run, that
+    it sees no checkpoint either). Every rank learns of any rank's failure.
+
+    Returns:
+        ``(checkpoint, path)`` as :func:`resume_checkpoint`, the same on every rank.
+
+    Raises:
+        CheckpointError: on the rank that disagrees (its own reason).
+        mt.distributed.RankError: on the other ranks, with that reason.
+    """
+    ckpt, path, error = None, None, None
+    if is_main:
+        try:
+            ckpt, path = resume_checkpoint(ckpt_dir)
+        except CheckpointError as err:
+            error = err
+    distributed.check_all(error, f"choosing the checkpoint to resume in {ckpt_dir}")
+    choice = distributed.broadcast_object(None if ckpt is None else (path.name, ckpt["step"]))
+    if not is_main:
+        try:
+            ckpt, path = _load_choice(ckpt_dir, choice)
+        except CheckpointError as err:
+            error = err
+    distributed.check_all(error, f"agreeing with rank 0 on the checkpoint in {ckpt_dir}")
+    return ckpt, path
+
+
+def _load_choice(ckpt_dir: Path, choice) -> tuple[Optional[dict], Optional[Path]]:
+    """Load rank 0's choice ``(file name, step)`` (None: a new run) from this rank's view."""
+    shared = "run_dir must be one directory that every rank sees (a shared filesystem)"
+    if choice is None:
+        if has_checkpoints(ckpt_dir):
+            raise CheckpointError(
+                f"rank 0 starts a new run, but this rank sees checkpoints in {ckpt_dir}: {shared}"
+            )
+        return None, None
+    name, step = choice
+    path = ckpt_dir / name
+    try:
+        ckpt = load_checkpoint(path, require_training=True)
+    except CheckpointError as err:
+        raise CheckpointError(
+            f"rank 0 resumes {name} (step {step}), but this rank cannot read it: {err}. {shared}"
+        ) from err
+    if ckpt["step"] != step:
+        raise CheckpointError(
+            f"rank 0 resumes {name} at step {step}, but this rank reads step {ckpt['step']} "
+            f"from {path}: {shared}"
+        )
+    return ckpt, path
 
 
 def keep_best_of_best_pt(state: TrainState, best_path: Path, key: str) -> None:

@@ -105,6 +105,12 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads on CPU (0 = torch's default)
     max_tokens: int = 4096  # padded tokens per batch and per rank (source and target each)
     accum_steps: int = 1  # batches per update (gradient accumulation)
+    # Global batch, the paper's way: padded target tokens per update over all ranks (~25000 for
+    # the paper's base); accum_steps (and a smaller max_tokens) follow for any number of ranks,
+    # see mt.batching.batch_plan. 0 = off: max_tokens and accum_steps as given.
+    batch_tokens: int = 0
+    prefetch: int = 2  # batches collated ahead in a background thread (0 = in the loop's thread)
+    dist_timeout_minutes: float = 30.0  # DDP collective timeout (torchrun runs)
     max_steps: int = 0  # stop after this many updates (0 = no limit)
     max_epochs: int = 0  # stop after this many epochs (0 = no limit)
     max_minutes: float = 0.0  # stop after this much training time (0 = no limit)

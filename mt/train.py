@@ -21,6 +21,7 @@ then exits with 75 (130 for Ctrl-C), see :mod:`mt.preempt`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -32,7 +33,7 @@ import torch
 
 from mt import distributed, preempt
 from mt.acceleration import compile_model, compiled_graphs, pad_multiple, set_fp32_precision
-from mt.batching import BatchSampler, iterate_batches
+from mt.batching import BatchSampler, batch_plan, iterate_batches
 from mt.checkpoint import (
     average_checkpoints,
     link_checkpoint,
@@ -47,13 +48,14 @@ from mt.files import remove_stale_temps, write_json
 from mt.lock import LockError, RunLock
 from mt.metrics_log import MetricsLog
 from mt.model import build_model
+from mt.prefetch import Prefetcher
 from mt.prepare import prepare
 from mt.progress import progress
 from mt.resume import (
+    agree_on_resume,
     has_checkpoints,
     keep_best_of_best_pt,
     record_config,
-    resume_checkpoint,
     training_state,
 )
 from mt.run_state import (
@@ -88,6 +90,21 @@ class Run:
     metrics: MetricsLog
     key: str  # valid_bleu or valid_loss
     stop: preempt.StopFlag = field(default_factory=preempt.StopFlag)
+    batches: Optional[Prefetcher] = None  # the current epoch's batches, collated ahead
+
+    def prefetch(self, source) -> Prefetcher:
+        """Collate ``source``'s batches ahead in a background thread (pinned for a GPU)."""
+        self.close_batches()
+        device = self.info.device
+        pin = device.type == "cuda"
+        self.batches = Prefetcher(source, self.cfg.train.prefetch, pin=pin, device=device)
+        return self.batches
+
+    def close_batches(self) -> None:
+        """Stop the background thread of :meth:`prefetch`, if any, and wait for it."""
+        if self.batches is not None:
+            self.batches.close()
+            self.batches = None
 
     @property
     def ckpt_dir(self) -> Path:
@@ -104,7 +121,7 @@ def train(cfg: Config) -> dict[str, Any]:
         A summary: ``step``, ``epoch``, ``stop`` (why training ended), ``best`` (the best
         validation metric), ``metric``, ``run_dir``.
     """
-    info = distributed.setup(cfg.train.device)
+    info = distributed.setup(cfg.train.device, cfg.train.dist_timeout_minutes)
     file_log = None
     restore_signals = None
     lock = None
@@ -120,6 +137,7 @@ def train(cfg: Config) -> dict[str, Any]:
             stop = train_loop(run)
             return finish(run, stop)
         finally:
+            run.close_batches()
             run.metrics.close()
     finally:
         if restore_signals is not None:
@@ -162,12 +180,11 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
         remove_stale_temps(run_dir, ckpt_dir)
         (run_dir / PREEMPTED).unlink(missing_ok=True)
         record_config(run_dir, cfg, resuming=has_checkpoints(ckpt_dir))
-        prepared = prepare(cfg)  # rank 0 builds the cache while the others wait
-    distributed.barrier()
-    if not info.is_main:
-        prepared = prepare(cfg)  # a cache hit: only loads
+    prepared = _prepared(cfg, info)
+    cfg = _resolve_batch(cfg, info.world_size)
+    tc = cfg.train
 
-    resume, resume_path = resume_checkpoint(ckpt_dir)
+    resume, resume_path = agree_on_resume(ckpt_dir, info.is_main)
     raw = build_model(cfg.model, prepared.vocab_size)  # same init on every rank (same seed)
     if resume is not None:
         check_compatible(
@@ -236,8 +253,10 @@ def train_loop(run: Run) -> str:
         n_batches = len(run.sampler.batches(state.epoch))
         if n_batches == 0:
             raise RuntimeError("no training batches: check the data and train.max_tokens")
-        batches = iterate_batches(
-            split, run.sampler, state.epoch, start=state.batch, pad_multiple=pad_multiple(tc)
+        batches = run.prefetch(
+            iterate_batches(
+                split, run.sampler, state.epoch, start=state.batch, pad_multiple=pad_multiple(tc)
+            )
         )
         for group in _groups(batches, tc.accum_steps):
             group = [b.to(run.info.device) for b in group]
@@ -268,6 +287,7 @@ def train_loop(run: Run) -> str:
             state.batch = 0
             if tc.max_epochs > 0 and state.epoch >= tc.max_epochs:
                 stop = "max_epochs"
+    run.close_batches()
     bar.close()
     log.info("training stopped at step %d (%s)", state.step, stop)
     return stop
@@ -299,6 +319,35 @@ def _log_updates(
             **({"compiled_graphs": compiled_graphs()} if run.cfg.train.compile else {}),
         }
     )
+
+
+def _prepared(cfg: Config, info: distributed.DistInfo):
+    """The prepared data. One process builds it on a cache miss; under torchrun every rank only
+    loads it (building it inside a collective's timeout would fail on a large corpus), so a
+    miss stops every rank with an error that says to run ``mt-prepare`` first."""
+    if not info.distributed:
+        return prepare(cfg)
+    prepared, error = None, None
+    try:
+        prepared = prepare(cfg, build=False)
+    except Exception as err:  # every rank stops, not only this one
+        error = err
+    distributed.check_all(error, "loading the prepared data")
+    return prepared
+
+
+def _resolve_batch(cfg: Config, world_size: int) -> Config:
+    """``cfg`` with each rank's ``max_tokens`` and ``accum_steps`` for ``train.batch_tokens``
+    (:func:`mt.batching.batch_plan`; unchanged when it is 0), logged."""
+    tc = cfg.train
+    max_tokens, accum = batch_plan(tc.batch_tokens, tc.max_tokens, world_size, tc.accum_steps)
+    log.info(
+        "batch: up to %d padded tokens per update = %d rank(s) x %d accumulation step(s) x "
+        "max_tokens %d%s", world_size * accum * max_tokens, world_size, accum, max_tokens,
+        f" (train.batch_tokens={tc.batch_tokens})" if tc.batch_tokens else "",
+    )  # fmt: skip
+    resolved = dataclasses.replace(tc, max_tokens=max_tokens, accum_steps=accum)
+    return dataclasses.replace(cfg, train=resolved)
 
 
 def evaluate(run: Run) -> dict[str, float]:
@@ -442,7 +491,8 @@ def _limits(run: Run) -> Optional[str]:
         log.info("no improvement in %d validations: early stop", state.bad_evals)
         return "patience"
     # One collective: a stop signal seen by any rank, and one training time for all ranks
-    # (the slowest rank's), which the time limit and the cool-down then read alike.
+    # (the slowest rank's), which the time limit and the cool-down then read alike. It runs on
+    # the host (gloo, see mt.distributed), so it never waits for the GPU's queued work.
     signal_seen, state.wall = distributed.max_over_ranks(
         [1.0 if run.stop.signum is not None else 0.0, state.wall], run.info.device
     )

@@ -120,3 +120,133 @@ def test_two_nodes_rendezvous_and_finish(tmp_path):
         assert p.returncode == 0, out
     ckpt = load_checkpoint(run / "checkpoints" / "last.pt", require_training=True)
     assert ckpt["step"] == 3 and len(ckpt["rng"]) == 2
+
+
+# -- rank 0 decides, every rank checks (2 gloo ranks started by hand, no training) ----------
+
+RANKS_SCRIPT = r"""
+import json, sys
+from pathlib import Path
+from mt import distributed
+from mt.resume import agree_on_resume
+
+root = Path(sys.argv[1])
+info = distributed.setup("cpu", timeout_minutes=2)
+out = {}
+for case in sorted(p.name for p in root.iterdir() if p.is_dir()):
+    d = root / case / ("shared" if (root / case / "shared").is_dir() else f"rank{info.rank}")
+    try:
+        ckpt, path = agree_on_resume(d / "checkpoints", info.is_main)
+        out[case] = ["ok", None if ckpt is None else [path.name, ckpt["step"]]]
+    except Exception as err:
+        out[case] = [type(err).__name__, str(err)]
+# Last: a prepared-data cache miss under 2 ranks (train() leaves the process group).
+from test_train import _cfg
+from mt.train import train
+try:
+    train(_cfg(root / "run", f"cache_dir={root / 'empty-cache'}", "train.max_steps=1"))
+    out["cache"] = ["ok", None]
+except Exception as err:
+    out["cache"] = [type(err).__name__, str(err)]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _fake_checkpoint(path: Path, step: int) -> None:
+    from mt.checkpoint import MODEL_KEYS, TRAINING_KEYS, save_checkpoint
+    from mt.vocab import SPECIALS
+
+    ckpt = {k: {} for k in MODEL_KEYS + TRAINING_KEYS}
+    ckpt.update(specials=SPECIALS, step=step)
+    save_checkpoint(path, ckpt)
+
+
+def _two_ranks(tmp_path: Path, script: str) -> list[dict]:
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(tmp_path)],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    results = []
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out
+        line = [x for x in out.splitlines() if x.startswith("RESULT ")]
+        assert line, out
+        results.append(json.loads(line[-1][len("RESULT ") :]))
+    return results
+
+
+def test_resume_is_rank_0s_choice_checked_by_every_rank_and_a_cache_miss_says_prepare(tmp_path):
+    """Each case gives the two ranks a view of the run directory: one shared directory, or one
+    per rank (what ranks on nodes without a shared filesystem would see)."""
+    views = {  # case -> checkpoint step per rank (None: no checkpoint; "shared": one directory)
+        "agree": {"shared": 3},
+        "new_run": {"shared": None},
+        "other_step": {"rank0": 3, "rank1": 2},
+        "missing_on_rank1": {"rank0": 3, "rank1": None},
+        "only_rank1_has_one": {"rank0": None, "rank1": 4},
+    }
+    for case, dirs in views.items():
+        for name, step in dirs.items():
+            ckpt_dir = tmp_path / case / name / "checkpoints"
+            ckpt_dir.mkdir(parents=True)
+            if step is not None:
+                _fake_checkpoint(ckpt_dir / "last.pt", step)
+    (tmp_path / "unreadable" / "shared" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "unreadable" / "shared" / "checkpoints" / "last.pt").write_bytes(b"garbage")
+
+    rank0, rank1 = _two_ranks(tmp_path, RANKS_SCRIPT)
+    assert rank0["agree"] == rank1["agree"] == ["ok", ["last.pt", 3]]
+    assert rank0["new_run"] == rank1["new_run"] == ["ok", None]
+    # the rank that disagrees says why; the other one stops too, quoting it
+    assert rank1["other_step"][0] == "CheckpointError"
+    assert "reads step 2" in rank1["other_step"][1] and "shared" in rank1["other_step"][1]
+    assert rank0["other_step"][0] == "RankError" and "rank 1" in rank0["other_step"][1]
+    assert rank1["missing_on_rank1"][0] == "CheckpointError"
+    assert "cannot read it" in rank1["missing_on_rank1"][1]
+    assert rank0["missing_on_rank1"][0] == "RankError"
+    assert rank1["only_rank1_has_one"][0] == "CheckpointError"
+    assert "new run" in rank1["only_rank1_has_one"][1]
+    assert rank0["only_rank1_has_one"][0] == "RankError"
+    # rank 0 cannot resume at all: it says so, rank 1 stops with its message
+    assert rank0["unreadable"][0] == "CheckpointError"
+    assert rank1["unreadable"][0] == "RankError" and "rank 0" in rank1["unreadable"][1]
+    # a cache miss: every rank stops and says to run mt-prepare (nothing was built)
+    for r in (rank0, rank1):
+        assert r["cache"][0] == "CacheError" and "mt-prepare" in r["cache"][1], r["cache"]
+    assert not (tmp_path / "empty-cache").exists() or not any(
+        p.name.startswith("multi30k") for p in (tmp_path / "empty-cache").iterdir()
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL)")
+def test_control_collectives_do_not_synchronise_the_gpu(tmp_path):
+    """Under NCCL the stop/wall-time collective of every update runs on the gloo control group:
+    with sync debug mode "error", a device-side all-reduce read back with .tolist() would
+    raise; the control collectives must not."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dev = torch.device("cuda", 0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1, device_id=dev)  # fmt: skip
+    distributed.init_control_group(datetime.timedelta(minutes=1))
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        assert distributed.max_over_ranks([1.0, 2.5], dev) == [1.0, 2.5]
+        assert distributed.broadcast_float(3.0, dev) == 3.0
+        distributed.barrier()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        distributed.cleanup()

@@ -27,6 +27,7 @@ LAYERS = {
     "mt.lock": 1,
     "mt.preempt": 1,
     "mt.progress": 1,
+    "mt.prefetch": 1,
     "mt.attention": 2,
     "mt.model": 2.5,
     "mt.tokenizer": 2,
