@@ -194,9 +194,9 @@ def check_all(error: BaseException | None, what: str) -> None:
         raise RankError(f"{what} failed on another rank: " + " | ".join(failed))
 
 
-def broadcast_float(value: float | None, device: torch.device | None = None) -> float | None:
+def broadcast_float(value: float | None) -> float | None:
     """Rank 0's ``value`` on every rank (None stays None; other ranks' inputs are ignored).
-    A host-side collective (``device`` is not used; kept for callers)."""
+    A host-side collective, on the control group."""
     if not is_initialized():
         return value
     t = torch.tensor([math.nan if value is None else float(value)], dtype=torch.float64)
@@ -205,9 +205,9 @@ def broadcast_float(value: float | None, device: torch.device | None = None) -> 
     return None if math.isnan(out) else out
 
 
-def max_over_ranks(values: list[float], device: torch.device | None = None) -> list[float]:
+def max_over_ranks(values: list[float]) -> list[float]:
     """Each value's maximum over ranks, in one host-side collective on the control group (no
-    GPU synchronisation: the training loop calls it every update). ``device`` is not used."""
+    GPU synchronisation: the training loop calls it every update)."""
     if not is_initialized():
         return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64)

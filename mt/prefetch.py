@@ -31,17 +31,11 @@ import logging
 import queue
 import threading
 from collections.abc import Iterator
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
 log = logging.getLogger(__name__)
-
-
-class Pinnable(Protocol):
-    """What :class:`Prefetcher` pins: a batch with a ``pin_memory()`` returning a pinned copy."""
-
-    def pin_memory(self) -> Pinnable: ...
 
 
 T = TypeVar("T")

@@ -159,7 +159,7 @@ def _lock_run_dir(run_dir: Path, info: distributed.DistInfo) -> Optional[RunLock
             lock = RunLock(run_dir).acquire()
         except LockError as err:
             error = err
-    ok = distributed.broadcast_float(0.0 if error else 1.0, info.device)
+    ok = distributed.broadcast_float(0.0 if error else 1.0)
     if error is not None:
         raise error
     if not ok:
@@ -354,7 +354,7 @@ def evaluate(run: Run) -> dict[str, float]:
     """Validate (the work shared by all ranks), keep best.pt and the patience count."""
     state, info = run.state, run.info
     result = validate(run.raw_model, run.prepared, run.cfg, info.device, info.rank, info.world_size)
-    value = distributed.broadcast_float(result.get(run.key), info.device)
+    value = distributed.broadcast_float(result.get(run.key))
     state.last_eval_step = state.step
     improved = better(run.key, value, state.best)
     if improved:
@@ -494,7 +494,7 @@ def _limits(run: Run) -> Optional[str]:
     # (the slowest rank's), which the time limit and the cool-down then read alike. It runs on
     # the host (gloo, see mt.distributed), so it never waits for the GPU's queued work.
     signal_seen, state.wall = distributed.max_over_ranks(
-        [1.0 if run.stop.signum is not None else 0.0, state.wall], run.info.device
+        [1.0 if run.stop.signum is not None else 0.0, state.wall]
     )
     if signal_seen:
         return "signal"

@@ -54,7 +54,7 @@ def test_single_process_helpers_are_noops(monkeypatch):
     t = torch.tensor([1.5, 2.0])
     assert distributed.all_reduce_sum(t) is t and t.tolist() == [1.5, 2.0]
     assert distributed.all_gather_object({"a": 1}) == [{"a": 1}]
-    assert distributed.broadcast_float(None, info.device) is None
+    assert distributed.broadcast_float(None) is None
     model = torch.nn.Linear(2, 2)
     assert distributed.wrap(model, info) is model
     distributed.barrier()
@@ -244,8 +244,8 @@ def test_control_collectives_do_not_synchronise_the_gpu(tmp_path):
     distributed.init_control_group(datetime.timedelta(minutes=1))
     try:
         torch.cuda.set_sync_debug_mode("error")
-        assert distributed.max_over_ranks([1.0, 2.5], dev) == [1.0, 2.5]
-        assert distributed.broadcast_float(3.0, dev) == 3.0
+        assert distributed.max_over_ranks([1.0, 2.5]) == [1.0, 2.5]
+        assert distributed.broadcast_float(3.0) == 3.0
         distributed.barrier()
     finally:
         torch.cuda.set_sync_debug_mode(0)
