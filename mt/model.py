@@ -186,6 +186,9 @@ def real_rows(tokens: torch.Tensor) -> torch.Tensor | None:
 class Transformer(nn.Module):
     """Encoder-decoder Transformer; see the module docstring. Build with :func:`build_model`."""
 
+    # The pre-softmax product; the CPU training copy swaps in oneDNN's (mt.cpu_training).
+    product = staticmethod(F.linear)
+
     def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
         super().__init__()
         if cfg.norm not in ("post", "pre"):
@@ -360,7 +363,7 @@ class Transformer(nn.Module):
         The product uses all padded rows (aligned shapes are faster); the padded columns are
         then sliced off, so they never receive probability.
         """
-        logits = F.linear(h, self.output_weight)  # (..., V_padded)
+        logits = self.product(h, self.output_weight)  # (..., V_padded)
         return logits if self.padded_vocab == self.vocab_size else logits[..., : self.vocab_size]
 
     def forward(

@@ -3,9 +3,9 @@
 A report is built from what a run leaves on disk, so it needs no model and no data:
 
 - ``metrics.jsonl``: one JSON record per line. Training records carry ``step``, ``epoch``,
-  ``loss``, ``nll``, ``lr``, ``tgt_tok_per_s``, ``wall``; validation records add ``valid_loss``,
-  ``valid_nll``, ``valid_bleu``; records with ``stage`` and ``seconds`` give the wall time of a
-  pipeline stage.
+  ``loss``, ``nll``, ``lr``, ``tgt_tok_per_s``, ``wall`` (seconds of training so far);
+  validation records add ``valid_loss``, ``valid_nll``, ``valid_bleu`` (and ``wall``); records
+  with ``stage`` and ``seconds`` give the wall time of a pipeline stage.
 - ``timings.json`` (optional): ``{stage: seconds}``, merged with the stage records above.
 - ``results.json`` (optional): the final scores (``bleu``, ``chrf``, ``signature``,
   ``chrf_signature``, ``split``, ``checkpoint``).
@@ -123,6 +123,49 @@ def _read_json(path: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- figures
 
 
+def wall_series(
+    records: Sequence[Mapping[str, Any]], key: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(minutes, values)`` of ``key``: minutes of training (``wall``) when each value was logged.
+
+    A record without its own ``wall`` (validation records of runs before it was logged) gets
+    the wall time of its step, interpolated between the training records around it.
+    """
+    steps, wall = series(records, "wall")
+    points: dict[float, float] = {}
+    for record in records:
+        value, step = record.get(key), record.get("step")
+        if not (_is_number(value) and math.isfinite(value)):
+            continue
+        if _is_number(record.get("wall")):
+            seconds = float(record["wall"])
+        elif _is_number(step) and len(steps):
+            seconds = float(np.interp(float(step), steps, wall))
+        else:
+            continue
+        points[seconds / 60] = float(value)
+    minutes = np.array(sorted(points), dtype=np.float64)
+    return minutes, np.array([points[m] for m in minutes], dtype=np.float64)
+
+
+def bleu_levels(best: float) -> list[float]:
+    """The BLEU levels a time-to-quality table lists: every 5 up to 25, then every point."""
+    coarse = [5.0, 10.0, 15.0, 20.0, 25.0]
+    fine = [float(b) for b in range(30, int(best) + 1)]
+    return [level for level in coarse + fine if level <= best]
+
+
+def time_to_levels(
+    minutes: np.ndarray, values: np.ndarray, levels: Sequence[float]
+) -> list[tuple[float, float | None]]:
+    """``(level, first minute a value reached it or None)`` for each level."""
+    out = []
+    for level in levels:
+        reached = np.nonzero(values >= level)[0]
+        out.append((level, float(minutes[reached[0]]) if len(reached) else None))
+    return out
+
+
 def _pyplot():
     """matplotlib's pyplot on the non-interactive Agg backend (imported on first use)."""
     import matplotlib
@@ -139,8 +182,10 @@ def plot_lines(
     ylabel: str,
     title: str,
     logy: bool = False,
+    xlabel: str = "step",
 ) -> Path | None:
-    """Draw ``(label, steps, values)`` curves against the step; ``None`` when all are empty."""
+    """Draw ``(label, x, values)`` curves against the step (or ``xlabel``); ``None`` when all
+    are empty."""
     curves = [c for c in curves if len(c[1])]
     if not curves:
         return None
@@ -149,7 +194,7 @@ def plot_lines(
     for label, steps, values in curves:
         marker = "o" if len(steps) <= 30 else None
         ax.plot(steps, values, label=label, marker=marker, markersize=3)
-    ax.set_xlabel("step")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     if logy and all(np.all(v > 0) for _, _, v in curves):
@@ -212,7 +257,8 @@ def plot_curves(records: Sequence[Mapping[str, Any]], out_dir: str | Path) -> di
     """Write the standard figures of a run into ``out_dir``; returns ``{name: png}`` drawn.
 
     Names: ``loss`` (training and validation loss/NLL), ``lr``, ``bleu`` (validation BLEU),
-    ``throughput`` (target tokens per second). A figure without data is not drawn.
+    ``throughput`` (target tokens per second), ``bleu_minutes`` (validation BLEU against
+    minutes of training: time to quality). A figure without data is not drawn.
     """
     out_dir = Path(out_dir)
     specs = {
@@ -240,7 +286,36 @@ def plot_curves(records: Sequence[Mapping[str, Any]], out_dir: str | Path) -> di
         png = plot_lines(curves, out_dir / f"{name}.png", ylabel, title)
         if png is not None:
             figures[name] = png
+    minutes, bleu = wall_series(records, "valid_bleu")
+    png = plot_lines(
+        [("valid BLEU", minutes, bleu)],
+        out_dir / "bleu_minutes.png",
+        "BLEU",
+        "Validation BLEU against training time",
+        xlabel="minutes of training (validation included)",
+    )
+    if png is not None:
+        figures["bleu_minutes"] = png
     return figures
+
+
+def _time_to_bleu(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The table of minutes to each validation BLEU level (empty without validation BLEU)."""
+    minutes, bleu = wall_series(records, "valid_bleu")
+    if not len(bleu):
+        return []
+    lines = [
+        "### Time to BLEU",
+        "",
+        "The first validation at or above each level (greedy BLEU on the validation set, as "
+        "logged during training; minutes of training, validation included).",
+        "",
+        "| valid BLEU | minutes |",
+        "|---|---|",
+    ]
+    for level, minute in time_to_levels(minutes, bleu, bleu_levels(float(bleu.max()))):
+        lines.append(f"| {level:g} | {minute:.1f} |")
+    return lines + [""]
 
 
 # --------------------------------------------------------------------------- markdown
@@ -390,12 +465,15 @@ def write_report(
         "loss": "Loss against updates (label-smoothed loss and NLL, nats per target token)",
         "lr": "Learning rate against updates",
         "bleu": "Validation BLEU against updates",
+        "bleu_minutes": "Validation BLEU against minutes of training",
         "throughput": "Training throughput (non-pad target tokens per second)",
     }
     if figures:
         lines += ["## Curves", ""]
         for name, png in figures.items():
             lines += [f"### {captions[name]}", "", f"![{name}]({png.name})", ""]
+            if name == "bleu_minutes":
+                lines += _time_to_bleu(records)
 
     times = stage_times(run_dir, records)
     if times:

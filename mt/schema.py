@@ -133,6 +133,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model
     pad_multiple: int = 0  # pad batch lengths to a multiple of this (0: 8 with compile, else 1)
     tf32: bool = True  # CUDA: float32 matrix products on TF32 tensor cores
+    cpu_kernels: bool = True  # CPU: oneDNN float32 products, 16-bit dropout masks (mt.cpu_training)
     # Logging, validation, checkpoints.
     log_every: int = 50
     eval_every: int = 1000  # validate every N updates (0 = only at the end)

@@ -50,6 +50,10 @@ def _shape(p: argparse.ArgumentParser, default_preset: str | None) -> None:
     g.add_argument("--heads", type=int, help="h")
     g.add_argument("--d-ff", type=int)
     g.add_argument("--dropout", type=float, help="default: the preset's (0.1)")
+    g.add_argument(
+        "--attention-dropout", type=float, help="on attention weights (default: = --dropout; "
+        "the paper and ../shared/peers use 0)",
+    )
     g.add_argument("--norm", choices=("post", "pre"))
     g.add_argument("--vocab", type=int, default=8000, help="V (random-weight models)")
 
@@ -75,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     _batch(train)
     train.add_argument("--steps", type=int, default=20, help="timed steps")
     train.add_argument("--compile", action="store_true", help="torch.compile the model")
+    train.add_argument(
+        "--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
+        help="CPU: mt's training copy (train.cpu_kernels: oneDNN products, 16-bit dropout masks)",
+    )
     train.add_argument(
         "--baseline",
         choices=("none", "torch"),

@@ -113,8 +113,8 @@ PRESETS = ("small", "base", "big")
 def model_config(args) -> ModelConfig:
     """A ModelConfig from ``--preset`` (conf/model/<preset>.yaml) and explicit shape flags.
 
-    Explicit flags (``--d-model --layers --heads --d-ff --dropout --norm``) override the preset,
-    so a shape can be given exactly even if the presets change.
+    Explicit flags (``--d-model --layers --heads --d-ff --dropout --attention-dropout
+    --norm``) override the preset, so a shape can be given exactly even if the presets change.
     """
     cfg = ModelConfig()
     if args.preset:
@@ -132,6 +132,7 @@ def model_config(args) -> ModelConfig:
         "h": args.heads,
         "d_ff": args.d_ff,
         "dropout": args.dropout,
+        "attention_dropout": getattr(args, "attention_dropout", None),
         "norm": args.norm,
     }
     values = {k: v for k, v in overrides.items() if v is not None}
@@ -156,6 +157,9 @@ def shape_fields(cfg: ModelConfig, vocab: int) -> dict[str, Any]:
         "vocab": vocab,
         "norm": cfg.norm,
         "dropout": cfg.dropout,
+        "attention_dropout": (
+            cfg.dropout if cfg.attention_dropout is None else cfg.attention_dropout
+        ),
     }
 
 

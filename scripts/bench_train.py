@@ -43,6 +43,7 @@ from bench_common import (
 )
 from torch import nn
 
+from mt.cpu_training import training_copy
 from mt.loss import label_smoothed_nll_loss
 from mt.model import build_model, sinusoidal_positions
 from mt.run_state import TrainState
@@ -199,7 +200,10 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
     torch.manual_seed(args.seed)
     mt_model = build_model(cfg, args.vocab)
     p_enc, p_dec = mt_stack_params(mt_model)
-    runners = [Runner("mt", mt_model, args, cfg, device)]
+    mt_forward = mt_model
+    if device.type == "cpu" and args.cpu_kernels:  # what training runs (mt.train.setup)
+        mt_forward = training_copy(mt_model, products=args.precision == "fp32")
+    runners = [Runner("mt", mt_forward, args, cfg, device)]
     if args.baseline == "torch":
         torch_model = TorchTransformer(cfg, args.vocab)
         runners.append(Runner("torch", torch_model, args, cfg, device, textbook=True))
@@ -249,6 +253,7 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
             "params": r.n_params,
             "precision": args.precision,
             "compile": args.compile,
+            "cpu_kernels": bool(args.cpu_kernels and device.type == "cpu" and r.name == "mt"),
             "source": source,
             "batch_size": args.batch_size if not args.data else None,
             "min_len": args.min_len if not args.data else None,

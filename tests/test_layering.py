@@ -37,6 +37,7 @@ LAYERS = {
     "mt.batching": 3,
     "mt.checkpoint": 3,
     "mt.inference": 3,
+    "mt.cpu_training": 3.2,
     "mt.prepare": 3,
     "mt.cleaning": 2.5,
     "mt.metrics": 1,

@@ -11,7 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mt.report import load_metrics, plot_attention, series, stage_times, write_report
+from mt.report import (
+    bleu_levels,
+    load_metrics,
+    plot_attention,
+    series,
+    stage_times,
+    time_to_levels,
+    wall_series,
+    write_report,
+)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -81,7 +90,9 @@ def test_full_report(tmp_path):
     assert path == run / "report.md"
     text = path.read_text()
     images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
-    assert set(images) == {"loss.png", "lr.png", "bleu.png", "throughput.png", "attention.png"}
+    assert set(images) == {
+        "loss.png", "lr.png", "bleu.png", "bleu_minutes.png", "throughput.png", "attention.png"
+    }
     for name in images:
         width, height = png_size(run / name)
         assert width > 100 and height > 100
@@ -96,6 +107,8 @@ def test_full_report(tmp_path):
     # Summary: last update, best validation BLEU (step 200 -> 20.0).
     assert "| updates | 200 |" in text and "20 (step 200)" in text
     assert "d_model: 256" in text
+    # Time to BLEU: valid BLEU step / 10 at steps 50..200, wall step / 2 seconds.
+    assert "| 5 | 0.4 |" in text and "| 10 | 0.8 |" in text and "| 20 | 1.7 |" in text
 
 
 def test_minimal_run_dir_skips_missing_pieces(tmp_path):
@@ -177,3 +190,26 @@ def test_record_stage_time_merges_stages(tmp_path):
     record_stage_time(tmp_path / "run", "prepare", 2.5)  # a rerun replaces its own entry
     times = stage_times(tmp_path / "run", [{"stage": "train", "seconds": 600.0}])
     assert times == {"train": 600.0, "prepare": 2.5, "evaluate": 30.0}
+
+
+def test_wall_series_interpolates_records_without_wall():
+    records = [
+        {"step": 100, "loss": 3.0, "wall": 60.0},
+        {"step": 200, "loss": 2.0, "wall": 180.0},
+        {"step": 150, "valid_bleu": 12.0},  # an older run: no wall on validation records
+        {"step": 200, "valid_bleu": 20.0, "wall": 186.0},  # its own wall (after validating)
+        {"valid_bleu": 30.0},  # no step, no wall: left out
+    ]
+    minutes, bleu = wall_series(records, "valid_bleu")
+    # step 150: halfway between 60 s (step 100) and 186 s (step 200, the last record wins)
+    np.testing.assert_allclose(minutes, [123 / 60, 186 / 60])
+    np.testing.assert_allclose(bleu, [12.0, 20.0])
+
+
+def test_time_to_levels_and_levels():
+    assert bleu_levels(33.9) == [5, 10, 15, 20, 25, 30, 31, 32, 33]
+    assert bleu_levels(12.0) == [5, 10]
+    minutes = np.array([1.0, 2.0, 3.0, 4.0])
+    values = np.array([9.0, 21.0, 19.0, 31.0])  # not monotone: the first crossing counts
+    got = time_to_levels(minutes, values, [10, 20, 30, 40])
+    assert got == [(10, 2.0), (20, 2.0), (30, 4.0), (40, None)]

@@ -1,0 +1,144 @@
+"""mt.cpu_training: the CPU training copy computes the model's math (products, gradients,
+dropout statistics) and shares the model's parameters."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mt.cpu_training import Dropout, Linear, dropout, expected_keep, linear, training_copy
+from mt.inference import onednn_available
+from mt.model import build_model
+from mt.schema import ModelConfig
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="no oneDNN linear kernel")
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_matches_f_linear_forward_and_backward(bias):
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 16)
+    w = torch.randn(24, 16)
+    b = torch.randn(24) if bias else None
+    up = torch.randn(3, 7, 24)  # an arbitrary upstream gradient
+
+    leaves = [t.clone().requires_grad_() for t in (x, w) + ((b,) if bias else ())]
+    ref_leaves = [t.clone().requires_grad_() for t in (x, w) + ((b,) if bias else ())]
+    y = linear(leaves[0], leaves[1], leaves[2] if bias else None)
+    ref = F.linear(ref_leaves[0], ref_leaves[1], ref_leaves[2] if bias else None)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    (y * up).sum().backward()
+    (ref * up).sum().backward()
+    for got, want in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-4)
+    # The gradients by hand: dx = up W, dW = up^T x, db = sum of up.
+    torch.testing.assert_close(leaves[0].grad, up @ w, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        leaves[1].grad, up.reshape(-1, 24).t() @ x.reshape(-1, 16), rtol=1e-4, atol=1e-4
+    )
+
+
+@needs_onednn
+def test_linear_non_contiguous_input_and_frozen_weight():
+    torch.manual_seed(1)
+    x = torch.randn(8, 5, 12).transpose(0, 1).requires_grad_()  # (5, 8, 12), strided
+    w = torch.randn(6, 12)  # no gradient wanted for the weight
+    y = linear(x, w)
+    torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(5, 8, 6) @ w, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():  # inference: the plain oneDNN product
+        torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_leaves_other_dtypes_to_torch():
+    x, w = torch.randn(4, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
+    assert torch.equal(linear(x, w), F.linear(x, w))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = linear(x.float(), w.float())
+    assert y.dtype == torch.bfloat16  # autocast's own bfloat16 product
+
+
+def test_dropout_keeps_units_with_the_stated_probability():
+    torch.manual_seed(2)
+    n, p = 1_000_000, 0.1
+    x = torch.ones(n)
+    y = dropout(x, p)
+    keep = expected_keep(p)
+    assert keep == pytest.approx(1 - round(0.1 * 65536) / 65536)
+    kept = (y != 0).double().mean().item()
+    sigma = math.sqrt(keep * (1 - keep) / n)
+    assert abs(kept - keep) < 5 * sigma  # a fair 16-bit draw per element
+    # Kept units are scaled by 1 / P(keep): the expectation is the input.
+    torch.testing.assert_close(y[y != 0], torch.full_like(y[y != 0], 1 / keep))
+    assert abs(y.double().mean().item() - 1.0) < 5 * sigma / keep
+    # Neighbouring elements (the four 16-bit parts of one 64-bit draw) are independent.
+    m = (y != 0).view(-1, 4).double()
+    both = (m[:, 0] * m[:, 1]).mean().item()
+    assert abs(both - keep**2) < 5 * math.sqrt(keep**2 * (1 - keep**2) / (n // 4))
+
+
+@pytest.mark.parametrize("p", [0.3, 0.5])
+def test_dropout_other_rates_and_gradient(p):
+    torch.manual_seed(3)
+    x = torch.randn(200, 300, requires_grad=True)
+    y = dropout(x, p)
+    frac = (y != 0).float().mean().item()
+    assert abs(frac - expected_keep(p)) < 0.01
+    y.sum().backward()  # the gradient is the mask times the scale
+    mask = (y != 0).float() / expected_keep(p)
+    torch.testing.assert_close(x.grad, mask)
+
+
+def test_dropout_off_and_bad_rate():
+    x = torch.randn(5, 6)
+    assert dropout(x, 0.1, training=False) is x
+    assert dropout(x, 0.0) is x
+    with pytest.raises(ValueError, match="dropout probability"):
+        dropout(x, 1.0)
+    torch.manual_seed(4)
+    a = dropout(torch.ones(1000), 0.2)
+    torch.manual_seed(4)
+    b = dropout(torch.ones(1000), 0.2)
+    assert torch.equal(a, b)  # torch's generator: seeded runs repeat
+
+
+CFG = ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.1)
+
+
+def test_training_copy_shares_parameters_and_swaps_modules():
+    torch.manual_seed(5)
+    model = build_model(CFG, vocab_size=40)
+    copy = training_copy(model)
+    assert list(copy.state_dict()) == list(model.state_dict())
+    for (name, a), (_, b) in zip(model.named_parameters(), copy.named_parameters()):
+        assert a is b, name
+    kinds = {type(m) for m in copy.modules()}
+    assert nn.Dropout not in kinds and Dropout in kinds
+    if onednn_available():
+        assert nn.Linear not in kinds and Linear in kinds
+    # The model itself is untouched.
+    assert nn.Dropout in {type(m) for m in model.modules()}
+    assert nn.Linear in {type(m) for m in model.modules()}
+    assert "product" not in vars(model)
+
+
+def test_training_copy_computes_the_model_without_dropout():
+    torch.manual_seed(6)
+    cfg = ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.0)
+    model = build_model(cfg, vocab_size=40)
+    copy = training_copy(model)
+    src = torch.tensor([[5, 6, 7, 3, 0], [8, 9, 10, 11, 3]])
+    tgt = torch.tensor([[2, 12, 13, 0], [2, 14, 15, 16]])
+    torch.testing.assert_close(copy(src, tgt), model(src, tgt), rtol=1e-4, atol=1e-5)
+
+    def grads(module):
+        module.zero_grad()
+        F.cross_entropy(module(src, tgt).flatten(0, 1), tgt.roll(-1, 1).flatten()).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    for got, want in zip(grads(copy), grads(model)):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
