@@ -68,11 +68,13 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
         lse, nll, smooth = (logits.new_empty(N, dtype=acc) for _ in range(3))
         for i in range(0, N, rows):
-            z, t = logits[i : i + rows], target[i : i + rows].unsqueeze(-1)
-            lp = torch.log_softmax(z, dim=-1, dtype=acc)  # one block, at least float32
+            # One block, cast once: element-wise ops that mix bfloat16 and float32 operands
+            # take torch's slow per-element casting loop on a CPU (5-10x a plain float pass).
+            z, t = logits[i : i + rows].to(acc), target[i : i + rows].unsqueeze(-1)
+            lp = torch.log_softmax(z, dim=-1)  # float32 at least
             nll[i : i + rows] = -lp.gather(-1, t).squeeze(-1)
             smooth[i : i + rows] = -lp.sum(dim=-1)
-            lse[i : i + rows] = z[:, 0].to(acc) - lp[:, 0]
+            lse[i : i + rows] = z[:, 0] - lp[:, 0]
         ctx.save_for_backward(logits, target, lse)
         ctx.eps, ctx.eps_i, ctx.rows = eps, eps_i, rows
         nll_sum = nll.sum()
@@ -87,9 +89,14 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         on_target = -(1.0 - ctx.eps - ctx.eps_i)  # p - q = p - eps_i, minus (1-eps-eps_i) at t
         for i in range(0, logits.size(0), ctx.rows):
             z, t = logits[i : i + ctx.rows], target[i : i + ctx.rows].unsqueeze(-1)
-            p = torch.sub(z, lse[i : i + ctx.rows].unsqueeze(-1)).exp_()  # softmax, float
-            p.sub_(ctx.eps_i).scatter_add_(-1, t, p.new_full(t.shape, on_target))
-            torch.mul(p, g, out=grad[i : i + ctx.rows])
+            shift = lse[i : i + ctx.rows].unsqueeze(-1)
+            # softmax in float, in a new block (z cast once, never mixed-dtype ops: see forward)
+            p = torch.sub(z, shift) if z.dtype == lse.dtype else z.to(lse.dtype).sub_(shift)
+            p.exp_().sub_(ctx.eps_i).scatter_add_(-1, t, p.new_full(t.shape, on_target))
+            if grad.dtype == p.dtype:
+                torch.mul(p, g, out=grad[i : i + ctx.rows])
+            else:
+                grad[i : i + ctx.rows].copy_(p.mul_(g))
         return grad, None, None, None
 
 

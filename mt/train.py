@@ -44,7 +44,7 @@ from mt.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from mt.cpu_training import training_copy
+from mt.cpu_training import hold_freed_memory, training_copy
 from mt.files import remove_stale_temps, write_json
 from mt.lock import LockError, RunLock
 from mt.metrics_log import MetricsLog
@@ -224,6 +224,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     # parameters (mt.cpu_training); compiled, then wrapped in DDP (the order torch documents).
     forward = raw
     if info.device.type == "cpu" and tc.cpu_kernels:
+        hold_freed_memory()
         forward = training_copy(raw, products=tc.precision == "fp32")
     model = compile_model(forward, tc)
     model = distributed.wrap(model, info)
