@@ -18,7 +18,8 @@ two things differently:
   output is the input, as with ``F.dropout``. Attention dropout stays torch's (inside SDPA).
 
 Training on a CPU also calls :func:`hold_freed_memory` (glibc keeps freed memory for the next
-step instead of handing it back to the kernel and faulting it in again).
+step instead of handing it back to the kernel and faulting it in again): :func:`for_training`
+does both.
 """
 
 from __future__ import annotations
@@ -37,13 +38,6 @@ log = logging.getLogger(__name__)
 
 _BITS = 16
 _LEVELS = 1 << _BITS  # a 16-bit draw takes one of 65536 values
-
-
-def onednn_usable() -> bool:
-    """Whether this torch has oneDNN's linear kernel and it agrees with ``F.linear``."""
-    from mt.inference import onednn_available
-
-    return onednn_available()
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -182,9 +176,10 @@ def training_copy(model: nn.Module, products: bool = True) -> nn.Module:
     Returns:
         The copy, in the model's training mode.
     """
+    from mt.inference import onednn_available
     from mt.model import Transformer
 
-    products = products and onednn_usable()
+    products = products and onednn_available()
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
     clone = copy.deepcopy(model, memo=shared)
     for parent in list(clone.modules()):
@@ -206,3 +201,15 @@ def training_copy(model: nn.Module, products: bool = True) -> nn.Module:
 def expected_keep(p: float) -> float:
     """The keep probability :func:`dropout` realises for ``p`` (for tests and the docs)."""
     return 1.0 - round(p * _LEVELS) / _LEVELS if p > 0 else 1.0
+
+
+def for_training(
+    model: nn.Module, device: torch.device, enabled: bool, precision: str
+) -> nn.Module:
+    """What the training step runs (``mt.train`` and ``make bench``): on a CPU with
+    ``train.cpu_kernels``, :func:`hold_freed_memory` and a :func:`training_copy` (oneDNN
+    products in fp32 only: bf16 keeps autocast's); ``model`` itself otherwise."""
+    if device.type != "cpu" or not enabled:
+        return model
+    hold_freed_memory()
+    return training_copy(model, products=precision == "fp32")

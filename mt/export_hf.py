@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from mt.schema import ModelConfig
+from mt.schema import ModelConfig, attention_dropout
 from mt.vocab import BOS, EOS, PAD, UNK
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def marian_config(cfg: ModelConfig, vocab_size: int):
     """The ``MarianConfig`` of an mt model: same shape, mt's special ids and start token."""
     from transformers import MarianConfig
 
-    attn_p = cfg.dropout if cfg.attention_dropout is None else cfg.attention_dropout
+    attn_p = attention_dropout(cfg)
     return MarianConfig(
         vocab_size=vocab_size,
         decoder_vocab_size=vocab_size,

@@ -36,7 +36,7 @@ from torch import nn
 from mt.attention import SDPA, CrossAttention, Kernels, SelfAttention, teacher_forced_kernels
 from mt.cache import DecoderCache, LayerCache
 from mt.masks import RealPositions, pad_mask, subsequent_mask
-from mt.schema import ModelConfig
+from mt.schema import ModelConfig, attention_dropout
 from mt.vocab import PAD
 
 
@@ -206,7 +206,7 @@ class Transformer(nn.Module):
         self.src_embed = None if cfg.share_embeddings else self._embedding(self.padded_vocab, D)
         self.register_buffer("pe", sinusoidal_positions(cfg.max_positions, D), persistent=False)
         self.dropout = nn.Dropout(cfg.dropout)
-        attn_p = cfg.dropout if cfg.attention_dropout is None else cfg.attention_dropout
+        attn_p = attention_dropout(cfg)
         self.encoder = nn.ModuleList(EncoderLayer(cfg, attn_p) for _ in range(cfg.N))
         self.decoder = nn.ModuleList(DecoderLayer(cfg, attn_p) for _ in range(cfg.N_dec or cfg.N))
         pre = cfg.norm == "pre"

@@ -96,6 +96,11 @@ class ModelConfig:
     vocab_multiple: int = 8  # pad the vocabulary to a multiple of this (speed)
 
 
+def attention_dropout(cfg: ModelConfig) -> float:
+    """The dropout on attention weights: ``cfg.attention_dropout``, or ``cfg.dropout`` if None."""
+    return cfg.dropout if cfg.attention_dropout is None else cfg.attention_dropout
+
+
 @dataclass
 class TrainConfig:
     """Optimisation, logging, checkpointing."""

@@ -44,7 +44,7 @@ from mt.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from mt.cpu_training import hold_freed_memory, training_copy
+from mt.cpu_training import for_training
 from mt.files import remove_stale_temps, write_json
 from mt.lock import LockError, RunLock
 from mt.metrics_log import MetricsLog
@@ -222,10 +222,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
 
     # The module the training step runs: on a CPU, a copy with faster kernels sharing raw's
     # parameters (mt.cpu_training); compiled, then wrapped in DDP (the order torch documents).
-    forward = raw
-    if info.device.type == "cpu" and tc.cpu_kernels:
-        hold_freed_memory()
-        forward = training_copy(raw, products=tc.precision == "fp32")
+    forward = for_training(raw, info.device, tc.cpu_kernels, tc.precision)
     model = compile_model(forward, tc)
     model = distributed.wrap(model, info)
     split = prepared.split("train")

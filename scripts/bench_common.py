@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mt.schema import ModelConfig
+from mt.schema import ModelConfig, attention_dropout
 
 log = logging.getLogger("bench")
 
@@ -157,9 +157,7 @@ def shape_fields(cfg: ModelConfig, vocab: int) -> dict[str, Any]:
         "vocab": vocab,
         "norm": cfg.norm,
         "dropout": cfg.dropout,
-        "attention_dropout": (
-            cfg.dropout if cfg.attention_dropout is None else cfg.attention_dropout
-        ),
+        "attention_dropout": attention_dropout(cfg),
     }
 
 

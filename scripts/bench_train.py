@@ -43,7 +43,7 @@ from bench_common import (
 )
 from torch import nn
 
-from mt.cpu_training import hold_freed_memory, training_copy
+from mt.cpu_training import for_training
 from mt.loss import label_smoothed_nll_loss
 from mt.model import build_model, sinusoidal_positions
 from mt.run_state import TrainState
@@ -200,10 +200,7 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
     torch.manual_seed(args.seed)
     mt_model = build_model(cfg, args.vocab)
     p_enc, p_dec = mt_stack_params(mt_model)
-    mt_forward = mt_model
-    if device.type == "cpu" and args.cpu_kernels:  # what training runs (mt.train.setup)
-        hold_freed_memory()
-        mt_forward = training_copy(mt_model, products=args.precision == "fp32")
+    mt_forward = for_training(mt_model, device, args.cpu_kernels, args.precision)  # as mt.train
     runners = [Runner("mt", mt_forward, args, cfg, device)]
     if args.baseline == "torch":
         torch_model = TorchTransformer(cfg, args.vocab)

@@ -158,3 +158,17 @@ def test_hold_freed_memory_is_idempotent_and_harmless():
             assert first  # glibc takes the settings
     x = torch.randn(2000, 1000)  # 8 MB: allocation still works and frees
     del x
+
+
+def test_for_training_picks_the_copy_on_cpu_only():
+    from mt.cpu_training import for_training
+
+    model = build_model(CFG, vocab_size=40)
+    assert for_training(model, torch.device("cpu"), False, "fp32") is model
+    assert for_training(model, torch.device("cuda"), True, "fp32") is model
+    fp32 = for_training(model, torch.device("cpu"), True, "fp32")
+    bf16 = for_training(model, torch.device("cpu"), True, "bf16")
+    assert fp32 is not model and Dropout in {type(m) for m in fp32.modules()}
+    # bf16 keeps autocast's products: only the dropout is swapped.
+    assert nn.Linear in {type(m) for m in bf16.modules()}
+    assert Dropout in {type(m) for m in bf16.modules()}
