@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,10 @@ class Kernels:
         at real tokens); ``padded`` is False when the batch is known to have no padding.
         Here: ``keep`` itself."""
         return keep
+
+    def dropout(self, weights: torch.Tensor, p: float) -> torch.Tensor:
+        """Dropout on the attention weights of the written-out formula (training)."""
+        return F.dropout(weights, p=p)
 
 
 SDPA = Kernels()
@@ -87,6 +92,7 @@ def attention(
     dropout_p: float = 0.0,
     need_weights: bool = False,
     explicit: bool = False,
+    dropout: Callable[[torch.Tensor, float], torch.Tensor] = SDPA.dropout,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scaled dot-product attention over heads.
 
@@ -101,6 +107,7 @@ def attention(
         need_weights: also return the weights (computed explicitly, not through SDPA).
         explicit: compute ``softmax(q k^T / sqrt(d_k)) v`` as written even without
             ``need_weights`` (a kernel choice: see :class:`Kernels`).
+        dropout: ``(weights, p) -> weights`` for the written-out formula (``Kernels.dropout``).
 
     Returns:
         (B, H, T, d_k) output, and the (B, H, T, S) weights (before dropout) or None.
@@ -110,15 +117,16 @@ def attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
         )
         return out, None
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, H, T, S)
+    # In place on the fresh product: neither step's gradient needs the scores themselves.
+    scores = (q @ k.transpose(-2, -1)).mul_(1 / math.sqrt(q.size(-1)))  # (B, H, T, S)
     if is_causal:
         mask = subsequent_mask(scores.size(-2), q.device)
     if mask is not None and mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores.masked_fill_(~mask, float("-inf"))
     elif mask is not None:
-        scores = scores + mask
+        scores.add_(mask)
     weights = scores.softmax(dim=-1)
-    out = F.dropout(weights, p=dropout_p) @ v
+    out = (dropout(weights, dropout_p) if dropout_p > 0 else weights) @ v
     return out, weights if need_weights else None
 
 
@@ -169,7 +177,9 @@ class SelfAttention(_MultiHead):
         q, k, v = self.qkv(x).view(B, T, 3, self.h, self.d_k).permute(2, 0, 3, 1, 4).unbind(0)
         p = self.attention_dropout if self.training else 0.0
         if cache is None:
-            out, _ = attention(q, k, v, mask, is_causal, p, explicit=kernels.explicit(q))
+            out, _ = attention(
+                q, k, v, mask, is_causal, p, explicit=kernels.explicit(q), dropout=kernels.dropout
+            )
         else:
             q, k, v = kernels.inputs(q, k, v)
             k, v = cache.append(k, v)  # (B, H, S_past + T, d_k)
@@ -230,7 +240,9 @@ class CrossAttention(_MultiHead):
         p = self.attention_dropout if self.training else 0.0
         explicit = kernels.explicit(q)
         if cache is None:
-            out, weights = attention(q, k, v, mask, False, p, need_weights, explicit)
+            out, weights = attention(
+                q, k, v, mask, False, p, need_weights, explicit, kernels.dropout
+            )
         else:
             (q,) = kernels.inputs(q)
             with kernels.scope():

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mt.attention import Kernels
+
 log = logging.getLogger(__name__)
 
 _BITS = 16
@@ -108,6 +110,20 @@ class Dropout(nn.Module):
 
     def extra_repr(self) -> str:
         return f"p={self.p}, mask bits={_BITS}"
+
+
+class CPUTrainingKernels(Kernels):
+    """Teacher-forced attention for CPU training: the written-out formula, with
+    :func:`dropout` on the weights. The same attention as ``mt.attention.SDPA``."""
+
+    def explicit(self, q: torch.Tensor) -> bool:
+        return True
+
+    def dropout(self, weights: torch.Tensor, p: float) -> torch.Tensor:
+        return dropout(weights, p)
+
+
+CPU_TRAINING = CPUTrainingKernels()
 
 
 class Linear(nn.Module):
@@ -188,10 +204,12 @@ def training_copy(model: nn.Module, products: bool = True) -> nn.Module:
                 setattr(parent, name, Dropout(child.p))
             elif products and type(child) is nn.Linear:
                 setattr(parent, name, Linear(child))
-    if products and isinstance(clone, Transformer):
-        clone.product = linear  # the pre-softmax projection
+    if isinstance(clone, Transformer):
+        clone.teacher_kernels = CPU_TRAINING
+        if products:
+            clone.product = linear  # the pre-softmax projection
     log.info(
-        "CPU training kernels: dropout masks from %d random bits%s",
+        "CPU training kernels: attention written out, dropout masks from %d random bits%s",
         _BITS,
         ", float32 products on oneDNN" if products else "",
     )

@@ -188,6 +188,9 @@ class Transformer(nn.Module):
 
     # The pre-softmax product; the CPU training copy swaps in oneDNN's (mt.cpu_training).
     product = staticmethod(F.linear)
+    # How teacher-forced passes compute attention; None: the device's default
+    # (mt.attention.teacher_forced_kernels). The CPU training copy sets its own.
+    teacher_kernels: Kernels | None = None
 
     def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
         super().__init__()
@@ -274,8 +277,10 @@ class Transformer(nn.Module):
         need_attn: bool,
         attn_layer: int = -1,
         real: RealPositions | None = None,
+        kernels: Kernels = SDPA,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Decoder stack: (B, T) ids -> (B, T, D) features and (B, T, S) attention or None."""
+        """Decoder stack: (B, T) ids -> (B, T, D) features and (B, T, S) attention or None.
+        ``kernels``: attention without a cache (with one: the cache's)."""
         T = tgt_in.size(1)
         past = 0 if cache is None else cache.length  # positions decoded so far
         # Targets are right-padded, so the causal mask alone keeps real positions off pad keys.
@@ -287,7 +292,8 @@ class Transformer(nn.Module):
             self_mask, is_causal = subsequent_mask(T, tgt_in.device, past), False
         x = self._embed(tgt_in, self.tgt_embedding, past)
         rows = None if cache is not None else real_rows(tgt_in) if real is None else real.tgt
-        kernels = SDPA if cache is None or cache.kernels is None else cache.kernels
+        if cache is not None:
+            kernels = SDPA if cache.kernels is None else cache.kernels
         wanted = attn_layer % len(self.decoder)
         attn = None
         for i, layer in enumerate(self.decoder):
@@ -354,8 +360,9 @@ class Transformer(nn.Module):
         self, src: torch.Tensor, tgt_in: torch.Tensor, real: RealPositions | None = None
     ) -> torch.Tensor:
         """Decoder output before the projection: (B, S), (B, T) -> (B, T, D)."""
-        enc = self.encode(src, teacher_forced_kernels(src.device), real)
-        return self._decoder(tgt_in, enc, None, False, real=real)[0]
+        kernels = self.teacher_kernels or teacher_forced_kernels(src.device)
+        enc = self.encode(src, kernels, real)
+        return self._decoder(tgt_in, enc, None, False, real=real, kernels=kernels)[0]
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """Pre-softmax projection with the tied embedding: (..., D) -> (..., V).

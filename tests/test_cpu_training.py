@@ -8,7 +8,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mt.cpu_training import Dropout, Linear, dropout, expected_keep, linear, training_copy
+from mt.attention import SDPA, attention
+from mt.cpu_training import (
+    CPU_TRAINING,
+    Dropout,
+    Linear,
+    dropout,
+    expected_keep,
+    linear,
+    training_copy,
+)
 from mt.inference import onednn_available
 from mt.model import build_model
 from mt.schema import ModelConfig
@@ -124,6 +133,7 @@ def test_training_copy_shares_parameters_and_swaps_modules():
     assert nn.Dropout in {type(m) for m in model.modules()}
     assert nn.Linear in {type(m) for m in model.modules()}
     assert "product" not in vars(model)
+    assert copy.teacher_kernels is CPU_TRAINING and model.teacher_kernels is None
 
 
 def test_training_copy_computes_the_model_without_dropout():
@@ -142,6 +152,68 @@ def test_training_copy_computes_the_model_without_dropout():
 
     for got, want in zip(grads(copy), grads(model)):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.25])
+def test_written_out_attention_is_the_formula_with_its_dropout(p):
+    torch.manual_seed(7)
+    q, k, v = (torch.randn(2, 3, 4, 8, requires_grad=True) for _ in range(3))
+    keep = torch.tensor([True, True, True, False]).view(1, 1, 1, 4).expand(2, 1, 1, 4)
+    torch.manual_seed(8)
+    out, _ = attention(q, k, v, keep, dropout_p=p, explicit=True, dropout=CPU_TRAINING.dropout)
+    # By hand: the paper's formula, padded keys at -inf, then the same 16-bit mask (same seed).
+    scores = torch.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(8)
+    weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+    torch.manual_seed(8)
+    want = (dropout(weights, p) if p else weights) @ v
+    torch.testing.assert_close(out, want)
+    if p == 0:  # and SDPA's own result
+        sdpa, _ = attention(q, k, v, keep)
+        torch.testing.assert_close(out, sdpa)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    for got, ref in zip(grads, torch.autograd.grad(want.sum(), (q, k, v))):
+        torch.testing.assert_close(got, ref)
+
+
+def test_training_copy_attention_goes_through_its_kernels(monkeypatch):
+    torch.manual_seed(9)
+    cfg = ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.0, attention_dropout=0.2)
+    model = build_model(cfg, vocab_size=40)
+    copy = training_copy(model)
+    calls = []
+
+    def spy(weights, p):
+        calls.append((tuple(weights.shape), p))
+        return dropout(weights, p)
+
+    monkeypatch.setattr(CPU_TRAINING, "dropout", spy)
+    src = torch.tensor([[5, 6, 7, 3, 0], [8, 9, 10, 11, 3]])
+    tgt = torch.tensor([[2, 12, 13, 0], [2, 14, 15, 16]])
+    model(src, tgt)
+    assert calls == []  # the model itself: SDPA with torch's dropout
+    copy(src, tgt)
+    # encoder self-attention, decoder self-attention, encoder-decoder attention, per layer
+    assert sorted(calls) == sorted(
+        [((2, 4, 5, 5), 0.2)] * 2 + [((2, 4, 4, 4), 0.2)] * 2 + [((2, 4, 4, 5), 0.2)] * 2
+    )
+    calls.clear()
+    copy.eval()
+    copy(src, tgt)
+    assert calls == []  # no dropout in eval mode
+    assert SDPA.explicit(torch.zeros(1)) is False and CPU_TRAINING.explicit(torch.zeros(1))
+
+
+def test_training_copy_in_bfloat16_matches_the_model():
+    torch.manual_seed(10)
+    cfg = ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.0)
+    model = build_model(cfg, vocab_size=40)
+    copy = training_copy(model, products=False)  # bf16 training: autocast's products
+    src = torch.tensor([[5, 6, 7, 3, 0], [8, 9, 10, 11, 3]])
+    tgt = torch.tensor([[2, 12, 13, 0], [2, 14, 15, 16]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = copy(src, tgt), model(src, tgt)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
 
 
 def test_hold_freed_memory_is_idempotent_and_harmless():
