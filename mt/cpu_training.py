@@ -2,7 +2,7 @@
 
 :func:`training_copy` returns a copy of the model that shares its parameters (gradients land on
 the model's own tensors, so the optimiser, checkpoints and validation see one model) and runs
-two things differently:
+three things differently:
 
 * **Products through oneDNN** (float32 training without autocast): every ``nn.Linear`` and the
   tied pre-softmax projection compute ``y = x W^T + b`` and the input gradient ``dx = dy W``
@@ -15,7 +15,12 @@ two things differently:
   number of 16-bit integers, and on the small model those draws were a tenth of a training
   step. A unit is dropped with probability ``round(p * 65536) / 65536`` (p = 0.1: 0.10001)
   and the kept units are scaled by the inverse of the exact keep probability, so the expected
-  output is the input, as with ``F.dropout``. Attention dropout stays torch's (inside SDPA).
+  output is the input, as with ``F.dropout``.
+* **Attention written out** (:data:`CPU_TRAINING`): ``softmax(q k^T / sqrt(d_k)) v`` as tensor
+  ops, the attention dropout's mask drawn as above, instead of
+  ``F.scaled_dot_product_attention``. On a CPU, SDPA with dropout takes its unfused reference
+  path and draws its mask through ``bernoulli_``; without dropout it takes a flash kernel that
+  is slower than the written-out form at sentence lengths in bfloat16.
 
 Training on a CPU also calls :func:`hold_freed_memory` (glibc keeps freed memory for the next
 step instead of handing it back to the kernel and faulting it in again): :func:`for_training`
