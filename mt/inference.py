@@ -11,7 +11,8 @@
 * ``precision=bf16`` (CPU): the same, with bfloat16 copies of the weights made once: inputs go
   to bfloat16 for the product and the result comes back in float32, so LayerNorm, attention,
   the softmax and the residual stream stay float32 (what CPU autocast computes, without casting
-  every weight at every step).
+  every weight at every step). Where oneDNN has no bfloat16 kernels (CPUs without AVX-512),
+  the model itself runs under bf16 autocast instead.
 * ``quantize=int8``: every ``nn.Linear`` and the projection become dynamically quantized int8
   products (weights int8 per output channel, activations quantized per call from their
   observed range, int32 accumulation, float32 output; ``torch.ao.quantization.quantize_dynamic``
@@ -67,6 +68,23 @@ def onednn_available() -> bool:
         y = op(x, w, b, "relu", [], "")
         return bool(torch.allclose(y, torch.relu(F.linear(x, w, b)), atol=1e-5))
     except RuntimeError:  # a build whose oneDNN lacks the op's kernels
+        return False
+
+
+@cache
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN has bfloat16 linear kernels on this CPU: AVX-512 and newer. On AVX2 CPUs
+    (e.g. AMD Zen 3) it has none, and ``precision=bf16`` decodes under plain autocast instead."""
+    if not onednn_available():
+        return False
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if check is not None and not check():
+        return False
+    try:
+        x, w = torch.randn(2, 16, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
+        torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        return True
+    except RuntimeError:  # "could not create a primitive descriptor"
         return False
 
 
@@ -204,7 +222,18 @@ def _kind(model: nn.Module, quantize: str, precision: str, onednn: bool) -> str 
     on_cpu = param is not None and param.device.type == "cpu"
     if not (onednn and on_cpu and onednn_available()):
         return None
+    if precision == "bf16" and not onednn_bf16_available():
+        _warn_emulated_bf16()
+        return None  # the model under bf16 autocast
     return f"onednn-{precision}"
+
+
+@cache
+def _warn_emulated_bf16() -> None:
+    log.warning(
+        "decode.precision=bf16 on a CPU without bfloat16 kernels in oneDNN (no AVX-512): "
+        "decoding under plain bf16 autocast, which is slower than fp32 here"
+    )
 
 
 # Query lengths up to this go through explicit matrix products on CPU (see CPUDecodingKernels).
@@ -335,6 +364,7 @@ __all__ = [
     "kernels_for",
     "needs_autocast",
     "onednn_available",
+    "onednn_bf16_available",
     "onednn_copy",
     "quantize_int8",
 ]

@@ -134,7 +134,9 @@ class TrainConfig:
     # whichever is nearer) the rate falls linearly to 0 (0 = off: the plain Noam tail).
     cooldown: float = 0.0
     label_smoothing: float = 0.1
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 uses a dynamic loss scale)
+    # fp32 | bf16 | fp16 (a dynamic loss scale) | auto (bf16 where the device has native
+    # bfloat16: CUDA Ampere+, CPUs with AVX512-BF16 or AMX; fp32 elsewhere, e.g. AVX2 CPUs)
+    precision: str = "fp32"
     compile: bool = False  # torch.compile the model
     pad_multiple: int = 0  # pad batch lengths to a multiple of this (0: 8 with compile, else 1)
     tf32: bool = True  # CUDA: float32 matrix products on TF32 tensor cores

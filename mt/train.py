@@ -32,7 +32,13 @@ from typing import Any, Optional
 import torch
 
 from mt import distributed, preempt
-from mt.acceleration import compile_model, compiled_graphs, pad_multiple, set_fp32_precision
+from mt.acceleration import (
+    compile_model,
+    compiled_graphs,
+    pad_multiple,
+    resolve_precision,
+    set_fp32_precision,
+)
 from mt.batching import BatchSampler, batch_plan, iterate_batches
 from mt.checkpoint import (
     average_checkpoints,
@@ -183,6 +189,8 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
         record_config(run_dir, cfg, resuming=has_checkpoints(ckpt_dir))
     prepared = _prepared(cfg, info)
     cfg = _resolve_batch(cfg, info.world_size)
+    precision = resolve_precision(cfg.train.precision, info.device)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
     tc = cfg.train
 
     resume, resume_path = agree_on_resume(ckpt_dir, info.is_main)

@@ -11,8 +11,15 @@ import numpy as np
 import pytest
 import torch
 
+import mt.acceleration
 import mt.train
-from mt.acceleration import compile_model, pad_multiple, set_fp32_precision
+from mt.acceleration import (
+    compile_model,
+    native_bf16,
+    pad_multiple,
+    resolve_precision,
+    set_fp32_precision,
+)
 from mt.batching import collate
 from mt.model import build_model
 from mt.schema import ModelConfig, TrainConfig
@@ -65,6 +72,37 @@ def test_compile_model_wraps_only_when_asked():
     assert compile_model(model, TrainConfig()) is model
     compiled = compile_model(model, TrainConfig(compile=True))
     assert compiled is not model and compiled._orig_mod is model  # the raw model stays eager
+
+
+@pytest.mark.parametrize(
+    ("avx512_bf16", "amx", "native"),
+    [(False, False, False), (True, False, True), (False, True, True), (True, True, True)],
+)
+def test_native_bf16_on_cpu_follows_the_cpu_features(monkeypatch, avx512_bf16, amx, native):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    assert native_bf16(torch.device("cpu")) is native
+
+
+def test_native_bf16_on_a_torch_without_the_feature_checks(monkeypatch):
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.delattr(torch.cpu, name, raising=False)
+    assert native_bf16(torch.device("cpu")) is False  # unknown: fp32, the safe choice
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_resolve_precision(monkeypatch, caplog, native):
+    monkeypatch.setattr(mt.acceleration, "native_bf16", lambda device: native)
+    cpu = torch.device("cpu")
+    assert resolve_precision("auto", cpu) == ("bf16" if native else "fp32")
+    assert resolve_precision("fp32", cpu) == "fp32"
+    assert resolve_precision("fp16", cpu) == "fp16"
+    caplog.clear()
+    assert resolve_precision("bf16", cpu) == "bf16"  # an explicit choice is kept ...
+    emulated = [r for r in caplog.records if "emulated" in r.getMessage()]
+    assert len(emulated) == (0 if native else 1)  # ... with a warning where it is emulated
+    with pytest.raises(ValueError, match="train.precision must be one of"):
+        resolve_precision("bf17", cpu)
 
 
 def test_tf32_only_on_cuda():

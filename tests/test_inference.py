@@ -12,11 +12,20 @@ from torch import nn
 import mt.inference
 from mt.batching import make_src
 from mt.decoding import translate_nbest
-from mt.inference import OneDNNLinear, for_decoding, needs_autocast, onednn_available
+from mt.inference import (
+    OneDNNLinear,
+    for_decoding,
+    needs_autocast,
+    onednn_available,
+    onednn_bf16_available,
+)
 from mt.schema import DecodeConfig
 from mt.search import beam_search
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="no oneDNN linear kernel")
+needs_onednn_bf16 = pytest.mark.skipif(
+    not onednn_bf16_available(), reason="oneDNN has no bfloat16 kernels on this CPU (no AVX-512)"
+)
 
 
 @pytest.fixture()
@@ -42,6 +51,17 @@ def test_onednn_linear_equals_f_linear(relu, bias):
     y = lin(x)
     assert y.dtype == torch.float32 and y.shape == (5, 2, 24)
     torch.testing.assert_close(y.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_bf16_linear_is_close_to_f_linear(relu, bias):
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(24, 16, generator=g), torch.randn(24, generator=g)
+    x = torch.randn(5, 3, 16, generator=g)[:, 1:]  # (5, 2, 16), not contiguous
+    expected = F.linear(x.double(), w.double(), b.double() if bias else None)
+    expected = expected.relu() if relu else expected
     y16 = OneDNNLinear(w, b if bias else None, torch.bfloat16, relu)(x)
     assert y16.dtype == torch.float32  # bf16 product, float32 out
     torch.testing.assert_close(y16.double(), expected, atol=0.1, rtol=0.02)
@@ -80,7 +100,7 @@ def test_copies_follow_weight_changes(model):
     torch.testing.assert_close(out, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
 
 
-@needs_onednn
+@needs_onednn_bf16
 def test_bf16_copy_is_close_and_keeps_float32_activations(model):
     fast = for_decoding(model, "none", "bf16")
     assert fast.module.decoder[0].ffn.w1.weight.dtype == torch.bfloat16
@@ -103,6 +123,19 @@ def test_beam_search_on_the_copy_equals_the_model(model):
     src = make_src(sources(3, [2, 30, 7, 18, 1, 11]))
     ref = beam_search(model, src, 4, 0.6, 0.5, 8, nbest=4)
     assert_same_nbest(ref, beam_search(for_decoding(model), src, 4, 0.6, 0.5, 8, nbest=4))
+
+
+def test_bf16_without_onednn_bf16_kernels_decodes_the_model_under_autocast(model, monkeypatch):
+    # CPUs without AVX-512 (e.g. AMD Zen 3): oneDNN builds no bfloat16 kernels there, so a bf16
+    # copy would fail at its first product; the model itself runs under bf16 autocast instead.
+    monkeypatch.setattr(mt.inference, "onednn_bf16_available", lambda: False)
+    fast = for_decoding(model, "none", "bf16")
+    assert fast.module is model
+    assert needs_autocast(model, "none", "bf16", True)
+    ids = sources(5, [6, 3])
+    cfg = DecodeConfig(beam_size=2, max_len_a=0, max_len_b=4, precision="bf16")
+    out = translate_nbest(model, ids, cfg)
+    assert len(out) == 2 and all(len(nbest) >= 1 for nbest in out)
 
 
 def test_without_onednn_the_model_itself_decodes(model, monkeypatch):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import mt.acceleration
 import mt.update
 from mt.checkpoint import CheckpointError, load_checkpoint, periodic_checkpoints
 from mt.config import load_config
@@ -358,6 +359,24 @@ def test_mixed_precision_trains(tmp_path, precision):
         assert scaler["scale"] > 0
     else:
         assert not scaler
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_precision_is_bf16_only_where_the_hardware_has_it(tmp_path, monkeypatch, native):
+    """train.precision=auto (the Multi30k experiments') becomes bf16 on hardware with native
+    bfloat16 and fp32 elsewhere: every forward pass, training and validation, runs in it."""
+    monkeypatch.setattr(mt.acceleration, "native_bf16", lambda device: native)
+    seen = []
+    autocast = mt.update.autocast
+
+    def spy(device, precision):
+        seen.append(precision)
+        return autocast(device, precision)
+
+    monkeypatch.setattr(mt.update, "autocast", spy)
+    result = train(_cfg(tmp_path / "run", "train.max_steps=3", "train.precision=auto"))
+    assert result["step"] == 3
+    assert seen and set(seen) == {"bf16" if native else "fp32"}
 
 
 class _Bigram(torch.nn.Module):
