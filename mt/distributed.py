@@ -231,6 +231,19 @@ def wrap(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
     return DDP(model, device_ids=ids, broadcast_buffers=False, gradient_as_bucket_view=True)
 
 
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside the DDP wrapper (:func:`wrap`) and ``torch.compile``'s, if any."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    while True:
+        if isinstance(model, DDP):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # compiled
+            model = model._orig_mod
+        else:
+            return model
+
+
 def no_sync(model: torch.nn.Module, skip: bool):
     """``model.no_sync()`` when ``skip`` and the model is DDP (accumulation steps before the
     last one need no gradient all-reduce); otherwise a null context."""

@@ -35,6 +35,7 @@ from torch import nn
 
 from mt.attention import SDPA, CrossAttention, Kernels, SelfAttention, teacher_forced_kernels
 from mt.cache import DecoderCache, LayerCache
+from mt.loss import label_smoothed_cross_entropy, projected_cross_entropy
 from mt.masks import RealPositions, pad_mask, subsequent_mask
 from mt.schema import ModelConfig, attention_dropout
 from mt.vocab import PAD
@@ -191,6 +192,9 @@ class Transformer(nn.Module):
     # How teacher-forced passes compute attention; None: the device's default
     # (mt.attention.teacher_forced_kernels). The CPU training copy sets its own.
     teacher_kernels: Kernels | None = None
+    # How the training loss meets the projection (see `loss`): False, the (n, V) logits and then
+    # the loss; True (the CPU training copy), both in row blocks, the logits never held whole.
+    blockwise_loss: bool = False
 
     def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
         super().__init__()
@@ -374,7 +378,11 @@ class Transformer(nn.Module):
         return logits if self.padded_vocab == self.vocab_size else logits[..., : self.vocab_size]
 
     def forward(
-        self, src: torch.Tensor, tgt_in: torch.Tensor, real: RealPositions | None = None
+        self,
+        src: torch.Tensor,
+        tgt_in: torch.Tensor,
+        real: RealPositions | None = None,
+        project: bool = True,
     ) -> torch.Tensor:
         """Teacher-forced logits: src (B, S), tgt_in (B, T) -> (B, T, V).
 
@@ -382,12 +390,31 @@ class Transformer(nn.Module):
         target positions are projected: -> (n, V), rows in row-major order (all B*T of them
         when the target has no padding). Training uses this, so padding costs nothing in the
         projection and the loss, and nothing waits for the device to find the positions.
+        ``project=False`` (training, with ``real``) stops before the projection: the decoder
+        features of those positions, (n, D), for :meth:`loss`.
         """
         h = self.features(src, tgt_in, real)
         if real is None:
-            return self.project(h)
+            return self.project(h) if project else h
         h = h.reshape(-1, h.size(-1))  # (B*T, D)
-        return self.project(h if real.tgt is None else h.index_select(0, real.tgt))
+        h = h if real.tgt is None else h.index_select(0, real.tgt)  # (n, D)
+        return self.project(h) if project else h
+
+    def loss(
+        self, h: torch.Tensor, target: torch.Tensor, smoothing: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed (label-smoothed loss, NLL) of decoder features h (n, D) against target (n,).
+
+        The logits ``project(h)`` scored by ``mt.loss.label_smoothed_cross_entropy``; with
+        ``blockwise_loss``, the same sums from ``mt.loss.projected_cross_entropy``, which
+        projects and scores one block of rows at a time (same math, less memory traffic).
+        """
+        if self.blockwise_loss:
+            weight = self.output_weight
+            return projected_cross_entropy(
+                h, weight, target, smoothing, self.vocab_size, self.product
+            )
+        return label_smoothed_cross_entropy(self.project(h), target, smoothing, None)
 
 
 def build_model(model_cfg: ModelConfig | dict, vocab_size: int) -> Transformer:

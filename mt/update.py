@@ -16,7 +16,6 @@ import torch
 
 from mt import distributed
 from mt.batching import Batch
-from mt.loss import label_smoothed_cross_entropy
 from mt.run_state import TrainState
 from mt.schema import Config
 
@@ -73,14 +72,17 @@ def batch_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed (label-smoothed loss, NLL) of one batch, in float32 (weight 0 for fillers).
 
-    Only the non-pad target positions are projected and scored; they are selected by the
-    indices ``collate`` found on the host, so nothing here reads the device."""
-    with autocast(batch.src.device, precision):
-        logits = model(batch.src, batch.tgt_in, batch.real)  # (n, V)
+    Only the non-pad target positions are projected and scored (``Transformer.loss``); they
+    are selected by the indices ``collate`` found on the host, so nothing here reads the
+    device."""
     target = batch.tgt_out.reshape(-1)  # (B*T,)
     if batch.real.tgt is not None:
         target = target.index_select(0, batch.real.tgt)  # (n,)
-    loss, nll = label_smoothed_cross_entropy(logits, target, eps, None)
+    with autocast(batch.src.device, precision):
+        h = model(batch.src, batch.tgt_in, batch.real, project=False)  # (n, D)
+        # The projection and the loss outside DDP's and torch.compile's wrappers: the loss
+        # loops over row blocks, which a compiled graph would have to specialise on n.
+        loss, nll = distributed.unwrap(model).loss(h, target, eps)
     return loss * batch.weight, nll * batch.weight
 
 

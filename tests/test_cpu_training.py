@@ -154,6 +154,56 @@ def test_training_copy_computes_the_model_without_dropout():
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_training_copy_scores_in_row_blocks_like_the_model(precision, monkeypatch):
+    """The copy's training loss (projection and loss in row blocks, several blocks here) gives
+    the model's loss (logits, then the fused loss) and the same gradients, through the
+    training step's own ``batch_loss``; the model keeps the logits path."""
+    import numpy as np
+
+    import mt.loss
+    from mt.batching import collate
+    from mt.update import batch_loss
+
+    monkeypatch.setattr(mt.loss, "BLOCKWISE_MIN_ROWS", 3)
+    monkeypatch.setattr(mt.loss, "BLOCKWISE_BLOCK_BYTES", 3 * 4 * 40)  # 3 rows a block
+    torch.manual_seed(9)
+    cfg = ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.0, vocab_multiple=16)
+    model = build_model(cfg, vocab_size=40)  # 48 rows, 40 scored
+    copy = training_copy(model, products=precision == "fp32")
+    assert copy.blockwise_loss and not model.blockwise_loss
+    rng = np.random.default_rng(2)
+    pairs = [(rng.integers(4, 40, n), rng.integers(4, 40, m)) for n, m in [(5, 4), (3, 7), (6, 2)]]
+    batch = collate(pairs)
+
+    def loss_and_grads(module):
+        model.zero_grad()
+        loss, nll = batch_loss(module, batch, 0.1, precision)
+        (loss / batch.ntokens).backward()
+        return loss, nll, [p.grad.clone() for p in model.parameters()]
+
+    got, want = loss_and_grads(copy), loss_and_grads(model)
+    assert torch.all(model.embed.grad[40:] == 0)
+    if precision == "fp32":
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=0)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=0)
+        for a, b in zip(got[2], want[2]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        return
+    # bf16: both paths round differently; each must be as close to float32 as the other.
+    model.zero_grad()
+    exact = batch_loss(model, batch, 0.1, "fp32")
+    (exact[0] / batch.ntokens).backward()
+    exact_grads = [p.grad.clone() for p in model.parameters()]
+    torch.testing.assert_close(got[0], exact[0], rtol=0.01, atol=0)
+    torch.testing.assert_close(got[1], exact[1], rtol=0.01, atol=0)
+
+    def error(grads):
+        return sum(float((g - e).norm()) for g, e in zip(grads, exact_grads))
+
+    assert error(got[2]) <= 1.5 * error(want[2])
+
+
 @pytest.mark.parametrize("p", [0.0, 0.25])
 def test_written_out_attention_is_the_formula_with_its_dropout(p):
     torch.manual_seed(7)

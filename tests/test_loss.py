@@ -193,3 +193,102 @@ def test_fused_with_gpu_blocks_equals_the_textbook_formula():
     torch.testing.assert_close(loss.double(), ref_loss.detach(), rtol=1e-5, atol=0)
     torch.testing.assert_close(nll.double(), ref_nll.detach(), rtol=1e-5, atol=0)
     torch.testing.assert_close(fused.grad.double(), ref.grad, rtol=0, atol=1e-5)
+
+
+# The projection and the loss in row blocks (the CPU training copy's): the same sums and
+# gradients as projecting first, without the (N, V) logits.
+
+
+def _projection_data(N=11, V=13, V_padded=16, D=6, seed=21, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, D, generator=g, dtype=dtype)
+    weight = torch.randn(V_padded, D, generator=g, dtype=dtype)
+    target = torch.randint(1, V, (N,), generator=g)
+    return h, weight, target
+
+
+@pytest.mark.parametrize("rows", [1, 4, 11, 64])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_projected_equals_the_explicit_distribution_of_the_projection(rows, eps):
+    """Loss, NLL and both gradients against the textbook formula on ``h W[:V]^T`` (float64,
+    q written out), over one block and several, with padded rows of W never scored."""
+    from mt.loss import projected_cross_entropy
+
+    h, weight, target = _projection_data()
+    h1, w1 = h.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    loss, nll = projected_cross_entropy(h1, w1, target, eps, vocab=13, rows=rows)
+    (loss * 0.5).backward()
+
+    h2, w2 = h.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    ref_loss, ref_nll = _explicit(h2 @ w2[:13].t(), target, eps)
+    (ref_loss * 0.5).backward()
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(nll, ref_nll)
+    torch.testing.assert_close(h1.grad, h2.grad)
+    torch.testing.assert_close(w1.grad, w2.grad)
+    assert torch.all(w1.grad[13:] == 0)  # the padded rows get no gradient
+    assert not nll.requires_grad
+
+
+def test_projected_gradient_passes_gradcheck():
+    from mt.loss import projected_cross_entropy
+
+    h, weight, target = _projection_data(N=5, V=7, V_padded=8, D=3, seed=3)
+    h.requires_grad_(True)
+    weight.requires_grad_(True)
+
+    def f(x, w):
+        return projected_cross_entropy(x, w, target, 0.1, vocab=7, rows=2)[0]
+
+    assert torch.autograd.gradcheck(f, (h, weight))
+
+
+def test_projected_without_gradients_and_with_another_product():
+    """Under no_grad (validation) only the sums are computed; a product function (oneDNN's in
+    the CPU training copy) is used for the products."""
+    from mt.loss import projected_cross_entropy
+
+    h, weight, target = _projection_data(dtype=torch.float32)
+    calls = []
+
+    def product(x, w, bias):
+        calls.append(tuple(x.shape))
+        return F.linear(x, w, bias)
+
+    with torch.no_grad():
+        loss, nll = projected_cross_entropy(h, weight, target, 0.1, 13, product, rows=4)
+    ref_loss, ref_nll = label_smoothed_cross_entropy(h @ weight[:13].t(), target, 0.1, None)
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(nll, ref_nll)
+    assert calls == [(4, 6), (4, 6), (3, 6)]  # forward products only, block by block
+
+
+def test_projected_under_bf16_autocast_is_close_to_the_logits_path():
+    """Under bf16 autocast the products run in bfloat16 (as F.linear's would) and the scores
+    in float32: the same loss and gradients as autocast's projection then the fused loss,
+    within bfloat16 rounding."""
+    from mt.loss import projected_cross_entropy
+
+    g = torch.Generator().manual_seed(8)
+    N, V, D = 300, 1000, 32
+    h = torch.randn(N, D, generator=g)
+    weight = torch.randn(V, D, generator=g) * 0.3
+    target = torch.randint(1, V, (N,), generator=g)
+    a_h, a_w = h.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    b_h, b_w = h.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss, _ = label_smoothed_cross_entropy(F.linear(a_h, a_w), target, 0.1, None)
+        loss, _ = projected_cross_entropy(b_h, b_w, target, 0.1, rows=128)
+    (ref_loss / N).backward()
+    (loss / N).backward()
+    assert loss.dtype == torch.float32 and b_h.grad.dtype == b_w.grad.dtype == torch.float32
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-3, atol=0)
+    for got, want in ((b_h.grad, a_h.grad), (b_w.grad, a_w.grad)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0.02 * float(want.abs().max()))
+
+
+def test_projected_shape_errors():
+    from mt.loss import projected_cross_entropy
+
+    with pytest.raises(ValueError, match="expected h"):
+        projected_cross_entropy(torch.zeros(2, 3), torch.zeros(5, 4), torch.zeros(2).long(), 0.1)

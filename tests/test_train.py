@@ -20,7 +20,7 @@ import mt.acceleration
 import mt.update
 from mt.checkpoint import CheckpointError, load_checkpoint, periodic_checkpoints
 from mt.config import load_config
-from mt.loss import label_smoothed_nll_loss
+from mt.loss import label_smoothed_cross_entropy, label_smoothed_nll_loss
 from mt.preempt import EXIT_PREEMPTED
 from mt.run_state import train_sampler
 from mt.train import train
@@ -291,17 +291,17 @@ def test_patience_stops_and_best_follows_the_metric(tmp_path, monkeypatch):
 
 
 def test_nonfinite_updates_are_skipped_then_stop(tmp_path, monkeypatch, caplog):
-    real = mt.update.label_smoothed_cross_entropy
+    real = mt.update.batch_loss
     calls = {"n": 0}
 
-    def sometimes_nan(logits, target, eps, *rest):
+    def sometimes_nan(*args):
         calls["n"] += 1
-        loss, nll = real(logits, target, eps, *rest)
+        loss, nll = real(*args)
         if calls["n"] == 3:  # the third update (accum_steps=1, no validation batches yet)
             return loss * float("nan"), nll
         return loss, nll
 
-    monkeypatch.setattr(mt.update, "label_smoothed_cross_entropy", sometimes_nan)
+    monkeypatch.setattr(mt.update, "batch_loss", sometimes_nan)
     run = tmp_path / "run"
     result = train(_cfg(run, "train.max_steps=4", "train.eval_every=0"))
     assert result["step"] == 4
@@ -309,11 +309,11 @@ def test_nonfinite_updates_are_skipped_then_stop(tmp_path, monkeypatch, caplog):
     assert "non-finite loss at update 3" in caplog.text
     assert all(math.isfinite(v) for v in _losses(run).values())
 
-    def always_nan(logits, target, eps, *rest):
-        loss, nll = real(logits, target, eps, *rest)
+    def always_nan(*args):
+        loss, nll = real(*args)
         return loss * float("nan"), nll
 
-    monkeypatch.setattr(mt.update, "label_smoothed_cross_entropy", always_nan)
+    monkeypatch.setattr(mt.update, "batch_loss", always_nan)
     with pytest.raises(NonFiniteError, match="3 consecutive updates"):
         train(_cfg(tmp_path / "nan", "train.max_steps=10", "train.max_nonfinite=3"))
 
@@ -388,12 +388,15 @@ class _Bigram(torch.nn.Module):
             torch.randn(V, V, generator=torch.Generator().manual_seed(0))
         )
 
-    def forward(self, src, tgt_in, real=None):
-        logits = self.table[tgt_in]  # (B, T, V)
+    def forward(self, src, tgt_in, real=None, project=True):
+        logits = self.table[tgt_in]  # (B, T, V): here the "features" are the logits
         if real is None:
             return logits
         flat = logits.reshape(-1, logits.size(-1))  # (B*T, V)
         return flat if real.tgt is None else flat[real.tgt]
+
+    def loss(self, h, target, smoothing):
+        return label_smoothed_cross_entropy(h, target, smoothing, None)
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.05])
