@@ -410,9 +410,8 @@ class Transformer(nn.Module):
         projects and scores one block of rows at a time (same math, less memory traffic).
         """
         if self.blockwise_loss:
-            weight = self.output_weight
             return projected_cross_entropy(
-                h, weight, target, smoothing, self.vocab_size, self.product
+                h, self.output_weight, target, smoothing, self.vocab_size, self.product
             )
         return label_smoothed_cross_entropy(self.project(h), target, smoothing, None)
 
