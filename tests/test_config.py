@@ -133,3 +133,19 @@ def test_experiments_choose_their_decode_group():
     assert load_config(["experiment=smoke"]).decode.max_len_b == 20
     assert load_config(["experiment=wmt14_en_de_base"]).decode.beam_size == 4
     assert load_config(["decode=greedy", "decode.max_len_b=7"]).decode.max_len_b == 7
+
+
+def test_the_15_minute_experiment_is_the_default_recipe_in_a_third_of_the_time():
+    default, short = load_config(), load_config(["experiment=multi30k_de_en_15min"])
+    assert (default.train.max_tokens, default.model.dropout, default.train.clip_norm) == (
+        2048,
+        0.05,
+        1.0,
+    )
+    assert (short.train.max_minutes, default.train.max_minutes) == (15, 42)
+    for section in ("model", "decode", "data"):
+        assert getattr(short, section) == getattr(default, section), section
+    changed = {
+        k for k in default.train.__dict__ if getattr(default.train, k) != getattr(short.train, k)
+    }
+    assert changed == {"max_minutes", "eval_every"}
