@@ -57,6 +57,13 @@ def test_experiments_set_paper_values():
     assert (en_de.data.src_lang, en_de.data.tgt_lang) == ("en", "de")
 
 
+def test_a_model_preset_brings_its_own_dropout():
+    # the default experiment sets no model values of its own, so `model=big` is the paper's big
+    assert load_config(["model=big"]).model.dropout == 0.3
+    assert load_config(["model=base"]).model.dropout == 0.1
+    assert load_config().model.dropout == 0.05  # small: chosen on Multi30k val
+
+
 def test_overrides_apply():
     cfg = load_config(["model=base", "train.max_tokens=8192", "model.dropout=0.3"])
     assert cfg.model.d_model == 512 and cfg.train.max_tokens == 8192 and cfg.model.dropout == 0.3

@@ -164,7 +164,8 @@ def test_disk_full_is_recognised_through_torch_wrapping():
 
 def test_resume_keeps_config_records_changes_and_removes_stale_temps(corpus, tmp_path, caplog):
     run = tmp_path / "run"
-    train(cfg_for(corpus, run, 3))
+    first = cfg_for(corpus, run, 3)
+    train(first)
     original = (run / "config.yaml").read_text()
     stale = run / "checkpoints" / ".last.pt.tmp999999"
     stale.write_bytes(b"x" * 1000)
@@ -175,7 +176,10 @@ def test_resume_keeps_config_records_changes_and_removes_stale_temps(corpus, tmp
     assert (run / "config.yaml").read_text() == original
     changed = (run / "config.resume-1.yaml").read_text()
     assert "max_steps: 5" in changed and "dropout: 0.2" in changed
-    assert "train.max_steps: 3 -> 5" in caplog.text and "model.dropout: 0.1 -> 0.2" in caplog.text
+    assert (
+        "train.max_steps: 3 -> 5" in caplog.text
+        and f"model.dropout: {first.model.dropout} -> 0.2" in caplog.text
+    )
     assert steps_logged(run) == [1, 2, 3, 4, 5]
 
 
