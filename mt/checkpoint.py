@@ -162,10 +162,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
 
     Returns:
         ``(model, tokenizer, ckpt)``: the model in eval mode on ``device``, the
-        mt.tokenizer.Tokenizer embedded in the checkpoint, and the checkpoint dict.
+        mt.data.tokenizer.Tokenizer embedded in the checkpoint, and the checkpoint dict.
     """
-    from mt.model import build_model
-    from mt.tokenizer import Tokenizer
+    from mt.data.tokenizer import Tokenizer
+    from mt.model.transformer import build_model
 
     ckpt = load_checkpoint(path, map_location="cpu")
     model = build_model(model_cfg_from(ckpt), int(ckpt["vocab_size"]))
@@ -188,7 +188,7 @@ def model_state(model: torch.nn.Module, model_cfg: ModelConfig, tokenizer, vocab
     Args:
         model: the unwrapped, uncompiled model.
         model_cfg: its configuration.
-        tokenizer: an mt.tokenizer.Tokenizer (embedded via ``to_bytes``).
+        tokenizer: an mt.data.tokenizer.Tokenizer (embedded via ``to_bytes``).
         vocab_size: the vocabulary size the model was built with.
     """
     return {

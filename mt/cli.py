@@ -7,7 +7,8 @@ their modules; this file only composes the configuration, sets up logging and di
 
 A user error (a missing or malformed file, a bad line, a bad setting) ends the command with one
 line on stderr naming the file, line or key, and exit status 1; ``mt-train`` stopped by SIGTERM
-or SIGUSR1 exits with 75 after saving (``mt.preempt``), so a requeueing script can tell it apart.
+or SIGUSR1 exits with 75 after saving (``mt.train.preempt``), so a requeueing script can tell it
+apart.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 
     from mt.checkpoint import CheckpointError
     from mt.distributed import LauncherError, RankError
-    from mt.lock import LockError
+    from mt.train.lock import LockError
 
     types: list[type[BaseException]] = [
         ValueError,  # DataError, TokenizerError, TextError, UnicodeDecodeError, bad settings
@@ -155,7 +156,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         OmegaConfBaseException,
     ]
     try:
-        from mt.update import NonFiniteError
+        from mt.train.update import NonFiniteError
 
         types.append(NonFiniteError)
     except ImportError:  # a broken torch install: its own error is clearer
@@ -183,8 +184,8 @@ def user_errors(tool: str):
 def _prepare(cfg: Config) -> None:
     import time
 
-    from mt.prepare import prepare
-    from mt.report import record_stage_time
+    from mt.data.build import prepare
+    from mt.evaluation.report import record_stage_time
 
     start = time.perf_counter()
     prepare(cfg)
@@ -193,8 +194,8 @@ def _prepare(cfg: Config) -> None:
 
 
 def _train(cfg: Config) -> None:
-    from mt.preempt import exit_status
-    from mt.train import train
+    from mt.train.preempt import exit_status
+    from mt.train.recipe import train
 
     status = exit_status(train(cfg).get("signal"))
     if status:  # stopped by a signal after saving: 75 = requeue me, 130 = Ctrl-C
@@ -202,13 +203,13 @@ def _train(cfg: Config) -> None:
 
 
 def _translate(cfg: Config) -> None:
-    from mt.translate import translate_main
+    from mt.decode.translate import translate_main
 
     translate_main(cfg)
 
 
 def _evaluate(cfg: Config) -> None:
-    from mt.evaluate import evaluate_main
+    from mt.evaluation.evaluate import evaluate_main
 
     evaluate_main(cfg)
 
@@ -220,7 +221,7 @@ def _export(cfg: Config) -> None:
 
 
 def _serve(cfg: Config) -> None:
-    from mt.serve import serve_main
+    from mt.serve.server import serve_main
 
     serve_main(cfg)
 
@@ -234,7 +235,7 @@ serve_main = _hydra_app(_serve)
 
 
 def _score(cfg: Config) -> None:
-    from mt.score import score_main
+    from mt.decode.rescore import score_main
 
     score_main(cfg)
 

@@ -112,7 +112,7 @@ class TrainConfig:
     accum_steps: int = 1  # batches per update (gradient accumulation)
     # Global batch, the paper's way: padded target tokens per update over all ranks (~25000 for
     # the paper's base); accum_steps (and a smaller max_tokens) follow for any number of ranks,
-    # see mt.batching.batch_plan. 0 = off: max_tokens and accum_steps as given.
+    # see mt.data.batches.batch_plan. 0 = off: max_tokens and accum_steps as given.
     batch_tokens: int = 0
     prefetch: int = 2  # batches collated ahead in a background thread (0 = in the loop's thread)
     dist_timeout_minutes: float = 30.0  # DDP collective timeout (torchrun runs)
@@ -140,7 +140,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model
     pad_multiple: int = 0  # pad batch lengths to a multiple of this (0: 8 with compile, else 1)
     tf32: bool = True  # CUDA: float32 matrix products on TF32 tensor cores
-    cpu_kernels: bool = True  # CPU: oneDNN float32 products, 16-bit dropout masks (mt.cpu_training)
+    cpu_kernels: bool = True  # CPU: oneDNN float32 products, 16-bit dropout masks (mt.fast)
     # Logging, validation, checkpoints.
     log_every: int = 50
     eval_every: int = 1000  # validate every N updates (0 = only at the end)
@@ -169,7 +169,7 @@ class DecodeConfig:
     too_long: str = "error"  # error | truncate: inputs longer than model.max_positions
     precision: str = "fp32"  # fp32 | bf16 (CPU or GPU autocast)
     quantize: str = "none"  # none | int8: dynamic int8 Linear layers (CPU decoding speed)
-    onednn: bool = True  # CPU: Linear products through oneDNN (same precision; mt.inference)
+    onednn: bool = True  # CPU: Linear products through oneDNN (same precision; mt.fast.decoding)
     # Sampling (decode=sample): one draw per sentence instead of a search.
     sample: bool = False  # sample translations (beam_size is then ignored)
     temperature: float = 1.0  # p ~ exp(log p / temperature); 0 = greedy

@@ -180,8 +180,8 @@ def random_pairs(
 
 
 def random_batches(args, count: int) -> list:
-    """``count`` random ``mt.batching.Batch``es of ``--batch-size`` pairs (seeded)."""
-    from mt.batching import collate
+    """``count`` random ``mt.data.batches.Batch``es of ``--batch-size`` pairs (seeded)."""
+    from mt.data.batches import collate
 
     return [
         collate(

@@ -1,4 +1,4 @@
-"""Data-loader benchmark: ``mt.batching.iterate_batches`` over a prepared split, alone.
+"""Data-loader benchmark: ``mt.data.batches.iterate_batches`` over a prepared split, alone.
 
 ``--data DIR/SPLIT`` names a prepared cache directory (``.cache/mt/<hash>``, what ``mt-prepare``
 writes) and a role (train, valid, test); without it a synthetic split of random token arrays is
@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 from bench_common import Recorder, environment, peak_memory_mb
 
-from mt.batching import BatchSampler, iterate_batches
-from mt.prepare import EncodedSplit, Prepared, TokenArray
+from mt.data.batches import BatchSampler, iterate_batches
+from mt.data.build import EncodedSplit, Prepared, TokenArray
 from mt.vocab import PAD
 
 log = logging.getLogger("bench")

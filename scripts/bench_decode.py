@@ -26,12 +26,12 @@ from bench_common import (
     sync,
 )
 
-from mt.batching import make_src
-from mt.decoding import autocast
-from mt.inference import for_decoding, needs_autocast
-from mt.model import build_model
+from mt.data.batches import make_src
+from mt.decode.driver import autocast
+from mt.decode.search import beam_search, greedy_search
+from mt.fast.decoding import for_decoding, needs_autocast
+from mt.model.transformer import build_model
 from mt.schema import DecodeConfig
-from mt.search import beam_search, greedy_search
 
 log = logging.getLogger("bench")
 

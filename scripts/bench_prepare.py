@@ -1,4 +1,4 @@
-"""Benchmark stages 1-2 (``mt.prepare.prepare``) at scale: wall time and peak memory.
+"""Benchmark stages 1-2 (``mt.data.build.prepare``) at scale: wall time and peak memory.
 
 Builds a corpus of ``--pairs`` training pairs by repeating Multi30k train (``--pairs 0``: Multi30k
 as it is) in a temporary directory, prepares it from scratch (SentencePiece BPE on a random
@@ -46,7 +46,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     from mt.config import load_config
-    from mt.prepare import prepare
+    from mt.data.build import prepare
 
     with tempfile.TemporaryDirectory(prefix="mt-bench-") as tmp:
         corpus = Path(tmp) / "corpus"

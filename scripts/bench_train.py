@@ -1,13 +1,13 @@
 """Training-step benchmark: mt's Transformer (and optionally torch.nn.Transformer) on one shape.
 
-A step is what training does, through the training code itself (``mt.update.Updater``):
+A step is what training does, through the training code itself (``mt.train.update.Updater``):
 forward, label-smoothed loss, backward, gradient norm, Adam, Noam scheduler.
 Throughput is non-pad target tokens (EOS included; fairseq's ``wps``) per second of a step,
 the median over the timed steps after ``--warmup-steps`` untimed ones. With ``--baseline torch``
 the two implementations alternate step by step on the same batches, so their ratio comes from
 one run on a shared machine. The baseline computes its loss the textbook way (fairseq's):
 logits at every position, ``log_softmax`` in float32, padding masked (``textbook_loss``); mt
-projects only the non-pad positions and uses its fused loss (``mt.loss``).
+projects only the non-pad positions and uses its fused loss (``mt.model.loss``).
 
 MFU (model FLOPs utilisation) counts the useful (non-pad) work of a batch:
 
@@ -43,13 +43,13 @@ from bench_common import (
 )
 from torch import nn
 
-from mt.cpu_training import for_training
-from mt.loss import label_smoothed_nll_loss
-from mt.model import build_model, sinusoidal_positions
-from mt.run_state import TrainState
-from mt.schedule import noam_lambda
+from mt.fast.training import for_training
+from mt.model.loss import label_smoothed_nll_loss
+from mt.model.transformer import build_model, sinusoidal_positions
 from mt.schema import Config, ModelConfig
-from mt.update import Updater, build_optimizer
+from mt.train.schedule import noam_lambda
+from mt.train.state import TrainState
+from mt.train.update import Updater, build_optimizer
 from mt.vocab import PAD
 
 log = logging.getLogger("bench")
@@ -139,9 +139,9 @@ def textbook_loss(model, batch, eps: float, precision: str):
 
 
 class Runner:
-    """One implementation under test, stepped by the training code's own ``mt.update.Updater``
+    """One implementation under test, stepped by the training code's own ``mt.train.update.Updater``
     (forward, label-smoothed loss, backward, gradient norm, Adam, Noam), set up as
-    ``mt.train.setup`` does."""
+    ``mt.train.recipe.setup`` does."""
 
     def __init__(
         self, name: str, model: nn.Module, args, cfg: ModelConfig, device, textbook: bool = False

@@ -35,10 +35,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
 
+    import export_check as ec
     from transformers import AutoModelForSeq2SeqLM
     from transformers.utils import logging as hf_logging
 
-    from mt import export_check as ec
     from mt.checkpoint import load_model
     from mt.export import export
     from mt.schema import DecodeConfig

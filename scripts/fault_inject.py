@@ -9,7 +9,7 @@ appears), restarted, killed again, ... ``--kills`` times; a last start runs to t
 - ``metrics.jsonl`` logs every step exactly once, with the uninterrupted run's losses;
 - no temporary file of a killed write is left.
 
-Runs are forked from this process after ``mt.train`` (torch, Hydra, TensorBoard) is imported,
+Runs are forked from this process after ``mt.train.recipe`` (torch, Hydra, TensorBoard) is imported,
 so a start costs a fraction of a second instead of an interpreter start-up; this process itself
 runs no torch operation before the last fork (forking after OpenMP has started is unsafe).
 
@@ -96,8 +96,8 @@ def fork_train(cfg, log_path: Path) -> int:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         from mt.cli import setup_logging, user_errors
-        from mt.preempt import exit_status
-        from mt.train import train
+        from mt.train.preempt import exit_status
+        from mt.train.recipe import train
 
         setup_logging()
         try:
@@ -137,7 +137,7 @@ def run_to_end(cfg, log_path: Path) -> None:
 def experiment(kills: int, seed: int, workdir: Path, atol: float) -> dict:
     import torch._dynamo  # noqa: F401  (the optimiser imports it: seconds per start otherwise)
 
-    import mt.train  # noqa: F401  (imported before forking: starts cost no imports)
+    import mt.train.recipe  # noqa: F401  (imported before forking: starts cost no imports)
     from mt.config import load_config
 
     try:
@@ -155,7 +155,7 @@ def experiment(kills: int, seed: int, workdir: Path, atol: float) -> dict:
     # The prepared data first (a cache every start then only loads), in a child of its own.
     pid = os.fork()
     if pid == 0:
-        from mt.prepare import prepare
+        from mt.data.build import prepare
 
         try:
             prepare(endless)

@@ -177,8 +177,8 @@ def main() -> None:
 def plan_epoch(out: Path) -> dict:
     """Time the batch plan of one epoch of the prepared train split, as training builds it."""
     from mt.config import load_config
-    from mt.prepare import prepare
-    from mt.run_state import train_sampler
+    from mt.data.build import prepare
+    from mt.train.state import train_sampler
 
     cfg = load_config([*overrides(out), *CPU_BATCH])
     split = prepare(cfg).split("train")

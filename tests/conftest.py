@@ -42,7 +42,7 @@ def sharp_random_model(vocab_size: int = 40):
     maximum length."""
     import torch
 
-    from mt.model import build_model
+    from mt.model.transformer import build_model
     from mt.schema import ModelConfig
     from mt.vocab import EOS
 

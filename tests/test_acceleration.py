@@ -11,19 +11,19 @@ import numpy as np
 import pytest
 import torch
 
-import mt.acceleration
-import mt.train
-from mt.acceleration import (
+import mt.fast.precision
+import mt.train.recipe
+from mt.data.batches import collate
+from mt.fast.precision import (
     compile_model,
     native_bf16,
     pad_multiple,
     resolve_precision,
     set_fp32_precision,
 )
-from mt.batching import collate
-from mt.model import build_model
+from mt.model.transformer import build_model
 from mt.schema import ModelConfig, TrainConfig
-from mt.update import batch_loss
+from mt.train.update import batch_loss
 
 V = 40
 
@@ -92,7 +92,7 @@ def test_native_bf16_on_a_torch_without_the_feature_checks(monkeypatch):
 
 @pytest.mark.parametrize("native", [False, True])
 def test_resolve_precision(monkeypatch, caplog, native):
-    monkeypatch.setattr(mt.acceleration, "native_bf16", lambda device: native)
+    monkeypatch.setattr(mt.fast.precision, "native_bf16", lambda device: native)
     cpu = torch.device("cpu")
     assert resolve_precision("auto", cpu) == ("bf16" if native else "fp32")
     assert resolve_precision("fp32", cpu) == "fp32"
@@ -132,7 +132,7 @@ def test_compiled_training_runs_compile_then_ddp_wrap_and_logs_graphs(
     monkeypatch.setenv("MT_DATA_DIR", str(real_data))
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     wrapped, shapes = [], []
-    real_wrap, real_update = mt.train.distributed.wrap, mt.train.Updater.__call__
+    real_wrap, real_update = mt.train.recipe.distributed.wrap, mt.train.recipe.Updater.__call__
 
     def wrap(model, info):
         wrapped.append(model)
@@ -144,10 +144,10 @@ def test_compiled_training_runs_compile_then_ddp_wrap_and_logs_graphs(
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    monkeypatch.setattr(mt.train.distributed, "wrap", wrap)
-    monkeypatch.setattr(mt.train.Updater, "__call__", update)
+    monkeypatch.setattr(mt.train.recipe.distributed, "wrap", wrap)
+    monkeypatch.setattr(mt.train.recipe.Updater, "__call__", update)
     run = tmp_path / "run"
-    result = mt.train.train(_cfg(run, "train.compile=true", "train.max_steps=4"))
+    result = mt.train.recipe.train(_cfg(run, "train.compile=true", "train.max_steps=4"))
     assert result["step"] == 4
     (model,) = wrapped
     assert isinstance(model, torch._dynamo.eval_frame.OptimizedModule)

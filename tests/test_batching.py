@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mt.batching import Batch, BatchSampler, collate, iterate_batches, make_src
+from mt.data.batches import Batch, BatchSampler, collate, iterate_batches, make_src
 from mt.vocab import BOS, EOS, PAD
 
 
@@ -174,7 +174,7 @@ def test_multi30k_padding_under_ten_percent(real_data):
 
 
 def test_fast_chunking_equals_the_greedy_reference():
-    from mt.batching import _chunk, chunk_reference
+    from mt.data.batches import _chunk, chunk_reference
 
     rng = np.random.default_rng(0)
     for _ in range(300):
@@ -189,7 +189,7 @@ def test_fast_chunking_equals_the_greedy_reference():
 
 
 def test_packed_sort_key_equals_lexsort():
-    from mt.batching import _sort_keys
+    from mt.data.batches import _sort_keys
 
     rng = np.random.default_rng(1)
     for n in (0, 1, 7, 2000):

@@ -66,7 +66,7 @@ def test_train_flops_formula_matches_hand_count():
     import torch
     from bench_train import batch_flops, mt_stack_params
 
-    from mt.model import build_model
+    from mt.model.transformer import build_model
     from mt.schema import ModelConfig
     from mt.vocab import EOS, PAD
 
@@ -114,9 +114,9 @@ def test_decode_checkpoint_real_sentences(tmp_path):
     import torch
 
     from mt.checkpoint import model_state, save_checkpoint
-    from mt.model import build_model
+    from mt.data.tokenizer import Tokenizer
+    from mt.model.transformer import build_model
     from mt.schema import ModelConfig, TokenizerConfig
-    from mt.tokenizer import Tokenizer
 
     rng = random.Random(0)
     words = "ein mann hund fährt rennt im schnee auf dem fahrrad a man dog runs in the snow".split()
@@ -149,7 +149,7 @@ def test_decode_checkpoint_real_sentences(tmp_path):
 def prepared_dir(tmp_path_factory) -> Path:
     """A prepared cache of a tiny local corpus (what mt-prepare writes)."""
     from mt.config import load_config
-    from mt.prepare import prepare
+    from mt.data.build import prepare
 
     tmp = tmp_path_factory.mktemp("prepared")
     corpus = tmp / "corpus"
@@ -171,7 +171,7 @@ def prepared_dir(tmp_path_factory) -> Path:
 
 
 def test_data_and_train_from_prepared_split(prepared_dir, tmp_path):
-    from mt.prepare import Prepared
+    from mt.data.build import Prepared
 
     split = Prepared(prepared_dir).split("train")
     (r,), _ = run_bench(

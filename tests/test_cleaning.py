@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import mt.cleaning as cleaning
-from mt.cleaning import NormSpec, TextNormalizer, drop_encoded, normalize_pairs, piece_filter
+import mt.data.cleaning as cleaning
 from mt.config import load_config
-from mt.prepare import cache_key, prepare
+from mt.data.build import cache_key, prepare
+from mt.data.cleaning import NormSpec, TextNormalizer, drop_encoded, normalize_pairs, piece_filter
 
 WMT_CLEAN = [
     "data.clean.dedup=true",
@@ -179,7 +179,7 @@ def test_fast_control_char_removal_equals_sacremoses():
 
 
 def test_bad_input_under_the_moses_pass_names_the_file(tmp_path, monkeypatch):
-    from mt.data import DataError
+    from mt.data.corpus import DataError
 
     d = _corpus(tmp_path / "c")
     (d / "train.de").write_bytes((d / "train.de").read_bytes() + b"kaputt \xff\n")

@@ -15,7 +15,7 @@ import pytest
 
 from mt import cli
 from mt.config import load_config
-from mt.train import train
+from mt.train.recipe import train
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -203,7 +203,7 @@ def test_translate_splits_files_and_stdin_alike(world, tmp_path, monkeypatch, ca
 
 def test_decoded_line_breaks_never_split_an_output_line(world):
     """A hypothesis whose pieces decode to a line break comes out as one line (a space)."""
-    from mt.translate import Translator
+    from mt.decode.translate import Translator
 
     translator = Translator.from_checkpoint(world["ckpt"])
     sp = translator.tokenizer.model("tgt")

@@ -11,8 +11,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import OmegaConfBaseException
 
 from mt.config import conf_dir, load_config, to_yaml
-from mt.resume import _changed_keys
 from mt.schema import Config
+from mt.train.resume import _changed_keys
 
 CONF = conf_dir()
 GROUPS = ["data", "tokenizer", "model", "train", "decode", "experiment"]

@@ -1,4 +1,4 @@
-"""mt.cpu_training: the CPU training copy computes the model's math (products, gradients,
+"""mt.fast.training: the CPU training copy computes the model's math (products, gradients,
 dropout statistics) and shares the model's parameters."""
 
 import math
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mt.attention import SDPA, attention
-from mt.cpu_training import (
+from mt.fast.decoding import onednn_available
+from mt.fast.training import (
     CPU_TRAINING,
     Dropout,
     Linear,
@@ -18,8 +18,8 @@ from mt.cpu_training import (
     linear,
     training_copy,
 )
-from mt.inference import onednn_available
-from mt.model import build_model
+from mt.model.attention import SDPA, attention
+from mt.model.transformer import build_model
 from mt.schema import ModelConfig
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="no oneDNN linear kernel")
@@ -161,12 +161,12 @@ def test_training_copy_scores_in_row_blocks_like_the_model(precision, monkeypatc
     training step's own ``batch_loss``; the model keeps the logits path."""
     import numpy as np
 
-    import mt.loss
-    from mt.batching import collate
-    from mt.update import batch_loss
+    import mt.model.loss
+    from mt.data.batches import collate
+    from mt.train.update import batch_loss
 
-    monkeypatch.setattr(mt.loss, "BLOCKWISE_MIN_ROWS", 3)
-    monkeypatch.setattr(mt.loss, "BLOCKWISE_BLOCK_BYTES", 3 * 4 * 40)  # 3 rows a block
+    monkeypatch.setattr(mt.model.loss, "BLOCKWISE_MIN_ROWS", 3)
+    monkeypatch.setattr(mt.model.loss, "BLOCKWISE_BLOCK_BYTES", 3 * 4 * 40)  # 3 rows a block
     torch.manual_seed(9)
     cfg = ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.0, vocab_multiple=16)
     model = build_model(cfg, vocab_size=40)  # 48 rows, 40 scored
@@ -269,7 +269,7 @@ def test_training_copy_in_bfloat16_matches_the_model():
 def test_hold_freed_memory_is_idempotent_and_harmless():
     import sys
 
-    from mt.cpu_training import hold_freed_memory
+    from mt.fast.training import hold_freed_memory
 
     first = hold_freed_memory()
     assert hold_freed_memory() == first
@@ -283,7 +283,7 @@ def test_hold_freed_memory_is_idempotent_and_harmless():
 
 
 def test_for_training_picks_the_copy_on_cpu_only():
-    from mt.cpu_training import for_training
+    from mt.fast.training import for_training
 
     model = build_model(CFG, vocab_size=40)
     assert for_training(model, torch.device("cpu"), False, "fp32") is model

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mt.config import load_config
-from mt.data import Cleaner, DataError, count_lines, open_corpus, read_lines
+from mt.data.corpus import Cleaner, DataError, count_lines, open_corpus, read_lines
 from mt.schema import CleanConfig
 
 

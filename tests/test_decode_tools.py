@@ -11,15 +11,15 @@ import torch.nn.functional as F
 from conftest import sharp_random_model
 from test_translate import FAST, make_tokenizer, sentences, write_checkpoint
 
-from mt.alignment import align, pharaoh, word_index
-from mt.batching import make_src
 from mt.checkpoint import CheckpointError
-from mt.decoding import score_ids, translate_nbest
-from mt.ensemble import Ensemble
+from mt.data.batches import make_src
+from mt.decode.alignment import align, pharaoh, word_index
+from mt.decode.driver import score_ids, translate_nbest
+from mt.decode.ensemble import Ensemble
+from mt.decode.rescore import score_main
+from mt.decode.search import beam_search
+from mt.decode.translate import Translator, translate_main, translate_stream
 from mt.schema import Config, DecodeConfig
-from mt.score import score_main
-from mt.search import beam_search
-from mt.translate import Translator, translate_main, translate_stream
 from mt.vocab import BOS, EOS
 
 

@@ -72,7 +72,7 @@ def test_two_ranks_equal_one_rank_with_accumulation(tmp_path):
     common = ["model.dropout=0.0", "train.max_steps=6", "train.max_tokens=300"]
     single = tmp_path / "single"
     train_cfg = _cfg(single, *common, "train.accum_steps=2")
-    from mt.train import train
+    from mt.train.recipe import train
 
     train(train_cfg)
     expected = _losses(single)
@@ -128,7 +128,7 @@ RANKS_SCRIPT = r"""
 import json, sys
 from pathlib import Path
 from mt import distributed
-from mt.resume import agree_on_resume
+from mt.train.resume import agree_on_resume
 
 root = Path(sys.argv[1])
 info = distributed.setup("cpu", timeout_minutes=2)
@@ -142,7 +142,7 @@ for case in sorted(p.name for p in root.iterdir() if p.is_dir()):
         out[case] = [type(err).__name__, str(err)]
 # Last: a prepared-data cache miss under 2 ranks (train() leaves the process group).
 from test_train import _cfg
-from mt.train import train
+from mt.train.recipe import train
 try:
     train(_cfg(root / "run", f"cache_dir={root / 'empty-cache'}", "train.max_steps=1"))
     out["cache"] = ["ok", None]

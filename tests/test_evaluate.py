@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mt.evaluate import evaluate_main, read_lines, score
+from mt.evaluation.evaluate import evaluate_main, read_lines, score
 from mt.schema import Config, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,8 +148,8 @@ def test_evaluate_run_decodes_scores_and_writes_the_run(tmp_path, capsys):
 
     from mt.checkpoint import model_state, save_checkpoint
     from mt.config import load_config
-    from mt.model import build_model
-    from mt.prepare import prepare
+    from mt.data.build import prepare
+    from mt.model.transformer import build_model
 
     rng = random.Random(0)
     de = "ein mann hund fährt rennt im schnee auf dem fahrrad eine frau".split()
@@ -192,7 +192,7 @@ def test_evaluate_run_decodes_scores_and_writes_the_run(tmp_path, capsys):
     refs = read_lines(data / "test.en")
     assert len(hyps) == len(refs) == 7
     saved = json.loads((run_dir / "results.json").read_text())
-    expected = sacrebleu.corpus_bleu(hyps, [refs]).score  # independent of mt.evaluate.score
+    expected = sacrebleu.corpus_bleu(hyps, [refs]).score  # independent of mt.evaluation
     assert saved["bleu"] == pytest.approx(expected)
     for key in ("chrf", "signature", "chrf_signature", "split", "checkpoint", "beam_size",
                 "alpha", "n_sentences", "decode_seconds"):  # fmt: skip

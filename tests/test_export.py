@@ -17,19 +17,19 @@ import torch
 pytest.importorskip("transformers")
 ctranslate2 = pytest.importorskip("ctranslate2")
 
+import export_check as ec  # noqa: E402
 from conftest import sharp_random_model  # noqa: E402
 
-from mt import export_check as ec  # noqa: E402
 from mt.export import export, export_main  # noqa: E402
-from mt.export_ct2 import ct2_spec  # noqa: E402
-from mt.export_hf import (  # noqa: E402
+from mt.export.ct2 import ct2_spec  # noqa: E402
+from mt.export.hf import (  # noqa: E402
     ExportError,
     build_marian,
     check_exportable,
     hidden_permutation,
     marian_positions,
 )
-from mt.model import build_model, sinusoidal_positions  # noqa: E402
+from mt.model.transformer import build_model, sinusoidal_positions  # noqa: E402
 from mt.schema import Config, DecodeConfig, ModelConfig  # noqa: E402
 from mt.vocab import BOS, EOS, PAD  # noqa: E402
 
@@ -188,8 +188,8 @@ def trained(real_data, tmp_path_factory):
     """(checkpoint, HF directory, CTranslate2 directory, test sentences) of a small model
     trained for a few seconds on Multi30k (the smoke experiment, shortened)."""
     from mt.config import load_config
-    from mt.prepare import prepare
-    from mt.train import train
+    from mt.data.build import prepare
+    from mt.train.recipe import train
 
     tmp = tmp_path_factory.mktemp("export")
     cfg = load_config([

@@ -17,8 +17,8 @@ import pytest
 
 from mt.checkpoint import load_checkpoint
 from mt.config import load_config
-from mt.preempt import EXIT_PREEMPTED
-from mt.train import train
+from mt.train.preempt import EXIT_PREEMPTED
+from mt.train.recipe import train
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -29,7 +29,7 @@ from fault_inject import make_corpus, overrides  # noqa: E402
 def corpus(tmp_path_factory) -> tuple[Path, Path]:
     base = tmp_path_factory.mktemp("faults")
     data, cache = make_corpus(base / "data"), base / "cache"
-    from mt.prepare import prepare
+    from mt.data.build import prepare
 
     prepare(load_config(overrides(data, cache, base / "unused", 1)))  # children only load
     return data, cache
@@ -140,14 +140,14 @@ def test_damaged_prepared_data_is_detected_and_rebuilt(corpus, tmp_path, caplog)
     import logging
     import shutil
 
-    from mt.prepare import prepare
+    from mt.data.build import prepare
 
     cfg = load_config(overrides(corpus[0], tmp_path / "cache", tmp_path / "run", 1))
     good = prepare(cfg)
     expected = [good.split("train").src[i].tolist() for i in range(20)]
     for name in ("train.src.ids", "spm.model", "valid.raw.tgt"):
         _flip(good.dir / name)
-        with caplog.at_level(logging.WARNING, logger="mt.prepare"):
+        with caplog.at_level(logging.WARNING, logger="mt.data.build"):
             again = prepare(cfg)
         assert f"{good.dir / name} is damaged" in caplog.text and "rebuilding" in caplog.text
         assert [again.split("train").src[i].tolist() for i in range(20)] == expected
@@ -156,7 +156,7 @@ def test_damaged_prepared_data_is_detected_and_rebuilt(corpus, tmp_path, caplog)
 
 
 def test_damaged_sentencepiece_model_is_an_error_naming_the_file(tmp_path):
-    from mt.tokenizer import Tokenizer, TokenizerError
+    from mt.data.tokenizer import Tokenizer, TokenizerError
 
     bad = tmp_path / "spm.model"
     bad.write_bytes(b"\x0a\xff\xff\xff garbage")

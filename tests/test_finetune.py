@@ -7,9 +7,9 @@ import pytest
 
 from mt.checkpoint import CheckpointError, load_checkpoint, tokenizer_blobs
 from mt.config import load_config
-from mt.prepare import cache_key, prepare
-from mt.tokenizer import Tokenizer, TokenizerError
-from mt.train import train
+from mt.data.build import cache_key, prepare
+from mt.data.tokenizer import Tokenizer, TokenizerError
+from mt.train.recipe import train
 
 TINY = [
     "data.max_train_pairs=400",

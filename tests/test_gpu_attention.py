@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-import mt.model
-from mt.attention import GPU_TRAINING, SDPA, attention
-from mt.batching import collate
-from mt.model import build_model
+import mt.model.transformer
+from mt.data.batches import collate
+from mt.model.attention import GPU_TRAINING, SDPA, attention
+from mt.model.transformer import build_model
 from mt.schema import ModelConfig
 
 V = 40
@@ -70,7 +70,7 @@ def test_gpu_formulation_equals_the_reference_on_cpu(lengths, monkeypatch):
         return logits.detach(), [p.grad for p in model.parameters()]
 
     ref_logits, ref_grads = run()
-    monkeypatch.setattr(mt.model, "teacher_forced_kernels", lambda device: GPU_TRAINING)
+    monkeypatch.setattr(mt.model.transformer, "teacher_forced_kernels", lambda device: GPU_TRAINING)
     logits, grads = run()
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
     for g, r in zip(grads, ref_grads, strict=True):
@@ -78,8 +78,8 @@ def test_gpu_formulation_equals_the_reference_on_cpu(lengths, monkeypatch):
 
 
 def test_cpu_keeps_the_boolean_mask():
-    assert mt.model.teacher_forced_kernels(torch.device("cpu")) is SDPA
-    assert mt.model.teacher_forced_kernels(torch.device("cuda", 0)) is GPU_TRAINING
+    assert mt.model.transformer.teacher_forced_kernels(torch.device("cpu")) is SDPA
+    assert mt.model.transformer.teacher_forced_kernels(torch.device("cuda", 0)) is GPU_TRAINING
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

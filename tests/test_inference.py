@@ -1,4 +1,4 @@
-"""Decoding copies (mt.inference): the oneDNN fp32 copy computes what the model computes, the
+"""Decoding copies (mt.fast.decoding): the oneDNN fp32 copy computes what the model computes, the
 bf16 copy stays close, the copies follow weight changes, and search gives the same results."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ import torch.nn.functional as F
 from conftest import assert_same_nbest, sharp_random_model
 from torch import nn
 
-import mt.inference
-from mt.batching import make_src
-from mt.decoding import translate_nbest
-from mt.inference import (
+import mt.fast.decoding
+from mt.data.batches import make_src
+from mt.decode.driver import translate_nbest
+from mt.decode.search import beam_search
+from mt.fast.decoding import (
     OneDNNLinear,
     for_decoding,
     needs_autocast,
@@ -20,7 +21,6 @@ from mt.inference import (
     onednn_bf16_available,
 )
 from mt.schema import DecodeConfig
-from mt.search import beam_search
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="no oneDNN linear kernel")
 needs_onednn_bf16 = pytest.mark.skipif(
@@ -128,7 +128,7 @@ def test_beam_search_on_the_copy_equals_the_model(model):
 def test_bf16_without_onednn_bf16_kernels_decodes_the_model_under_autocast(model, monkeypatch):
     # CPUs without AVX-512 (e.g. AMD Zen 3): oneDNN builds no bfloat16 kernels there, so a bf16
     # copy would fail at its first product; the model itself runs under bf16 autocast instead.
-    monkeypatch.setattr(mt.inference, "onednn_bf16_available", lambda: False)
+    monkeypatch.setattr(mt.fast.decoding, "onednn_bf16_available", lambda: False)
     fast = for_decoding(model, "none", "bf16")
     assert fast.module is model
     assert needs_autocast(model, "none", "bf16", True)
@@ -140,7 +140,7 @@ def test_bf16_without_onednn_bf16_kernels_decodes_the_model_under_autocast(model
 
 def test_without_onednn_the_model_itself_decodes(model, monkeypatch):
     assert for_decoding(model, onednn=False).module is model
-    monkeypatch.setattr(mt.inference, "onednn_available", lambda: False)
+    monkeypatch.setattr(mt.fast.decoding, "onednn_available", lambda: False)
     assert for_decoding(model).module is model  # a torch without oneDNN: plain kernels
     ids = sources(4, [6, 2])
     cfg = DecodeConfig(beam_size=3, max_len_a=0, max_len_b=5)

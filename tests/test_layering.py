@@ -1,7 +1,18 @@
-"""The module layering of mt holds: a module imports only from layers below it.
+"""The house holds its shape: a folder imports only from its own folder or from tiers below.
 
-pure pieces < model/tokenizer/data/distributed < batching/checkpoint/prepare < search
-< evaluate/translate < train < cli. The model imports no I/O, no Hydra, no datasets.
+The tiers, bottom to top (a unit is a folder of ``mt/`` or one shared top-level module):
+
+    vocab, schema, files      pure pieces: ids, the typed settings, crash-safe files
+    config, distributed       Hydra composition; DDP set-up and collectives
+    model                     the paper's Transformer: math only (no I/O, no Hydra, no speed code)
+    data                      corpus -> cleaning -> SentencePiece -> prepared store -> batches
+    checkpoint                the checkpoint file format (builds a model and its tokenizer)
+    fast                      everything that exists for speed, applied to a model from outside
+    decode                    search, the decoding driver, translate, alignment, rescoring
+    evaluation                sacreBLEU metrics, mt-evaluate, the run report
+    train                     the training recipe, update step, validation, run state
+    export, serve             leaving mt: transformers/CTranslate2, the translation server
+    cli                       the mt-* commands
 """
 
 from __future__ import annotations
@@ -13,68 +24,43 @@ import pytest
 
 MT = Path(__file__).resolve().parents[1] / "mt"
 
-# Lower number = lower layer. A module may import mt modules of a strictly lower layer.
-LAYERS = {
-    "mt": 0,
-    "mt.__main__": 7.5,
-    "mt.vocab": 0,
-    "mt.schema": 0,
-    "mt.masks": 1,
-    "mt.loss": 1,
-    "mt.schedule": 1,
-    "mt.config": 1,
-    "mt.files": 1,
-    "mt.lock": 1,
-    "mt.preempt": 1,
-    "mt.progress": 1,
-    "mt.prefetch": 1,
-    "mt.attention": 2,
-    "mt.model": 2.5,
-    "mt.tokenizer": 2,
-    "mt.data": 2,
-    "mt.distributed": 2,
-    "mt.report": 2,
-    "mt.batching": 3,
-    "mt.checkpoint": 3,
-    "mt.inference": 3,
-    "mt.cpu_training": 3.2,
-    "mt.prepare": 3,
-    "mt.cleaning": 2.5,
-    "mt.metrics": 1,
-    "mt.cache": 1,
-    "mt.rows": 1,
-    "mt.strategy": 1,
-    "mt.search": 4,
-    "mt.export_hf": 3,
-    "mt.export_ct2": 3.5,
-    "mt.export_check": 4.8,
-    "mt.export": 4,
-    "mt.batcher": 5.2,
-    "mt.serve": 5.5,
-    "mt.ensemble": 4.2,
-    "mt.decoding": 4.5,
-    "mt.alignment": 4.7,
-    "mt.score": 5.2,
-    "mt.evaluate": 5,
-    "mt.translate": 5,
-    "mt.metrics_log": 2,
-    "mt.acceleration": 1.5,
-    "mt.run_state": 5.3,
-    "mt.update": 5.4,
-    "mt.validation": 5.5,
-    "mt.resume": 5.75,
-    "mt.train": 6,
-    "mt.cli": 7,
-}
+TIERS = [
+    ["mt.vocab", "mt.schema", "mt.files"],
+    ["mt.config", "mt.distributed"],
+    ["mt.model"],
+    ["mt.data"],
+    ["mt.checkpoint"],
+    ["mt.fast"],
+    ["mt.decode"],
+    ["mt.evaluation"],
+    ["mt.train"],
+    ["mt.export", "mt.serve"],
+    ["mt.cli"],
+    ["mt.__main__"],
+]
+TIER = {unit: level for level, units in enumerate(TIERS) for unit in units}
 MODEL_FORBIDDEN = {"hydra", "omegaconf", "datasets", "sentencepiece", "sacrebleu", "os", "io"}
 
 
+def _name(path: Path) -> str:
+    parts = path.relative_to(MT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def _modules() -> list[str]:
-    return sorted("mt" if p.stem == "__init__" else f"mt.{p.stem}" for p in MT.glob("*.py"))
+    return sorted(_name(p) for p in MT.rglob("*.py"))
+
+
+def _unit(module: str) -> str:
+    """The folder (``mt.model``) or shared top-level module (``mt.schema``) a module is in."""
+    return ".".join(module.split(".")[:2])
 
 
 def _imports(module: str) -> set[str]:
-    path = MT / ("__init__.py" if module == "mt" else f"{module.split('.')[-1]}.py")
+    """Every mt module a module imports, at any depth of its code (lazy imports too)."""
+    path = MT.parent / (module.replace(".", "/") + ".py")
+    if not path.is_file():
+        path = MT.parent / module.replace(".", "/") / "__init__.py"
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -82,20 +68,70 @@ def _imports(module: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return found
+    return {name for name in found if name.split(".")[0] == "mt"}
+
+
+def test_every_unit_has_a_tier():
+    units = {_unit(m) for m in _modules()} - {"mt"}
+    assert units <= set(TIER), f"not placed in a tier: {sorted(units - set(TIER))}"
+    assert len(TIERS) <= 12 and sum(map(len, TIERS)) == len(TIER)
 
 
 @pytest.mark.parametrize("module", _modules())
-def test_module_imports_only_from_below(module):
-    assert module in LAYERS, f"{module} is not placed in a layer (add it to LAYERS)"
+def test_module_imports_only_from_its_folder_or_below(module):
+    if module == "mt":
+        return
+    unit = _unit(module)
     for name in _imports(module):
-        if name in LAYERS and name not in ("mt", module):
-            assert LAYERS[name] < LAYERS[module], f"{module} imports {name} from its layer or above"
+        target = _unit(name)
+        if target in ("mt", unit) or target not in TIER:
+            continue  # its own folder (or a name imported from a module, checked as that module)
+        assert TIER[target] < TIER[unit], f"{module} imports {name}: {target} is not below {unit}"
 
 
-@pytest.mark.parametrize("module", ["mt.model", "mt.attention", "mt.masks"])
-def test_model_has_no_io(module):
-    if not (MT / f"{module.split('.')[-1]}.py").exists():
-        pytest.skip(f"{module} does not exist")
-    roots = {name.split(".")[0] for name in _imports(module)}
+def test_no_import_cycles_inside_a_folder():
+    """Within a folder the modules form a DAG too (a cycle would make the import order matter)."""
+    modules = set(_modules())
+    graph = {m: {n for n in _imports(m) if n in modules and n != m and _unit(n) == _unit(m)}
+             for m in modules}  # fmt: skip
+    done, active = set(), []
+
+    def visit(m: str) -> None:
+        if m in active:
+            raise AssertionError(f"import cycle: {' -> '.join(active[active.index(m):] + [m])}")
+        if m in done:
+            return
+        active.append(m)
+        for n in graph[m]:
+            visit(n)
+        active.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
+
+
+@pytest.mark.parametrize("module", [m for m in _modules() if _unit(m) == "mt.model"])
+def test_model_has_no_io_and_no_speed_code(module):
+    path = MT.parent / (module.replace(".", "/") + ".py")
+    if not path.is_file():
+        path = MT.parent / module.replace(".", "/") / "__init__.py"
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            roots.add(node.module.split(".")[0])
     assert not roots & MODEL_FORBIDDEN, f"{module} imports {roots & MODEL_FORBIDDEN}"
+    assert not any(_unit(n) == "mt.fast" for n in _imports(module)), f"{module} imports mt.fast"
+
+
+def test_no_two_modules_told_apart_by_a_suffix():
+    """``batching``/``batcher``, ``metrics``/``metrics_log``: a name must not be another's prefix
+    plus a suffix anywhere in the package (package __init__ files aside)."""
+    stems = sorted({p.stem for p in MT.rglob("*.py") if p.stem != "__init__"})
+    clashes = [
+        (a, b) for a in stems for b in stems
+        if a != b and (b.startswith(a + "_") or b.startswith(a) and len(b) - len(a) <= 3)
+    ]  # fmt: skip
+    assert not clashes, f"look-alike module names: {clashes}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mt.masks import pad_mask, subsequent_mask
+from mt.model.masks import pad_mask, subsequent_mask
 from mt.vocab import PAD
 
 

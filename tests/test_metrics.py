@@ -11,8 +11,13 @@ import sacrebleu
 from sacrebleu.dataset import DATASETS
 
 from mt.config import load_config
-from mt.evaluate import evaluate_main, read_lines, score, score_files
-from mt.metrics import COMPOUND_SPLIT_NOTE, compound_split_bleu, corpus_scores, split_compounds
+from mt.evaluation.evaluate import evaluate_main, read_lines, score, score_files
+from mt.evaluation.metrics import (
+    COMPOUND_SPLIT_NOTE,
+    compound_split_bleu,
+    corpus_scores,
+    split_compounds,
+)
 
 # sacreBLEU's README (13a BLEU on WMT17 en-de newstest2017), as shared/data/README.md lists.
 PUBLISHED = {"online-A.0": 20.8, "online-B.0": 26.7, "online-F.0": 15.5, "online-G.0": 18.2,
@@ -123,7 +128,7 @@ def test_sacrebleu_test_set_names_from_its_cache(tmp_path, monkeypatch):
 
 
 def test_report_lists_every_metric_and_labels_the_compound_split_score():
-    from mt.report import _results_section
+    from mt.evaluation.report import _results_section
 
     result = score(["Der Dax stieg."], ["Der Dax-Index stieg."], metrics=["chrf++", "ter"],
                    compound_split_lang="de")  # fmt: skip

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mt.attention import SelfAttention, attention
-from mt.model import build_model
+from mt.model.attention import SelfAttention, attention
+from mt.model.transformer import build_model
 from mt.schema import ModelConfig
 from mt.vocab import BOS, EOS, PAD
 
@@ -147,7 +147,7 @@ def test_real_positions_project_only_the_real_target_positions():
     """forward(..., batch.real) (indices found by collate on the host) returns exactly the rows
     of the full logits at the non-pad target positions, and the full logits agree with the
     model finding the padding itself."""
-    from mt.batching import collate
+    from mt.data.batches import collate
 
     model = make()
     pairs = [(np.arange(4, 4 + n), np.arange(5, 5 + m)) for n, m in [(5, 2), (2, 4), (3, 1)]]

@@ -27,9 +27,9 @@ websocket = pytest.importorskip("websocket")
 from test_serve import FAST, LIMITS  # noqa: E402
 from test_translate import make_tokenizer, write_checkpoint  # noqa: E402
 
+from mt.decode.translate import Translator  # noqa: E402
 from mt.schema import DecodeConfig  # noqa: E402
-from mt.serve import create_app, run_info  # noqa: E402
-from mt.translate import Translator  # noqa: E402
+from mt.serve.server import create_app, run_info  # noqa: E402
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")
 

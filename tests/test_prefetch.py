@@ -1,5 +1,6 @@
-"""mt.prefetch: batches collated ahead in a thread, in order, errors surfaced, no leaked thread;
-and the global batch size of train.batch_tokens (mt.batching.batch_plan)."""
+"""mt.data.prefetch: batches collated ahead in a thread, in order, errors surfaced, no leaked
+thread;
+and the global batch size of train.batch_tokens (mt.data.batches.batch_plan)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from mt.batching import Batch, BatchSampler, batch_plan, collate, iterate_batches
-from mt.prefetch import Prefetcher
+from mt.data.batches import Batch, BatchSampler, batch_plan, collate, iterate_batches
+from mt.data.prefetch import Prefetcher
 
 
 def _prefetch_threads() -> list[threading.Thread]:
@@ -128,7 +129,7 @@ def test_training_leaves_no_prefetch_thread(monkeypatch, tmp_path, real_data):
     thread is gone when train() returns or raises."""
     from test_train import _cfg
 
-    import mt.train as train_mod
+    import mt.train.recipe as train_mod
 
     monkeypatch.setenv("MT_DATA_DIR", str(real_data))
     update = train_mod.Updater.__call__
@@ -188,7 +189,7 @@ def test_batch_tokens_off_keeps_the_settings_and_a_conflict_names_both():
 @pytest.mark.parametrize("name", ["wmt14_en_de_base", "wmt14_en_de_big"])
 def test_wmt_experiments_train_the_papers_batch_in_bf16_on_one_or_eight_gpus(name):
     from mt.config import load_config
-    from mt.train import _resolve_batch
+    from mt.train.recipe import _resolve_batch
 
     cfg = load_config([f"experiment={name}"])
     assert cfg.train.precision == "bf16" and cfg.train.batch_tokens == 25000

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import mt.prepare as prep
+import mt.data.build as prep
 from mt.config import load_config
-from mt.data import DataError
-from mt.prepare import TokenArray, encode_files, prepare
-from mt.tokenizer import Tokenizer
+from mt.data.build import TokenArray, encode_files, prepare
+from mt.data.corpus import DataError
+from mt.data.tokenizer import Tokenizer
 
 FAST = ["tokenizer.vocab_size=1000", "tokenizer.threads=1"]
 

@@ -23,10 +23,10 @@ from mt import files
 from mt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from mt.config import load_config
 from mt.distributed import LauncherError, check_launcher
-from mt.lock import LockError, RunLock
-from mt.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED, exit_status
-from mt.progress import LogProgress, progress
-from mt.train import train
+from mt.train.lock import LockError, RunLock
+from mt.train.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED, exit_status
+from mt.train.progress import LogProgress, progress
+from mt.train.recipe import train
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -61,7 +61,7 @@ def test_a_held_lock_names_its_holder(tmp_path):
 
 def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path, caplog):
     # A process that took the lock and was SIGKILLed: its record stays, the flock does not.
-    code = "import sys, time; from mt.lock import RunLock; RunLock(sys.argv[1]).acquire(); " \
+    code = "import sys, time; from mt.train.lock import RunLock; RunLock(sys.argv[1]).acquire(); " \
         "print('locked', flush=True); time.sleep(60)"  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT,
                             stdout=subprocess.PIPE, text=True)  # fmt: skip
@@ -71,7 +71,7 @@ def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path, caplog):
     proc.kill()
     proc.wait()
     proc.stdout.close()
-    with caplog.at_level(logging.INFO, logger="mt.lock"):
+    with caplog.at_level(logging.INFO, logger="mt.train.lock"):
         lock = RunLock(tmp_path).acquire()
     assert f"pid {proc.pid}" in caplog.text and "taking over" in caplog.text
     assert lock.holder()["pid"] == os.getpid()
@@ -258,8 +258,8 @@ def test_best_pt_is_only_replaced_by_a_better_model_across_resumes(corpus, tmp_p
 def test_empty_validation_is_an_error_not_a_best_loss_of_zero(corpus, tmp_path):
     import numpy as np
 
-    from mt.prepare import EncodedSplit, TokenArray
-    from mt.validation import valid_loss
+    from mt.data.build import EncodedSplit, TokenArray
+    from mt.train.validation import valid_loss
 
     cfg = cfg_for(corpus, tmp_path / "r", 1)
     empty = TokenArray(np.zeros(0, np.uint16), np.zeros(1, np.int64))
@@ -281,7 +281,7 @@ def test_sigusr1_saves_and_exits_75(corpus, tmp_path):
     data, cache = corpus
     run = tmp_path / "run"
     cfg = load_config(overrides(data, cache, run, 100_000))
-    from mt.prepare import prepare
+    from mt.data.build import prepare
 
     prepare(cfg)  # the child only loads
     proc = subprocess.Popen(
@@ -308,7 +308,7 @@ def test_progress_is_log_lines_off_a_terminal(caplog):
 
     assert isinstance(progress("x", stream=io.StringIO()), LogProgress)
     bar = LogProgress("train", total=10, interval=0.0)
-    with caplog.at_level(logging.INFO, logger="mt.progress"):
+    with caplog.at_level(logging.INFO, logger="mt.train.progress"):
         bar.set_postfix_str("loss 1.0")
         bar.update(3)
         bar.close()

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mt.report import (
+from mt.evaluation.report import (
     bleu_levels,
     load_metrics,
     plot_attention,
@@ -183,7 +183,7 @@ def test_plot_attention_accepts_torch(tmp_path):
 
 
 def test_record_stage_time_merges_stages(tmp_path):
-    from mt.report import record_stage_time, stage_times
+    from mt.evaluation.report import record_stage_time, stage_times
 
     record_stage_time(tmp_path / "run", "prepare", 1.25)
     record_stage_time(tmp_path / "run", "evaluate", 30.0)

@@ -11,11 +11,11 @@ import torch
 from conftest import sharp_random_model
 from test_search import A, B, TableModel, random_tables, row, src_of
 
-from mt.batching import make_src
 from mt.config import load_config
-from mt.decoding import translate_nbest
+from mt.data.batches import make_src
+from mt.decode.driver import translate_nbest
+from mt.decode.search import Sampling, beam_search, greedy_search, sample
 from mt.schema import DecodeConfig
-from mt.search import Sampling, beam_search, greedy_search, sample
 from mt.vocab import EOS, UNK
 
 

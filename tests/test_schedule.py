@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mt.schedule import cooldown_factor, noam_factor, noam_lambda, noam_lr
+from mt.train.schedule import cooldown_factor, noam_factor, noam_lambda, noam_lr
 
 
 def _paper(step, d_model, warmup, factor=1.0):

@@ -1,6 +1,7 @@
 """Greedy and beam search against stub models with hand-set probabilities, and a real model.
 
-Every expected value here is computed independently of mt.search: by hand (the worked example),
+Every expected value here is computed independently of mt.decode.search: by hand (the worked
+example),
 or by enumerating the whole output space with the length penalty written out again.
 """
 
@@ -15,10 +16,10 @@ import torch
 from conftest import assert_same_nbest, sharp_random_model
 from torch import nn
 
-from mt.decoding import fit_to_model as clip_to_length
-from mt.decoding import make_batches, translate_ids, translate_nbest
+from mt.decode.driver import fit_to_model as clip_to_length
+from mt.decode.driver import make_batches, translate_ids, translate_nbest
+from mt.decode.search import beam_search, greedy_search
 from mt.schema import DecodeConfig
-from mt.search import beam_search, greedy_search
 from mt.vocab import BOS, EOS, PAD, UNK
 
 A, B = 4, 5  # two ordinary tokens of the stub vocabulary
@@ -108,7 +109,7 @@ def src_of(*lengths: int, first: int = 4) -> torch.Tensor:
 
 
 def lp(n: int, alpha: float) -> float:
-    """GNMT length penalty, written again (independent of mt.search)."""
+    """GNMT length penalty, written again (independent of mt.decode.search)."""
     return ((5 + n) / 6) ** alpha
 
 
@@ -303,8 +304,8 @@ def random_sources(seed: int, lengths: list[int]) -> list[list[int]]:
 
 
 def test_real_model_beam_one_equals_greedy(real_model):
-    pytest.importorskip("mt.batching")
-    from mt.batching import make_src
+    pytest.importorskip("mt.data.batches")
+    from mt.data.batches import make_src
 
     src = make_src(random_sources(0, [3, 17, 8, 1]))
     greedy = greedy_search(real_model, src, 1.0, 6, alpha=0.6)
@@ -315,7 +316,7 @@ def test_real_model_beam_one_equals_greedy(real_model):
 
 
 def test_real_model_batched_equals_one_by_one(real_model):
-    pytest.importorskip("mt.batching")
+    pytest.importorskip("mt.data.batches")
     ids = random_sources(1, [2, 40, 7, 25, 1, 13, 3, 9])
     cfg = DecodeConfig(beam_size=4, alpha=0.6, max_len_a=0.5, max_len_b=6, nbest=4, batch_size=64)
     batched = translate_nbest(real_model, ids, cfg)
@@ -334,7 +335,7 @@ def test_real_model_batched_equals_one_by_one(real_model):
 
 
 def test_real_model_bf16_autocast_runs(real_model):
-    pytest.importorskip("mt.batching")
+    pytest.importorskip("mt.data.batches")
     ids = random_sources(2, [5, 9])
     cfg = DecodeConfig(beam_size=2, max_len_a=0, max_len_b=4, precision="bf16")
     out = translate_ids(real_model, ids, cfg, min_len=4)
@@ -342,7 +343,7 @@ def test_real_model_bf16_autocast_runs(real_model):
 
 
 def test_translate_ids_truncates_sources_beyond_max_positions(real_model, caplog):
-    pytest.importorskip("mt.batching")
+    pytest.importorskip("mt.data.batches")
     ids = random_sources(4, [200, 3])  # the model covers 128 positions
     cfg = DecodeConfig(beam_size=2, max_len_a=0, max_len_b=3)
     out = translate_ids(real_model, ids, cfg)
@@ -383,7 +384,7 @@ class ContractOnly(nn.Module):
         return PlainCache(self.model.new_cache())
 
     def decode(self, tgt_in, enc, cache):
-        from mt.cache import CrossAttentionCache
+        from mt.model.kv_cache import CrossAttentionCache
 
         G = tgt_in.size(0) // enc.memory.size(0)
         expanded = enc.select(torch.arange(enc.memory.size(0)).repeat_interleave(G))
@@ -393,8 +394,8 @@ class ContractOnly(nn.Module):
 
 
 def test_real_model_shared_encoder_rows_equal_contract_path(real_model):
-    pytest.importorskip("mt.batching")
-    from mt.batching import make_src
+    pytest.importorskip("mt.data.batches")
+    from mt.data.batches import make_src
 
     src = make_src(random_sources(5, [2, 30, 7, 18, 1, 11]))
     fast = beam_search(real_model, src, 3, 0.6, 0.5, 6, nbest=3)
@@ -404,7 +405,7 @@ def test_real_model_shared_encoder_rows_equal_contract_path(real_model):
 
 @pytest.mark.parametrize("setting", [{"quantize": "int8"}, {"precision": "bf16"}])
 def test_real_model_fast_settings_mostly_agree_with_fp32(real_model, setting):
-    pytest.importorskip("mt.batching")
+    pytest.importorskip("mt.data.batches")
     ids = random_sources(6, [4, 9, 13, 6, 20, 3, 11, 8, 15, 7, 5, 12])
     cfg = DecodeConfig(beam_size=4, max_len_a=0.5, max_len_b=5, batch_size=6)
     ref = translate_ids(real_model, ids, cfg)
@@ -414,7 +415,7 @@ def test_real_model_fast_settings_mostly_agree_with_fp32(real_model, setting):
 
 
 def test_int8_copy_follows_weight_changes(real_model):
-    from mt.inference import for_decoding
+    from mt.fast.decoding import for_decoding
 
     int8 = for_decoding(real_model, "int8")
     assert for_decoding(real_model, "int8") is int8  # cached
@@ -429,7 +430,7 @@ def test_int8_copy_follows_weight_changes(real_model):
 
 
 def test_rows_for_moves_only_the_beams_whose_parent_changed():
-    from mt.rows import rows_for as _rows_for
+    from mt.decode.rows import rows_for as _rows_for
 
     g = torch.Generator().manual_seed(0)
     for K in (1, 2, 4, 5):
@@ -449,8 +450,8 @@ def test_rows_for_moves_only_the_beams_whose_parent_changed():
 
 
 def test_copy_rows_equals_reorder(real_model):
-    pytest.importorskip("mt.batching")
-    from mt.batching import make_src
+    pytest.importorskip("mt.data.batches")
+    from mt.data.batches import make_src
 
     src = make_src(random_sources(6, [5, 3]))
     enc, cache = real_model.encode(src), real_model.new_cache()

@@ -20,10 +20,10 @@ pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 from test_translate import make_tokenizer, sentences, write_checkpoint  # noqa: E402
 
-from mt.batcher import Batcher, Job  # noqa: E402
+from mt.decode.translate import Translator  # noqa: E402
 from mt.schema import DecodeConfig, ServeConfig  # noqa: E402
-from mt.serve import create_app, run_info  # noqa: E402
-from mt.translate import Translator  # noqa: E402
+from mt.serve.request_queue import Batcher, Job  # noqa: E402
+from mt.serve.server import create_app, run_info  # noqa: E402
 
 FAST = dict(beam_size=2, max_len_a=0.0, max_len_b=5, batch_size=64)
 LIMITS = ServeConfig(max_body_bytes=2000, max_sentences=8, max_chars=400, max_beam=4,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import sentencepiece as spm
 
+from mt.data.tokenizer import Tokenizer, TokenizerError
 from mt.schema import TokenizerConfig
-from mt.tokenizer import Tokenizer, TokenizerError
 from mt.vocab import BOS, EOS, PAD, UNK
 
 

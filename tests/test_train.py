@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-import mt.acceleration
-import mt.update
+import mt.fast.precision
+import mt.train.update
 from mt.checkpoint import CheckpointError, load_checkpoint, periodic_checkpoints
 from mt.config import load_config
-from mt.loss import label_smoothed_cross_entropy, label_smoothed_nll_loss
-from mt.preempt import EXIT_PREEMPTED
-from mt.run_state import train_sampler
-from mt.train import train
-from mt.update import NonFiniteError
+from mt.model.loss import label_smoothed_cross_entropy, label_smoothed_nll_loss
+from mt.train.preempt import EXIT_PREEMPTED
+from mt.train.recipe import train
+from mt.train.state import train_sampler
+from mt.train.update import NonFiniteError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -190,7 +190,7 @@ def test_run_directory_and_checkpoint_contents(tmp_path):
     assert best["step"] in (3, 6)
     # best.pt is self-contained: model and tokenizer come back without the training config
     from mt.checkpoint import load_model
-    from mt.prepare import prepare
+    from mt.data.build import prepare
 
     model, tokenizer, ckpt = load_model(ckpts / "best.pt", "cpu")
     assert not model.training and ckpt["step"] == best["step"]
@@ -202,7 +202,7 @@ def test_run_directory_and_checkpoint_contents(tmp_path):
 
 
 def test_lr_follows_the_schedule(tmp_path):
-    from mt.schedule import noam_factor, noam_lr
+    from mt.train.schedule import noam_factor, noam_lr
 
     run = tmp_path / "run"
     train(_cfg(run, "train.max_steps=4"))
@@ -215,7 +215,7 @@ def test_lr_follows_the_schedule(tmp_path):
 def test_cooldown_decays_the_rate_to_zero_over_the_end_of_the_budget(tmp_path):
     """Update k (1-based) of a 10-step budget with cooldown 0.5 uses
     noam(k) * min(1, (1 - (k - 1) / 10) / 0.5): full rate up to update 6, then 0.8 ... 0.2."""
-    from mt.schedule import noam_factor, noam_lr
+    from mt.train.schedule import noam_factor, noam_lr
 
     run = tmp_path / "run"
     train(_cfg(run, "train.max_steps=10", "train.cooldown=0.5"))
@@ -229,9 +229,9 @@ def test_cooldown_decays_the_rate_to_zero_over_the_end_of_the_budget(tmp_path):
 
 
 def test_budget_progress_takes_the_nearer_limit():
-    from mt.run_state import TrainState
     from mt.schema import TrainConfig
-    from mt.train import budget_progress
+    from mt.train.recipe import budget_progress
+    from mt.train.state import TrainState
 
     state = TrainState(step=30, wall=90.0)
     assert budget_progress(TrainConfig(max_steps=100), state) == pytest.approx(0.3)
@@ -273,7 +273,7 @@ def test_patience_stops_and_best_follows_the_metric(tmp_path, monkeypatch):
     def fake_validate(model, prepared, cfg, device, rank=0, world_size=1):
         return {"valid_loss": next(values), "valid_nll": 1.0}
 
-    monkeypatch.setattr("mt.train.validate", fake_validate)
+    monkeypatch.setattr("mt.train.recipe.validate", fake_validate)
     run = tmp_path / "run"
     result = train(
         _cfg(
@@ -291,7 +291,7 @@ def test_patience_stops_and_best_follows_the_metric(tmp_path, monkeypatch):
 
 
 def test_nonfinite_updates_are_skipped_then_stop(tmp_path, monkeypatch, caplog):
-    real = mt.update.batch_loss
+    real = mt.train.update.batch_loss
     calls = {"n": 0}
 
     def sometimes_nan(*args):
@@ -301,7 +301,7 @@ def test_nonfinite_updates_are_skipped_then_stop(tmp_path, monkeypatch, caplog):
             return loss * float("nan"), nll
         return loss, nll
 
-    monkeypatch.setattr(mt.update, "batch_loss", sometimes_nan)
+    monkeypatch.setattr(mt.train.update, "batch_loss", sometimes_nan)
     run = tmp_path / "run"
     result = train(_cfg(run, "train.max_steps=4", "train.eval_every=0"))
     assert result["step"] == 4
@@ -313,7 +313,7 @@ def test_nonfinite_updates_are_skipped_then_stop(tmp_path, monkeypatch, caplog):
         loss, nll = real(*args)
         return loss * float("nan"), nll
 
-    monkeypatch.setattr(mt.update, "batch_loss", always_nan)
+    monkeypatch.setattr(mt.train.update, "batch_loss", always_nan)
     with pytest.raises(NonFiniteError, match="3 consecutive updates"):
         train(_cfg(tmp_path / "nan", "train.max_steps=10", "train.max_nonfinite=3"))
 
@@ -321,9 +321,9 @@ def test_nonfinite_updates_are_skipped_then_stop(tmp_path, monkeypatch, caplog):
 def test_accumulation_equals_one_big_batch(tmp_path):
     """accum_steps=2 with max_tokens=M normalises by the tokens of the whole update: its first
     update's loss equals the token-weighted mean of the two batches' losses."""
-    from mt.batching import iterate_batches
-    from mt.model import build_model
-    from mt.prepare import prepare
+    from mt.data.batches import iterate_batches
+    from mt.data.build import prepare
+    from mt.model.transformer import build_model
 
     run = tmp_path / "run"
     cfg = _cfg(run, "train.max_steps=1", "train.accum_steps=2")
@@ -365,15 +365,15 @@ def test_mixed_precision_trains(tmp_path, precision):
 def test_auto_precision_is_bf16_only_where_the_hardware_has_it(tmp_path, monkeypatch, native):
     """train.precision=auto (the Multi30k experiments') becomes bf16 on hardware with native
     bfloat16 and fp32 elsewhere: every forward pass, training and validation, runs in it."""
-    monkeypatch.setattr(mt.acceleration, "native_bf16", lambda device: native)
+    monkeypatch.setattr(mt.fast.precision, "native_bf16", lambda device: native)
     seen = []
-    autocast = mt.update.autocast
+    autocast = mt.train.update.autocast
 
     def spy(device, precision):
         seen.append(precision)
         return autocast(device, precision)
 
-    monkeypatch.setattr(mt.update, "autocast", spy)
+    monkeypatch.setattr(mt.train.update, "autocast", spy)
     result = train(_cfg(tmp_path / "run", "train.max_steps=3", "train.precision=auto"))
     assert result["step"] == 3
     assert seen and set(seen) == {"bf16" if native else "fp32"}
@@ -404,9 +404,9 @@ def test_updater_normalises_by_update_tokens_and_clips(clip):
     """One update over 2 accumulated batches (one a zero-weight filler) moves the weights by
     -lr * grad(sum of smoothed losses / real tokens), clipped to clip_norm: checked against
     autograd on the real batch alone."""
-    from mt.batching import collate
-    from mt.run_state import TrainState
-    from mt.update import Updater
+    from mt.data.batches import collate
+    from mt.train.state import TrainState
+    from mt.train.update import Updater
 
     cfg = load_config([*TINY, f"train.clip_norm={clip}"])
     real = collate([(np.array([4, 5]), np.array([6, 7, 8])), (np.array([9]), np.array([5]))])
@@ -435,7 +435,7 @@ def test_updater_normalises_by_update_tokens_and_clips(clip):
 
 
 def test_max_epochs_is_one_pass_over_the_data(tmp_path):
-    from mt.prepare import prepare
+    from mt.data.build import prepare
 
     run = tmp_path / "run"
     cfg = _cfg(run, "train.max_epochs=1", "train.accum_steps=3", "train.log_every=1000")

@@ -10,13 +10,13 @@ import random
 import pytest
 import torch
 
-from mt import translate as translate_mod
 from mt.checkpoint import CheckpointError, model_state, save_checkpoint
-from mt.model import build_model
+from mt.data.tokenizer import Tokenizer
+from mt.decode import translate as translate_mod
+from mt.decode.search import greedy_search
+from mt.decode.translate import Translator, translate_main, translate_stream
+from mt.model.transformer import build_model
 from mt.schema import Config, DecodeConfig, ModelConfig, TokenizerConfig
-from mt.search import greedy_search
-from mt.tokenizer import Tokenizer
-from mt.translate import Translator, translate_main, translate_stream
 
 WORDS = "ein mann hund fährt rennt im schnee auf dem fahrrad eine frau kind spielt park".split()
 WORDS_EN = "a man dog rides runs in the snow on bike woman child plays park".split()
@@ -61,7 +61,7 @@ def sentences(n: int, seed: int = 1) -> list[str]:
 
 
 def test_translate_matches_greedy_search_on_the_same_model(translator):
-    from mt.batching import make_src
+    from mt.data.batches import make_src
 
     texts = sentences(5)
     out = translator.translate(texts, beam_size=1)

@@ -5,7 +5,7 @@ Python during one ``Updater`` call (forward, loss, backward of the fused loss, c
 schedule) and records each call that makes the host wait for a GPU: ``item``, ``tolist``,
 ``bool``/``float``/``int`` of a tensor, ``nonzero`` and other ops whose output size depends on
 the data, boolean-mask indexing, copies to the host (``cpu``, ``numpy``), ``equal``... The one
-allowed read goes through ``mt.update._all_finite``, which the test lets through and counts.
+allowed read goes through ``mt.train.update._all_finite``, which the test lets through and counts.
 Kernels launched from C++ are not seen, but the synchronising calls are made from Python.
 Each "would it catch it" test injects one such call into the step and expects it recorded.
 On a GPU, ``torch.cuda.set_sync_debug_mode("error")`` checks the same on the device.
@@ -18,12 +18,12 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-import mt.update
-from mt.batching import collate
+import mt.train.update
 from mt.config import load_config
-from mt.model import build_model
-from mt.run_state import TrainState
-from mt.update import Updater, batch_loss, build_optimizer
+from mt.data.batches import collate
+from mt.model.transformer import build_model
+from mt.train.state import TrainState
+from mt.train.update import Updater, batch_loss, build_optimizer
 from mt.vocab import PAD
 
 V = 40
@@ -99,7 +99,7 @@ def syncs_in_update(update: Updater, batches, monkeypatch) -> tuple[list[str], i
         finally:
             recorder.paused = False
 
-    monkeypatch.setattr(mt.update, "_all_finite", allowed_read)
+    monkeypatch.setattr(mt.train.update, "_all_finite", allowed_read)
     with recorder:
         result = update(batches, TrainState())
     assert result is not None
@@ -170,7 +170,7 @@ def test_update_on_a_gpu_makes_no_synchronising_call(monkeypatch):
         finally:
             torch.cuda.set_sync_debug_mode("error")
 
-    monkeypatch.setattr(mt.update, "_all_finite", allowed_read)
+    monkeypatch.setattr(mt.train.update, "_all_finite", allowed_read)
     torch.cuda.set_sync_debug_mode("error")
     try:
         result = update(batches, TrainState())

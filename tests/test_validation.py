@@ -14,9 +14,9 @@ from test_distributed import _free_port
 from test_train import TINY
 
 from mt.config import load_config
-from mt.model import build_model
-from mt.prepare import prepare
-from mt.validation import valid_hypotheses, validate
+from mt.data.build import prepare
+from mt.model.transformer import build_model
+from mt.train.validation import valid_hypotheses, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = [*TINY, "train.eval_bleu=true", "train.eval_max_sentences=25", "train.max_tokens=200"]
@@ -26,9 +26,9 @@ import json, sys
 import torch
 from mt import distributed
 from mt.config import load_config
-from mt.prepare import prepare
+from mt.data.build import prepare
 from test_validation import model_for
-from mt.validation import valid_hypotheses, validate
+from mt.train.validation import valid_hypotheses, validate
 
 torch.set_num_threads(1)
 cfg = load_config(sys.argv[2:])

@@ -1,0 +1,238 @@
+"""The decoding driver: many sentences through search, the way every caller decodes.
+
+``mt-translate``, ``mt-evaluate``, validation during training and the benchmark all come here:
+the sources are checked against the model's length limit (:func:`fit_to_model`: one policy,
+"count long inputs, warn, truncate" or "stop naming the line"), grouped into length-sorted
+batches (:func:`make_batches`), and searched with the decoding copy of the model that the
+``decode.*`` settings ask for (``mt.fast.decoding``), under the right precision (:func:`autocast`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+
+from mt.data.batches import make_src
+from mt.decode.ensemble import Ensemble
+from mt.decode.search import Hypothesis, IncrementalDecoder, search
+from mt.fast.decoding import for_decoding, needs_autocast
+from mt.schema import DecodeConfig
+from mt.vocab import BOS, EOS
+
+log = logging.getLogger(__name__)
+
+
+def fit_to_model(
+    src_ids: list[list[int]],
+    limit: int | None,
+    policy: str = "truncate",
+    first_line: int = 1,
+    what: str = "source",
+) -> list[list[int]]:
+    """Check sources against the model's length limit (``ids + EOS <= limit``).
+
+    Args:
+        src_ids: source ids without EOS.
+        limit: the model's ``max_positions`` (None: no limit).
+        policy: ``truncate`` cuts the ids to ``limit - 1`` (with one warning counting them);
+            ``error`` raises, naming the first line that is too long.
+        first_line: line number of ``src_ids[0]``, for the error message.
+        what: what the lines are, for the warning.
+
+    Returns:
+        The (possibly truncated) ids.
+
+    Raises:
+        ValueError: naming the first line that is too long, when ``policy == "error"``.
+    """
+    if policy not in ("error", "truncate"):
+        raise ValueError(f"decode.too_long must be error or truncate, got {policy!r}")
+    if limit is None:
+        return src_ids
+    too_long = [n for n, ids in enumerate(src_ids) if len(ids) + 1 > limit]
+    if not too_long:
+        return src_ids
+    if policy == "error":
+        n = too_long[0]
+        raise ValueError(
+            f"line {first_line + n} has {len(src_ids[n])} tokens, more than the model's "
+            f"max_positions - 1 = {limit - 1}; set decode.too_long=truncate to cut it"
+        )
+    log.warning("%d %s line(s) longer than max_positions=%d truncated", len(too_long), what, limit)
+    return [ids[: limit - 1] for ids in src_ids]
+
+
+def make_batches(lengths: list[int], batch_size: int, max_tokens: int = 0) -> list[list[int]]:
+    """Group sentence indices, longest first, by sentence count and padded source tokens.
+
+    Args:
+        lengths: source lengths (without EOS).
+        batch_size: at most this many sentences per batch.
+        max_tokens: at most this many padded source tokens (EOS included) per batch (0: off).
+
+    Returns:
+        Lists of indices into ``lengths``; every index appears exactly once.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        width = lengths[current[0]] + 1 if current else lengths[i] + 1
+        too_many = len(current) >= max(1, batch_size)
+        too_big = max_tokens > 0 and (len(current) + 1) * width > max_tokens
+        if current and (too_many or too_big):
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def autocast(device: torch.device | str, precision: str):
+    """An autocast context for ``decode.precision`` (fp32: none; bf16: bfloat16 autocast)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision == "bf16":
+        return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+    raise ValueError(f"decode.precision must be fp32 or bf16, got {precision!r}")
+
+
+def decoding_model(model: Any, cfg: DecodeConfig) -> tuple[IncrementalDecoder, str]:
+    """The model search should run for ``cfg`` and the precision to autocast to.
+
+    ``model`` is an ``mt.model.transformer.Transformer`` (made into its decoding copy,
+    ``mt.fast.decoding``), an
+    :class:`mt.decode.ensemble.Ensemble` of them (each member made into its copy), or anything else
+    that already follows the search contract (used as it is, e.g. the tests' stub models).
+    """
+    from mt.model.transformer import Transformer
+
+    settings = (cfg.quantize, cfg.precision, cfg.onednn)
+
+    def one(member: Any) -> tuple[Any, str]:
+        if not isinstance(member, Transformer):
+            return member, cfg.precision
+        precision = cfg.precision if needs_autocast(member, *settings) else "fp32"
+        return for_decoding(member, *settings), precision
+
+    if isinstance(model, Ensemble):
+        return model.map(lambda m: one(m)[0]), one(model.members[0])[1]
+    return one(model)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The generator seed of sentence ``index`` (its position in the whole input)."""
+    return (seed * 1_000_003 + index) % (1 << 63)
+
+
+def translate_nbest(
+    model: Any,
+    src_ids: list[list[int]],
+    decode_cfg: DecodeConfig,
+    device: torch.device | str = "cpu",
+    min_len: int = 0,
+    prefix: list[list[int]] | None = None,
+    indices: list[int] | None = None,
+) -> list[list[Hypothesis]]:
+    """Search many sentences in length-sorted batches; n-best lists in input order.
+
+    Args:
+        model: the Transformer (already on ``device``, in eval mode), or an ensemble.
+        src_ids: source ids per sentence, without EOS (``make_src`` appends it); sources
+            longer than the model's ``max_positions`` are truncated with a warning (callers
+            with a stricter policy check first with :func:`fit_to_model`).
+        decode_cfg: beam size, alpha, lengths, sampling, batch size / max tokens, and the
+            kernels (precision, quantize, onednn: see mt.fast.decoding).
+        device: where the batches go.
+        min_len: EOS is forbidden until this many tokens are out.
+        prefix: per sentence, target ids forced at the start of the output.
+        indices: per sentence, its position in the whole input (sampling seeds; default
+            0, 1, ...), so a sentence's sample does not depend on how the input is split.
+
+    Returns:
+        ``decode_cfg.nbest`` (at most ``beam_size``) hypotheses per sentence, best first.
+    """
+    src_ids = fit_to_model(src_ids, model.max_positions, "truncate")
+    searcher, precision = decoding_model(model, decode_cfg)
+    indices = list(range(len(src_ids))) if indices is None else indices
+    lengths = [len(ids) for ids in src_ids]
+    out: list[list[Hypothesis]] = [[] for _ in src_ids]
+    for batch in make_batches(lengths, decode_cfg.batch_size, decode_cfg.max_tokens):
+        src = make_src([list(src_ids[i]) for i in batch]).to(device)
+        forced = [list(prefix[i]) for i in batch] if prefix is not None else None
+        seeds = [sample_seed(decode_cfg.seed, indices[i]) for i in batch]
+        with autocast(device, precision):
+            results = search(searcher, src, decode_cfg, min_len, forced, seeds)
+        for i, hyps in zip(batch, results):
+            out[i] = hyps
+    return out
+
+
+def translate_ids(
+    model: Any,
+    src_ids: list[list[int]],
+    decode_cfg: DecodeConfig,
+    device: torch.device | str = "cpu",
+    min_len: int = 0,
+    prefix: list[list[int]] | None = None,
+    indices: list[int] | None = None,
+) -> list[list[int]]:
+    """The best output ids (no BOS/EOS) for each source, in input order (see translate_nbest)."""
+    hyps = translate_nbest(model, src_ids, decode_cfg, device, min_len, prefix, indices)
+    return [h[0].tokens for h in hyps]
+
+
+@torch.inference_mode()
+def score_ids(
+    model: Any,
+    src_ids: list[list[int]],
+    tgt_ids: list[list[int]],
+    device: torch.device | str = "cpu",
+    batch_size: int = 64,
+) -> list[list[float]]:
+    """Teacher-forced log-probabilities of given outputs, token by token.
+
+    Args:
+        model: the Transformer (eval mode, on ``device``) or an ensemble; anything whose
+            ``decode(tgt_in, enc, None)`` gives (B, T, V) scores for a whole prefix.
+        src_ids: source ids without EOS.
+        tgt_ids: target ids without BOS/EOS.
+
+    Returns:
+        Per sentence, ``log p(y_t | y_<t, x)`` for each target token and the final EOS
+        (``len(tgt) + 1`` values), in input order.
+    """
+    src_ids = fit_to_model(src_ids, model.max_positions, "truncate")
+    tgt_ids = fit_to_model(tgt_ids, model.max_positions, "truncate", what="target")
+    out: list[list[float]] = [[] for _ in src_ids]
+    for batch in make_batches([len(s) for s in src_ids], batch_size):
+        src = make_src([list(src_ids[i]) for i in batch]).to(device)
+        T = max(len(tgt_ids[i]) for i in batch) + 1
+        tgt_in = torch.zeros(len(batch), T, dtype=torch.long)  # PAD-padded
+        tgt_out = torch.zeros(len(batch), T, dtype=torch.long)
+        for row, i in enumerate(batch):
+            ids = list(tgt_ids[i])
+            tgt_in[row, : len(ids) + 1] = torch.tensor([BOS, *ids])
+            tgt_out[row, : len(ids) + 1] = torch.tensor([*ids, EOS])
+        logits = model.decode(tgt_in.to(device), model.encode(src), None)  # (B, T, V)
+        lprobs = torch.log_softmax(logits.float(), dim=-1)
+        picked = lprobs.gather(-1, tgt_out.to(device)[..., None]).squeeze(-1).cpu()  # (B, T)
+        for row, i in enumerate(batch):
+            out[i] = picked[row, : len(tgt_ids[i]) + 1].tolist()
+    return out
+
+
+__all__ = [
+    "autocast",
+    "decoding_model",
+    "fit_to_model",
+    "make_batches",
+    "sample_seed",
+    "score_ids",
+    "translate_ids",
+    "translate_nbest",
+]

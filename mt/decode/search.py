@@ -1,0 +1,334 @@
+"""Search over a trained Transformer: greedy, beam and sampling, batched over sentences.
+
+Every search runs the encoder once and then the decoder one token per row and step, through
+the contract :class:`IncrementalDecoder` (``encode``, ``new_cache``, ``decode``) and the row
+operations of its state (``select``, ``copy_rows``). It uses nothing else of the model, so stub
+models with hand-set probabilities can test it.
+
+The loop (:func:`generate`) is shared; a *strategy* (``mt.decode.strategies``: ``Greedy``, ``Beam``,
+``Sampling``) decides which candidates survive a step, and ``mt.decode.rows.Rows`` keeps the
+hypotheses' tokens, scores and model state rows.
+
+Conventions (the paper's, made exact):
+
+* Length penalty (GNMT): ``lp(Y) = ((5 + |Y|) / 6) ** alpha`` where ``|Y|`` counts the output
+  tokens *including* the final EOS when the hypothesis has one. A hypothesis' score is
+  ``sum(log p(y_t)) / lp(Y)``, the sum including the EOS log-probability.
+* Maximum length: ``max_len = int(a * src_len + b)`` where ``src_len`` is the number of source
+  tokens *without* the EOS appended to every source (and without padding), capped at the model's
+  ``max_positions``. Every hypothesis has ``|Y| <= max_len``: a hypothesis that reaches
+  ``max_len`` tokens without EOS is finalised as it is (no EOS, no EOS log-probability).
+* A candidate ending in EOS becomes a finished hypothesis only when it ranks within the top
+  ``beam_size`` candidates of its step; the ``beam_size`` best candidates not ending in EOS
+  continue. A sentence's search ends when ``beam_size`` hypotheses are finished (so beam 1 is
+  exactly greedy search) or at its maximum length, where its unfinished beams are finalised.
+* PAD and BOS are never generated; ``min_len`` forbids EOS until that many tokens are out
+  (benchmarks use it to force the output length); a ``prefix`` forces the first tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from mt.decode.rows import Rows
+from mt.decode.strategies import NEG_INF, Beam, Greedy, Sampling
+from mt.schema import DecodeConfig
+from mt.vocab import BOS, EOS, PAD
+
+
+class IncrementalDecoder(Protocol):
+    """What search needs of a model (``mt.model.transformer.Transformer``,
+    ``mt.fast.decoding.DecodingModel``,
+    ``mt.decode.ensemble.Ensemble`` and the tests' stub models provide it).
+
+    ``encode(src)`` returns the encoder state, whose ``select(sents)`` keeps some sentences;
+    ``new_cache()`` an empty decoder state with ``select(rows, sents)`` and ``copy_rows(dst,
+    src)`` (see ``mt.model.kv_cache.DecoderCache``); ``decode(tgt_in, enc, cache)`` the logits
+    (B, T, V) of T new tokens per row, where the B rows may hold G consecutive rows per
+    encoder row (the K beams of a sentence share its encoder state).
+    """
+
+    max_positions: int | None
+
+    def encode(self, src: torch.Tensor) -> Any: ...
+
+    def new_cache(self) -> Any: ...
+
+    def decode(self, tgt_in: torch.Tensor, enc: Any, cache: Any) -> torch.Tensor: ...
+
+
+@dataclass
+class Hypothesis:
+    """One output of the search.
+
+    Attributes:
+        tokens: output ids without BOS and EOS.
+        score: sum of token log-probabilities divided by the length penalty.
+        logprob: the plain sum of token log-probabilities (EOS included when generated).
+    """
+
+    tokens: list[int]
+    score: float
+    logprob: float = 0.0
+
+
+def length_penalty(length: int, alpha: float) -> float:
+    """GNMT length penalty ``((5 + length) / 6) ** alpha`` (``length`` counts EOS when present)."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def max_lengths(
+    src: torch.Tensor, a: float, b: float, model: IncrementalDecoder
+) -> list[int]:
+    """Per-sentence maximum output length ``int(a * src_len + b)``, ``src_len`` without EOS.
+
+    Args:
+        src: (B, S) source ids, each row ``ids + EOS`` right-padded with PAD.
+        a, b: the coefficients (``decode.max_len_a``, ``decode.max_len_b``).
+        model: its ``max_positions`` caps the lengths (None: no cap).
+
+    Returns:
+        B lengths, each at least 1 and at most the model's ``max_positions``.
+    """
+    src_len = ((src != PAD).sum(dim=1) - 1).clamp(min=0).tolist()
+    cap = model.max_positions or 1 << 30
+    return [max(1, min(cap, int(a * n + b))) for n in src_len]
+
+
+def _hyp(tokens: torch.Tensor, logprob: float, length: int, alpha: float) -> Hypothesis:
+    """A hypothesis from a token row ``BOS y_1 .. y_t`` (BOS dropped)."""
+    return Hypothesis(tokens[1:].tolist(), logprob / length_penalty(length, alpha), logprob)
+
+
+# ---- the loop ------------------------------------------------------------------------------
+
+
+def _next_lprobs(
+    model: IncrementalDecoder,
+    rows: Rows,
+    step: int,
+    min_len: int,
+    prefix: torch.Tensor | None,
+) -> torch.Tensor:
+    """Log-probabilities (n, width, V) of the next token of each model row.
+
+    PAD and BOS are forbidden, EOS before ``min_len``; where ``prefix`` (B, P) holds a token
+    (>= 0) for this step, every other token is forbidden.
+    """
+    logits = model.decode(rows.last, rows.enc, rows.cache)  # (N, 1, V)
+    lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)  # (N, V)
+    lprobs[:, PAD] = NEG_INF
+    lprobs[:, BOS] = NEG_INF
+    if step < min_len:
+        lprobs[:, EOS] = NEG_INF
+    if prefix is not None and step < prefix.size(1):
+        sents = torch.tensor(rows.sents, device=prefix.device).repeat_interleave(rows.width)
+        forced = prefix[sents, step].to(lprobs.device)  # (N,)
+        rows_forced = (forced >= 0).nonzero().squeeze(1)
+        if rows_forced.numel():
+            tok = forced[rows_forced]
+            kept = lprobs[rows_forced, tok]
+            lprobs[rows_forced] = NEG_INF
+            lprobs[rows_forced, tok] = kept
+    return lprobs.view(len(rows.sents), rows.width, -1)
+
+
+def prefix_tensor(prefixes: list[list[int]] | None, device: Any = "cpu") -> torch.Tensor | None:
+    """(B, P) forced tokens per sentence, -1 where the search is free; None without prefixes."""
+    if not prefixes or not any(prefixes):
+        return None
+    out = torch.full((len(prefixes), max(len(p) for p in prefixes)), -1, dtype=torch.long)
+    for i, p in enumerate(prefixes):
+        out[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    return out.to(device)
+
+
+@torch.inference_mode()
+def generate(
+    model: IncrementalDecoder,
+    src: torch.Tensor,
+    strategy: Beam | Greedy | Sampling,
+    max_len_a: float = 1.0,
+    max_len_b: float = 50,
+    nbest: int = 1,
+    min_len: int = 0,
+    alpha: float = 0.0,
+    prefix: list[list[int]] | None = None,
+) -> list[list[Hypothesis]]:
+    """Search a batch of sentences with ``strategy``.
+
+    Args:
+        model: see :class:`IncrementalDecoder` (in eval mode: dropout is the caller's choice).
+        src: (B, S) source ids (``ids + EOS``, PAD-padded).
+        strategy: which candidates survive each step; ``strategy.K`` hypotheses per sentence.
+        max_len_a, max_len_b: maximum output length ``int(a * src_len + b)``.
+        nbest: hypotheses returned per sentence (at most K).
+        min_len: EOS is forbidden until this many tokens are out.
+        alpha: length penalty exponent (GNMT form; see the module docstring).
+        prefix: per sentence, output tokens forced at the start (the rest is searched).
+
+    Returns:
+        For each sentence (input order), up to ``nbest`` hypotheses, best first.
+    """
+    K = strategy.K
+    if not 1 <= nbest <= K:
+        raise ValueError(f"nbest must be between 1 and beam_size={K}, got {nbest}")
+    limits = max_lengths(src, max_len_a, max_len_b, model)
+    forced = prefix_tensor(prefix, src.device)
+    rows = Rows(model, src, K)
+    finished: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
+    out: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
+
+    def finish(ended: set[int]) -> None:
+        for i in ended:
+            s = rows.sents[i]
+            out[s] = sorted(finished[s], key=lambda h: -h.score)[:nbest]
+        rows.drop([i for i in range(len(rows.sents)) if i not in ended])
+
+    step = 0
+    while rows.sents:
+        at_max = {i for i, s in enumerate(rows.sents) if limits[s] <= step}
+        if at_max:  # unfinished hypotheses are finalised as they are, without EOS
+            flat = rows.scores.tolist()
+            for i in sorted(at_max):
+                for k in range(K):
+                    if flat[i][k] > NEG_INF:
+                        hyp = _hyp(rows.hyp(i, k), flat[i][k], step, alpha)
+                        finished[rows.sents[i]].append(hyp)
+            finish(at_max)
+            if not rows.sents:
+                break
+        if isinstance(strategy, Sampling):
+            strategy.sents = rows.sents
+        chosen = strategy.step(rows.scores, _next_lprobs(model, rows, step, min_len, forced))
+        step += 1
+        for i, k, logprob in chosen.done:
+            finished[rows.sents[i]].append(_hyp(rows.hyp(i, k), logprob, step, alpha))
+        ended = {i for i, s in enumerate(rows.sents) if len(finished[s]) >= K}
+        alive = torch.isfinite(chosen.score).any(dim=1)  # all beams dead: nothing more to find
+        if not bool(alive.all()):
+            ended |= {i for i, a in enumerate(alive.tolist()) if not a}
+        rows.advance(chosen.beam, chosen.token, chosen.score)
+        if ended:
+            finish(ended)
+    return out
+
+
+def greedy_search(
+    model: IncrementalDecoder,
+    src: torch.Tensor,
+    max_len_a: float = 1.0,
+    max_len_b: float = 50,
+    min_len: int = 0,
+    alpha: float = 0.0,
+    prefix: list[list[int]] | None = None,
+) -> list[Hypothesis]:
+    """Greedy decoding of a batch: the most probable token at each step.
+
+    Args:
+        model: see :class:`IncrementalDecoder`.
+        src: (B, S) source ids (``ids + EOS``, PAD-padded).
+        max_len_a, max_len_b: maximum output length ``int(a * src_len + b)``.
+        min_len: EOS is forbidden until this many tokens are out.
+        alpha: length penalty exponent for the reported score (0: plain log-probability).
+        prefix: per sentence, output tokens forced at the start.
+
+    Returns:
+        One hypothesis per sentence, in input order.
+    """
+    hyps = generate(model, src, Greedy(), max_len_a, max_len_b, 1, min_len, alpha, prefix)
+    return [h[0] for h in hyps]
+
+
+def beam_search(
+    model: IncrementalDecoder,
+    src: torch.Tensor,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    max_len_a: float = 1.0,
+    max_len_b: float = 50,
+    nbest: int = 1,
+    min_len: int = 0,
+    prefix: list[list[int]] | None = None,
+) -> list[list[Hypothesis]]:
+    """Beam search of a batch of sentences, all beams of all sentences in one decoder call.
+
+    Args:
+        model: see :class:`IncrementalDecoder`.
+        src: (B, S) source ids (``ids + EOS``, PAD-padded).
+        beam_size: K, hypotheses kept per sentence.
+        alpha: length penalty exponent (GNMT form; see the module docstring).
+        max_len_a, max_len_b: maximum output length ``int(a * src_len + b)``.
+        nbest: hypotheses returned per sentence (at most ``beam_size``).
+        min_len: EOS is forbidden until this many tokens are out.
+        prefix: per sentence, output tokens forced at the start.
+
+    Returns:
+        For each sentence (input order), up to ``nbest`` hypotheses, best first.
+    """
+    if not 1 <= nbest <= beam_size:
+        raise ValueError(f"nbest must be between 1 and beam_size={beam_size}, got {nbest}")
+    strategy = Beam(beam_size)
+    return generate(model, src, strategy, max_len_a, max_len_b, nbest, min_len, alpha, prefix)
+
+
+def sample(
+    model: IncrementalDecoder,
+    src: torch.Tensor,
+    seeds: list[int],
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    max_len_a: float = 1.0,
+    max_len_b: float = 50,
+    min_len: int = 0,
+    alpha: float = 0.0,
+    prefix: list[list[int]] | None = None,
+) -> list[Hypothesis]:
+    """One sampled translation per sentence (see :class:`Sampling`); ``seeds``: one per
+    sentence of ``src``."""
+    strategy = Sampling(seeds, temperature, top_k, top_p)
+    hyps = generate(model, src, strategy, max_len_a, max_len_b, 1, min_len, alpha, prefix)
+    return [h[0] for h in hyps]
+
+
+def search(
+    model: IncrementalDecoder,
+    src: torch.Tensor,
+    cfg: DecodeConfig,
+    min_len: int = 0,
+    prefix: list[list[int]] | None = None,
+    seeds: list[int] | None = None,
+) -> list[list[Hypothesis]]:
+    """The search ``cfg`` asks for (sampling, greedy when ``beam_size == 1``, else beam);
+    n-best lists either way. ``seeds``: per sentence, for sampling."""
+    a, b = cfg.max_len_a, cfg.max_len_b
+    if cfg.sample:
+        seeds = seeds if seeds is not None else list(range(src.size(0)))
+        hyps = sample(model, src, seeds, cfg.temperature, cfg.top_k, cfg.top_p, a, b,
+                      min_len, cfg.alpha, prefix)  # fmt: skip
+        return [[h] for h in hyps]
+    if cfg.beam_size <= 1:
+        return [[h] for h in greedy_search(model, src, a, b, min_len, cfg.alpha, prefix)]
+    nbest = min(cfg.nbest, cfg.beam_size)
+    return beam_search(model, src, cfg.beam_size, cfg.alpha, a, b, nbest, min_len, prefix)
+
+
+__all__ = [
+    "Beam",
+    "Greedy",
+    "Hypothesis",
+    "IncrementalDecoder",
+    "Sampling",
+    "beam_search",
+    "generate",
+    "greedy_search",
+    "length_penalty",
+    "max_lengths",
+    "sample",
+    "search",
+]

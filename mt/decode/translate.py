@@ -1,0 +1,393 @@
+"""Using a trained model: the :class:`Translator` Python API and ``mt-translate``.
+
+A checkpoint carries its model configuration and its SentencePiece model(s), so it is all that
+decoding needs:
+
+    >>> from mt.decode.translate import Translator
+    >>> t = Translator.from_checkpoint("runs/multi30k_de_en/checkpoints/best.pt")
+    >>> t.translate(["Ein Hund rennt im Schnee."], beam_size=4)  # doctest: +SKIP
+    ['A dog runs in the snow.']
+
+``mt-translate checkpoint=PATH`` reads stdin (or ``input=FILE``) and writes stdout (or
+``output=FILE``), one translation per input line in input order. It reads and translates in
+chunks, so an input of any size is never held in memory at once. An empty line gives an empty
+line. A file and stdin are read alike: lines end at ``"\n"`` (or ``"\r\n"``), a lone ``"\r"``
+stays inside its line, and a line that is not UTF-8 or holds a NUL byte is an error naming it.
+``output=FILE`` appears only complete (written to a temporary file, renamed at the end).
+A line longer than the model's ``max_positions`` is an error naming the line, or with
+``decode.too_long=truncate`` is cut (with a warning). With ``decode.nbest=N > 1`` each input line
+gives N lines ``<line index> ||| <translation> ||| <score>`` (Moses n-best format, index from 0).
+``attention=FILE.png`` draws the first non-empty sentence's encoder-decoder attention;
+``alignment=FILE`` writes a word alignment (Pharaoh ``i-j``) of every sentence; ``prefix=FILE``
+forces the start of each translation (one target prefix per input line); ``checkpoint=[a,b]``
+decodes with an ensemble. From a terminal (or with ``interactive=true``) each line is
+translated as soon as it is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from mt.checkpoint import CheckpointError, load_model
+from mt.data.tokenizer import TokenizerError
+from mt.decode.alignment import alignments, attention_map
+from mt.decode.driver import fit_to_model, score_ids, translate_ids, translate_nbest
+from mt.decode.ensemble import Ensemble
+from mt.decode.search import Hypothesis
+from mt.distributed import resolve_device
+from mt.files import TextError, atomic_text_output, read_lines
+from mt.schema import Config, DecodeConfig
+
+log = logging.getLogger(__name__)
+
+CHUNK_LINES = 2048  # lines read, translated and written at a time by mt-translate
+
+
+class Translator:
+    """A model, its tokenizer and decoding settings: text in, text out.
+
+    Args:
+        model: an mt Transformer (eval mode, on ``device``), or an ``mt.decode.ensemble.Ensemble``
+        of
+            them (attention maps and alignments then come from its first member).
+        tokenizer: its mt.data.tokenizer.Tokenizer.
+        device: where decoding runs.
+        decode_cfg: default search settings (beam 4, alpha 0.6, ... when None).
+    """
+
+    def __init__(self, model, tokenizer, device="cpu", decode_cfg: DecodeConfig | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.decode_cfg = decode_cfg or DecodeConfig()
+        self.max_positions = model.max_positions
+
+    @property
+    def single_model(self):
+        """The one Transformer used for attention: the model, or an ensemble's first member."""
+        return self.model.members[0] if isinstance(self.model, Ensemble) else self.model
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | Path | list[str | Path],
+        device: str = "cpu",
+        decode_cfg: DecodeConfig | None = None,
+    ) -> Translator:
+        """Load a checkpoint written by mt-train, or a list of them as an ensemble (their
+        log-probabilities averaged at each step; they must share one tokenizer).
+
+        Raises:
+            CheckpointError: a file is missing, not a checkpoint, truncated, its model and
+                vocabulary do not fit together, or ensemble members have different tokenizers.
+        """
+        if isinstance(path, (list, tuple)) and len(path) == 1:
+            path = path[0]
+        if isinstance(path, (list, tuple)):
+            members = [cls.from_checkpoint(p, device, decode_cfg) for p in path]
+            first = members[0].tokenizer.to_bytes()
+            for p, member in zip(path[1:], members[1:]):
+                if member.tokenizer.to_bytes() != first:
+                    raise CheckpointError(
+                        f"{p}: its tokenizer differs from {path[0]}'s; an ensemble needs "
+                        f"checkpoints trained with one tokenizer"
+                    )
+            ensemble = Ensemble([m.model for m in members])
+            return cls(ensemble, members[0].tokenizer, device, decode_cfg)
+        try:
+            model, tokenizer, ckpt = load_model(path, device)
+        except TokenizerError as err:
+            raise CheckpointError(f"{path}: the embedded tokenizer is unusable: {err}") from err
+        if tokenizer.vocab_size != int(ckpt["vocab_size"]):
+            raise CheckpointError(
+                f"{path}: its tokenizer has {tokenizer.vocab_size} pieces but the model was "
+                f"built for a vocabulary of {ckpt['vocab_size']}: different vocabularies"
+            )
+        log.info("loaded %s (step %s) on %s", path, ckpt.get("step"), device)
+        return cls(model, tokenizer, device, decode_cfg)
+
+    def settings(self, **overrides: Any) -> DecodeConfig:
+        """The decode settings with keyword overrides (None values are ignored)."""
+        changes = {k: v for k, v in overrides.items() if v is not None}
+        return dataclasses.replace(self.decode_cfg, **changes)
+
+    def encode(self, sentences: list[str], cfg: DecodeConfig, first_line: int = 1):
+        """Source ids of each sentence, checked (or truncated) against ``max_positions``."""
+        ids = self.tokenizer.encode([self.tokenizer.normalize(s) for s in sentences], side="src")
+        return fit_to_model(ids, self.max_positions, cfg.too_long, first_line, "input")
+
+    def prefixes(self, prefix: list[str] | None, keep: list[int]) -> list[list[int]] | None:
+        """Target ids of the forced prefixes of the sentences ``keep`` (None: no prefixes)."""
+        if prefix is None:
+            return None
+        texts = [self.tokenizer.normalize(prefix[i]) for i in keep]
+        return [
+            ids if text else []
+            for ids, text in zip(self.tokenizer.encode(texts, side="tgt"), texts)
+        ]
+
+    def translate_nbest(
+        self,
+        sentences: list[str],
+        first_line: int = 1,
+        prefix: list[str] | None = None,
+        **overrides: Any,
+    ) -> list[list[tuple[str, float]]]:
+        """``decode.nbest`` (translation, score) pairs per sentence, best first.
+
+        Empty (or all-space) sentences give ``[("", 0.0)]`` without decoding. ``prefix``: one
+        target text per sentence that its translations must start with ("" for none).
+        """
+        cfg = self.settings(**overrides)
+        keep = [i for i, s in enumerate(sentences) if self.tokenizer.normalize(s)]
+        out: list[list[tuple[str, float]]] = [[("", 0.0)] for _ in sentences]
+        if not keep:
+            return out
+        try:
+            ids = self.encode([sentences[i] for i in keep], cfg)
+        except ValueError as err:  # re-raise naming the caller's line numbers
+            raise ValueError(_renumber(str(err), keep, first_line)) from None
+        indices = [first_line - 1 + i for i in keep]  # sampling seeds follow the line number
+        forced = self.prefixes(prefix, keep)
+        results: list[list[Hypothesis]] = translate_nbest(
+            self.model, ids, cfg, self.device, prefix=forced, indices=indices
+        )
+        for i, hyps in zip(keep, results):
+            texts = self.tokenizer.decode([h.tokens for h in hyps], side="tgt")
+            out[i] = [(text, h.score) for text, h in zip(texts, hyps)]
+        return out
+
+    def translate(
+        self,
+        sentences: list[str],
+        beam_size: int | None = None,
+        alpha: float | None = None,
+        first_line: int = 1,
+        prefix: list[str] | None = None,
+        **overrides: Any,
+    ) -> list[str]:
+        """Translate sentences (best hypothesis each), in input order.
+
+        Args:
+            sentences: raw source sentences.
+            beam_size: 1 = greedy (default: the Translator's decode settings, 4).
+            alpha: length penalty (default 0.6).
+            first_line: the line number of ``sentences[0]`` in error messages (and, with
+                ``sample=True``, the seed of each sentence's draw: ``seed`` and its line).
+            prefix: one target text per sentence that its translation must start with (""
+                for none); the rest is searched as usual.
+            **overrides: any other DecodeConfig field (``max_len_a``, ``batch_size``,
+                ``too_long``, ``precision``, ...).
+
+        Returns:
+            One translation per sentence; an empty sentence gives "".
+
+        Raises:
+            ValueError: a sentence longer than ``max_positions`` with ``too_long=error``.
+        """
+        cfg = self.settings(beam_size=beam_size, alpha=alpha, nbest=1, **overrides)
+        keep = [i for i, s in enumerate(sentences) if self.tokenizer.normalize(s)]
+        out = [""] * len(sentences)
+        if keep:
+            try:
+                ids = self.encode([sentences[i] for i in keep], cfg)
+            except ValueError as err:
+                raise ValueError(_renumber(str(err), keep, first_line)) from None
+            indices = [first_line - 1 + i for i in keep]
+            forced = self.prefixes(prefix, keep)
+            out_ids = translate_ids(
+                self.model, ids, cfg, self.device, prefix=forced, indices=indices
+            )
+            texts = self.tokenizer.decode(out_ids)
+            for i, text in zip(keep, texts):
+                out[i] = text
+        return out
+
+    def attention(self, sentence: str, **overrides: Any) -> tuple[list[str], list[str], Any]:
+        """Translate one sentence and return its encoder-decoder attention.
+
+        Returns:
+            ``(src_pieces (S), tgt_pieces (T), matrix (T, S))``: SentencePiece pieces plus
+            ``</s>`` on both sides; the matrix is the last decoder layer's cross-attention
+            averaged over heads, one row per generated piece.
+        """
+        cfg = self.settings(**overrides)
+        self.encode([sentence], cfg)  # the too_long check
+        return attention_map(self.single_model, self.tokenizer, sentence, cfg, self.device)
+
+    def alignments(
+        self, sentences: list[str], translations: list[str], layer: int = -1
+    ) -> list[str]:
+        """Word alignments of sentence pairs, one Pharaoh line (``i-j ...``) each.
+
+        Args:
+            sentences: source texts; translations: their target texts (e.g. from translate).
+            layer: the decoder layer whose cross-attention (averaged over heads) aligns.
+        """
+        src = self.tokenizer.encode([self.tokenizer.normalize(s) for s in sentences], side="src")
+        tgt = self.tokenizer.encode([self.tokenizer.normalize(t) for t in translations], "tgt")
+        src = fit_to_model(src, self.max_positions, "truncate", what="source")
+        tgt = fit_to_model(tgt, self.max_positions, "truncate", what="target")
+        return alignments(self.single_model, self.tokenizer, src, tgt, self.device, layer)
+
+    def score(self, sentences: list[str], translations: list[str]) -> list[tuple[float, int]]:
+        """The model's log-probability of each translation given its source.
+
+        Returns:
+            Per pair, ``(log p(translation + EOS | source), tokens scored)``: the sum of the
+            teacher-forced log-probabilities of its pieces and the final EOS.
+        """
+        src = self.tokenizer.encode([self.tokenizer.normalize(s) for s in sentences], side="src")
+        tgt = self.tokenizer.encode([self.tokenizer.normalize(t) for t in translations], "tgt")
+        per_token = score_ids(self.model, src, tgt, self.device, self.decode_cfg.batch_size)
+        return [(sum(lp), len(lp)) for lp in per_token]
+
+
+def _renumber(message: str, keep: list[int], first_line: int) -> str:
+    """Map 'line N' of the non-empty subset back to the caller's numbering."""
+    import re
+
+    match = re.match(r"line (\d+) ", message)
+    if not match:
+        return message
+    original = first_line + keep[int(match.group(1)) - 1]
+    return f"line {original} " + message[match.end() :]
+
+
+def chunks(lines: Iterable[str], size: int) -> Iterator[list[str]]:
+    """Successive lists of at most ``size`` lines (without their newline)."""
+    chunk: list[str] = []
+    for line in lines:
+        chunk.append(line.rstrip("\r\n"))
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def translate_stream(
+    translator: Translator,
+    src: TextIO,
+    dst: TextIO,
+    cfg: DecodeConfig,
+    interactive: bool = False,
+    prefixes: Iterator[str] | None = None,
+    alignment: TextIO | None = None,
+    alignment_layer: int = -1,
+) -> int:
+    """Translate ``src`` line by line into ``dst`` in chunks; returns the number of lines.
+
+    Args:
+        interactive: translate and write each line as soon as it is read (a terminal);
+            otherwise lines are batched in chunks of ``CHUNK_LINES``.
+        prefixes: one target prefix per input line (the start each translation is forced to).
+        alignment: where to write one Pharaoh alignment line per input line (best translation).
+        alignment_layer: the decoder layer whose cross-attention aligns (-1: the last).
+    """
+    n, start = 0, time.perf_counter()
+    size = 1 if interactive else max(CHUNK_LINES, cfg.batch_size)
+    for chunk in chunks(src, size):  # reading a line waits for that line only
+        prefix = None
+        if prefixes is not None:
+            prefix = [line.rstrip("\r\n") for line in itertools.islice(prefixes, len(chunk))]
+            if len(prefix) < len(chunk):
+                raise ValueError(
+                    f"the prefix file has fewer lines ({n + len(prefix)}) than the input"
+                )
+        if cfg.nbest > 1:
+            nbest = translator.translate_nbest(chunk, first_line=n + 1, prefix=prefix)
+            for k, hyps in enumerate(nbest):
+                dst.writelines(f"{n + k} ||| {text} ||| {score:.4f}\n" for text, score in hyps)
+            best = [hyps[0][0] for hyps in nbest]
+        else:
+            best = translator.translate(chunk, first_line=n + 1, prefix=prefix)
+            dst.writelines(t + "\n" for t in best)
+        dst.flush()
+        if alignment is not None:
+            alignment.writelines(
+                a + "\n" for a in translator.alignments(chunk, best, alignment_layer)
+            )
+            alignment.flush()
+        n += len(chunk)
+        level = logging.DEBUG if interactive else logging.INFO  # a terminal shows the answers
+        log.log(level, "%d lines translated (%.1f lines/s)", n, n / (time.perf_counter() - start))
+    return n
+
+
+def translate_main(cfg: Config) -> None:
+    """``mt-translate``: stdin or ``input=`` to stdout or ``output=`` with ``checkpoint=``.
+
+    Exits with a one-line error (no traceback) for an unusable checkpoint, a missing input file
+    or a line too long for the model.
+    """
+    path = cfg.checkpoint or Path(cfg.run_dir) / "checkpoints/best.pt"
+    device = resolve_device(cfg.train.device)
+    if cfg.train.threads > 0:
+        torch.set_num_threads(cfg.train.threads)
+    try:
+        translator = Translator.from_checkpoint(path, device, cfg.decode)
+    except CheckpointError as err:
+        raise SystemExit(f"mt-translate: {err}") from None
+    name = cfg.input or "stdin"
+    try:
+        with contextlib.ExitStack() as stack:
+            raw = stack.enter_context(open(cfg.input, "rb")) if cfg.input else sys.stdin.buffer
+            dst = stack.enter_context(atomic_text_output(cfg.output)) if cfg.output else sys.stdout
+            interactive = cfg.interactive if cfg.interactive is not None else _is_tty(raw)
+            prefixes = alignment = None
+            if cfg.prefix:
+                prefixes = read_lines(stack.enter_context(open(cfg.prefix, "rb")), cfg.prefix)
+            if cfg.alignment:
+                alignment = stack.enter_context(atomic_text_output(cfg.alignment))
+            first: list[str] = []
+            lines = _remember_first(read_lines(raw, name), first, translator)
+            n = translate_stream(
+                translator, lines, dst, cfg.decode, interactive, prefixes, alignment,
+                cfg.alignment_layer,
+            )  # fmt: skip
+            if cfg.attention:
+                _draw_attention(translator, first, cfg.attention)
+    except TextError as err:  # names the file and line itself
+        raise SystemExit(f"mt-translate: {err}") from None
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"mt-translate: {name}: {err}") from None
+    log.info("%d lines translated to %s", n, cfg.output or "stdout")
+
+
+def _is_tty(stream) -> bool:
+    """Whether ``stream`` is a terminal (then mt-translate answers each line as it is typed)."""
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _remember_first(lines: Iterable[str], first: list[str], translator) -> Iterator[str]:
+    """Pass lines through, keeping the first non-empty one in ``first`` (for the heatmap)."""
+    for line in lines:
+        if not first and translator.tokenizer.normalize(line):
+            first.append(line)
+        yield line
+
+
+def _draw_attention(translator: Translator, first: list[str], path: str) -> None:
+    """Heatmap of the first non-empty input sentence's encoder-decoder attention."""
+    from mt.decode.alignment import plot_attention
+
+    if not first:
+        log.warning("attention=: the input has no non-empty line; nothing drawn")
+        return
+    src_pieces, tgt_pieces, matrix = translator.attention(first[0])
+    plot_attention(src_pieces, tgt_pieces, matrix, path)
+    log.info("attention of the first sentence drawn in %s", path)

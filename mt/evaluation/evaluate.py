@@ -1,0 +1,281 @@
+"""Stage 6: scoring translations with sacreBLEU, and ``mt-evaluate``.
+
+Scores are computed on detokenized text against the raw references, with sacreBLEU's defaults:
+BLEU with the 13a tokenizer and chrF (character 6-grams, beta 2). Each score is reported with
+its sacreBLEU signature, which says exactly how it was computed (and so whether two numbers can
+be compared).
+
+``mt-evaluate`` has two modes:
+
+* ``mt-evaluate hyp=FILE ref=FILE`` (``ref=[A,B]`` for several references): score a translation
+  file anyone produced; prints BLEU, chrF and the signatures; ``output=FILE`` writes the JSON.
+* ``mt-evaluate`` (with the usual ``experiment=``/``run_dir=``): decode ``split`` (valid | test)
+  of the run's prepared data with ``checkpoint`` (default ``run_dir/checkpoints/best.pt``), write
+  ``run_dir/translations/<split>.txt``, ``run_dir/results.<split>.json`` and
+  ``run_dir/results.json`` (the latest split evaluated) (and ``report.md``), print
+  ``BLEU = ...`` with the signature and, as the last line, the run directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from mt import files
+from mt.decode.alignment import attention_map
+from mt.distributed import resolve_device
+from mt.schema import Config
+
+log = logging.getLogger(__name__)
+
+
+def score(
+    hyps: list[str],
+    refs: list[str] | list[list[str]],
+    chrf: bool = True,
+    metrics: list[str] | None = None,
+    bleu_tokenize: str = "13a",
+    compound_split_lang: str | None = None,
+) -> dict[str, Any]:
+    """Corpus BLEU (13a) and chrF (or ``metrics``) of detokenized hypotheses against raw refs.
+
+    Args:
+        hyps: one translation per segment.
+        refs: one reference per segment, or several reference *streams* (each a list with one
+            reference per segment, sacreBLEU's convention).
+        chrf: also compute chrF (the slower of the two; validation during training may skip it,
+            and then ``chrf`` and ``chrf_signature`` are None). Ignored when ``metrics`` is set.
+        metrics: names from :data:`mt.evaluation.metrics.METRICS` (``eval.metrics``); default BLEU,
+        chrF.
+        bleu_tokenize: sacreBLEU's BLEU tokenizer (``eval.bleu_tokenize``).
+        compound_split_lang: also the papers' tokenized compound-split BLEU with the Moses
+            tokenizer of this language (``eval.compound_split_bleu``; first stream only).
+
+    Returns:
+        ``{"bleu": float, "chrf": float, "signature": str (BLEU's), "chrf_signature": str,
+        "bleu_details": "BLEU = 20.80 54.4/26.6/... (BP = ...)", "n_sentences": int,
+        "scores": {metric: {"score", "signature", "details"}}}`` (a metric not asked for is
+        None), plus ``"compound_split_bleu": {"score", "details", "note"}`` when asked for.
+
+    Raises:
+        ValueError: when a reference stream and the hypotheses differ in length.
+    """
+    from mt.evaluation.metrics import compound_split_bleu, corpus_scores
+
+    streams = [list(refs)] if not refs or isinstance(refs[0], str) else [list(r) for r in refs]
+    if not hyps:
+        raise ValueError("nothing to score: 0 hypotheses")
+    for i, stream in enumerate(streams):
+        if len(stream) != len(hyps):
+            raise ValueError(
+                f"{len(hyps)} hypotheses but reference stream {i + 1} has {len(stream)} lines"
+            )
+    if metrics is None:
+        metrics = ["bleu", "chrf"] if chrf else ["bleu"]
+    scores = corpus_scores(list(hyps), streams, list(metrics), bleu_tokenize)
+    bleu, chrf_score = scores.get("bleu", {}), scores.get("chrf", {})
+    result = {
+        "bleu": bleu.get("score"),
+        "chrf": chrf_score.get("score"),
+        "signature": bleu.get("signature"),
+        "chrf_signature": chrf_score.get("signature"),
+        "bleu_details": bleu.get("details"),
+        "n_sentences": len(hyps),
+        "scores": scores,
+    }
+    if compound_split_lang:
+        result["compound_split_bleu"] = compound_split_bleu(hyps, streams[0], compound_split_lang)
+    return result
+
+
+def eval_kwargs(cfg: Config) -> dict[str, Any]:
+    """:func:`score`'s keyword arguments from ``cfg.eval`` (and the target language)."""
+    return {
+        "metrics": list(cfg.eval.metrics),
+        "bleu_tokenize": cfg.eval.bleu_tokenize,
+        "compound_split_lang": cfg.data.tgt_lang if cfg.eval.compound_split_bleu else None,
+    }
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """The lines of a UTF-8 text file, split on ``\n`` only (a BOM or U+2028 stays in the text).
+
+    sacreBLEU's own command line reads files the same way, so scores match its published ones.
+
+    Raises:
+        mt.files.TextError: a line that is not UTF-8 or holds a NUL byte (file and line named).
+    """
+    with open(path, "rb") as f:
+        return list(files.read_lines(f, str(path)))
+
+
+def write_lines(path: str | Path, lines: list[str]) -> None:
+    """Write one line per item (UTF-8, ``\n`` after each, a line break inside an item becomes
+    a space) atomically."""
+    files.write_lines(path, lines)
+
+
+def write_json(path: str | Path, data: dict[str, Any]) -> None:
+    """Write ``data`` as indented JSON atomically."""
+    files.write_json(path, data)
+
+
+def score_files(
+    hyp: str | Path, ref: str | Path | list, langpair: str | None = None, **kwargs: Any
+) -> dict[str, Any]:
+    """Score a translation file against one or several reference files.
+
+    A reference that is not a file but a sacreBLEU test-set name (``wmt14/full``) stands for
+    that set's references for ``langpair`` (``de-en``) from sacreBLEU's cache. ``kwargs`` go to
+    :func:`score`.
+    """
+    from mt.evaluation.metrics import is_testset, testset_references
+
+    refs_given = [ref] if isinstance(ref, (str, Path)) else list(ref)
+    if not refs_given:
+        raise ValueError("mt-evaluate hyp=FILE needs ref=FILE (or ref=[FILE1,FILE2])")
+    ref_paths: list[str | Path] = []
+    for p in refs_given:
+        if not Path(p).is_file() and langpair and is_testset(str(p)):
+            ref_paths.extend(testset_references(str(p), langpair))
+        else:
+            ref_paths.append(p)
+    hyps = read_lines(hyp)
+    refs = [read_lines(p) for p in ref_paths]
+    for path, lines in zip(ref_paths, refs):
+        if len(lines) != len(hyps):
+            raise ValueError(
+                f"{hyp} has {len(hyps)} lines but {path} has {len(lines)}: a translation file "
+                "needs one line per reference line"
+            )
+    result = score(hyps, refs, **kwargs)
+    result.update(hyp=str(hyp), ref=[str(p) for p in ref_paths])
+    return result
+
+
+def _print_scores(result: dict[str, Any]) -> None:
+    out = sys.stdout
+    labels = {"bleu": "BLEU", "chrf": "chrF", "chrf++": "chrF++", "ter": "TER"}
+    for name, metric in result["scores"].items():
+        if name == "bleu":
+            out.write(f"{metric['details']}\n")
+        else:
+            shown = "chrF2" if name == "chrf" else labels[name]
+            out.write(f"{shown} = {metric['score']:.2f}\n")
+        out.write(f"{labels[name]} signature: {metric['signature']}\n")
+    if "compound_split_bleu" in result:
+        cs = result["compound_split_bleu"]
+        out.write(f"compound-split tokenized {cs['details']} ({cs['note']})\n")
+    out.flush()
+
+
+def evaluate_main(cfg: Config) -> dict[str, Any]:
+    """``mt-evaluate``: score ``hyp=`` against ``ref=``, or decode and score a run's split.
+
+    Args:
+        cfg: the configuration (``hyp``, ``ref``, ``output``; or ``run_dir``, ``split``,
+            ``checkpoint``, ``decode``, ``data``...).
+
+    Returns:
+        The results dict (what results.json / ``output=`` holds).
+    """
+    if cfg.hyp is not None:
+        if cfg.ref is None:
+            raise ValueError("mt-evaluate hyp=FILE needs ref=FILE (or ref=[FILE1,FILE2])")
+        langpair = f"{cfg.data.src_lang}-{cfg.data.tgt_lang}"
+        result = score_files(cfg.hyp, cfg.ref, langpair, **eval_kwargs(cfg))
+        _print_scores(result)
+        if cfg.output:
+            write_json(cfg.output, result)
+            log.info("scores written to %s", cfg.output)
+        return result
+    return evaluate_run(cfg)
+
+
+def evaluate_run(cfg: Config) -> dict[str, Any]:
+    """Decode ``cfg.split`` with the run's checkpoint, score it and write the run's results."""
+    import torch
+
+    from mt.checkpoint import CheckpointError, load_model
+    from mt.data.build import prepare
+    from mt.decode.driver import fit_to_model, translate_ids
+
+    if cfg.split not in ("valid", "test"):
+        raise ValueError(f"split must be valid or test, got {cfg.split!r}")
+    stage_start = time.perf_counter()
+    run_dir = Path(cfg.run_dir)
+    ckpt_path = Path(cfg.checkpoint) if cfg.checkpoint else run_dir / "checkpoints" / "best.pt"
+    device = resolve_device(cfg.train.device)
+    model, tokenizer, ckpt = load_model(ckpt_path, device)
+    prepared = prepare(cfg)
+    refs = prepared.references(cfg.split)
+    if tokenizer.to_bytes() == prepared.tokenizer.to_bytes():
+        split = prepared.split(cfg.split)
+        src_ids = [split.src[i].tolist() for i in range(len(split))]
+    else:  # the checkpoint's own vocabulary decides; the data's encoding would not fit it
+        log.warning("%s has its own tokenizer, not the prepared data's: re-encoding", ckpt_path)
+        src_ids = tokenizer.encode(
+            [tokenizer.normalize(s) for s in prepared.sources(cfg.split)], side="src"
+        )
+    if len(src_ids) != len(refs):
+        raise CheckpointError(f"{len(src_ids)} sources but {len(refs)} references")
+    src_ids = fit_to_model(src_ids, model.max_positions, "truncate", what=f"{cfg.split} source")
+
+    log.info(
+        "decoding %d %s sentences with %s (beam %d, alpha %.2f, %s)",
+        len(src_ids), cfg.split, ckpt_path, cfg.decode.beam_size, cfg.decode.alpha,
+        cfg.decode.precision,
+    )  # fmt: skip
+    start = time.perf_counter()
+    out_ids = translate_ids(model, src_ids, cfg.decode, device)
+    seconds = time.perf_counter() - start
+    hyps = tokenizer.decode(out_ids, side="tgt")
+
+    write_lines(run_dir / "translations" / f"{cfg.split}.txt", hyps)
+    result = score(hyps, refs, **eval_kwargs(cfg))
+    result.update(
+        split=cfg.split,
+        checkpoint=str(ckpt_path),
+        step=int(ckpt.get("step", 0)),
+        beam_size=cfg.decode.beam_size,
+        alpha=cfg.decode.alpha,
+        max_len_a=cfg.decode.max_len_a,
+        max_len_b=cfg.decode.max_len_b,
+        precision=cfg.decode.precision,
+        device=str(device),
+        decode_seconds=round(seconds, 3),
+        sent_per_s=round(len(src_ids) / max(seconds, 1e-9), 2),
+        tgt_tok_per_s=round(sum(map(len, out_ids)) / max(seconds, 1e-9), 1),
+        torch_threads=torch.get_num_threads(),
+    )
+    write_json(run_dir / f"results.{cfg.split}.json", result)  # each split keeps its own
+    write_json(run_dir / "results.json", result)  # the latest evaluation (report, sweeps)
+    log.info("%s on %s: %s", ckpt_path.name, cfg.split,
+             " | ".join(f"{k} {v['score']:.2f}" for k, v in result["scores"].items()))  # fmt: skip
+    if cfg.report:
+        from mt.evaluation.report import record_stage_time
+
+        record_stage_time(run_dir, "evaluate", time.perf_counter() - stage_start)
+        _write_report(run_dir, prepared, cfg.split, hyps, model, tokenizer, cfg.decode, device)
+    _print_scores(result)
+    sys.stdout.write(f"{run_dir}\n")
+    sys.stdout.flush()
+    return result
+
+
+def _write_report(run_dir, prepared, split, hyps, model, tokenizer, decode_cfg, device) -> None:
+    """report.md with example translations and the first sentence's attention (best effort)."""
+    from mt.evaluation.report import write_report
+
+    sources = prepared.sources(split)
+    attention = None
+    try:
+        if sources:
+            attention = attention_map(model, tokenizer, sources[0], decode_cfg, device)
+    except Exception as err:  # the report must never fail an evaluation
+        log.warning("attention heatmap skipped: %s", err)
+    examples = {"sources": sources, "references": prepared.references(split), "hypotheses": hyps}
+    write_report(run_dir, examples=examples, attention=attention)

@@ -1,0 +1,119 @@
+"""Export to CTranslate2 through its own specification and converter API.
+
+An mt model maps onto ``ctranslate2.specs.TransformerSpec`` without any permutation: the spec
+stores the positional table explicitly (mt's interleaved sin/cos table is written as it is), the
+self-attention takes one fused Q/K/V projection and the encoder-decoder attention a Q and a fused
+K/V projection, as mt has them. Settings made to match mt: post-LN (``pre_norm=False``, no final
+LayerNorm), ReLU, embeddings scaled by sqrt(d_model), decoding starts with ``<s>`` (BOS),
+the source gets ``</s>`` appended (``add_source_eos``), as mt appends EOS to every source.
+
+The output directory holds CTranslate2's ``model.bin``, its vocabulary and config, and mt's
+SentencePiece model as ``spm.model`` (tokenize with it, pass pieces to ``translate_batch``).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mt.export.hf import ExportError, check_exportable
+from mt.model.transformer import sinusoidal_positions
+from mt.schema import ModelConfig
+from mt.vocab import BOS, EOS, UNK
+
+log = logging.getLogger(__name__)
+
+
+def ct2_spec(state: dict[str, torch.Tensor], cfg: ModelConfig, pieces: list[str]):
+    """A filled ``TransformerSpec`` for mt's weights; ``pieces`` is the vocabulary (id order).
+
+    Raises:
+        ExportError: a setting CTranslate2's Transformer spec cannot express.
+    """
+    import ctranslate2
+
+    check_exportable(cfg, True, "ctranslate2")
+    specs = ctranslate2.specs
+    V = len(pieces)
+    n_dec = cfg.N_dec or cfg.N
+    spec = specs.TransformerSpec.from_config(
+        (cfg.N, n_dec), cfg.h, pre_norm=False, activation=specs.Activation.RELU
+    )
+
+    def arr(t: torch.Tensor) -> np.ndarray:
+        return t.detach().float().cpu().contiguous().numpy()
+
+    def linear(dst, src: str) -> None:
+        dst.weight, dst.bias = arr(state[f"{src}.weight"]), arr(state[f"{src}.bias"])
+
+    def norm(dst, src: str) -> None:
+        dst.gamma, dst.beta = arr(state[f"{src}.weight"]), arr(state[f"{src}.bias"])
+
+    def ffn(dst, src: str, norm_src: str) -> None:
+        linear(dst.linear_0, f"{src}.w1")
+        linear(dst.linear_1, f"{src}.w2")
+        norm(dst.layer_norm, norm_src)
+
+    pe = arr(sinusoidal_positions(cfg.max_positions, cfg.d_model))  # mt's interleaved table
+    tgt = arr(state["embed"][:V])
+    src_emb = tgt if cfg.share_embeddings else arr(state["src_embed"][:V])
+    spec.encoder.embeddings[0].weight = src_emb
+    spec.encoder.scale_embeddings = True
+    spec.encoder.position_encodings.encodings = pe
+    for i, layer in enumerate(spec.encoder.layer):
+        src = f"encoder.{i}"
+        linear(layer.self_attention.linear[0], f"{src}.self_attn.qkv")
+        linear(layer.self_attention.linear[1], f"{src}.self_attn.out")
+        norm(layer.self_attention.layer_norm, f"{src}.norms.0")
+        ffn(layer.ffn, f"{src}.ffn", f"{src}.norms.1")
+    spec.decoder.embeddings.weight = tgt
+    spec.decoder.scale_embeddings = True
+    spec.decoder.position_encodings.encodings = pe
+    spec.decoder.projection.weight = tgt  # tied; CTranslate2 stores one copy
+    for i, layer in enumerate(spec.decoder.layer):
+        src = f"decoder.{i}"
+        linear(layer.self_attention.linear[0], f"{src}.self_attn.qkv")
+        linear(layer.self_attention.linear[1], f"{src}.self_attn.out")
+        norm(layer.self_attention.layer_norm, f"{src}.norms.0")
+        linear(layer.attention.linear[0], f"{src}.cross_attn.q")
+        linear(layer.attention.linear[1], f"{src}.cross_attn.kv")
+        linear(layer.attention.linear[2], f"{src}.cross_attn.out")
+        norm(layer.attention.layer_norm, f"{src}.norms.1")
+        ffn(layer.ffn, f"{src}.ffn", f"{src}.norms.2")
+    spec.register_source_vocabulary(pieces)
+    spec.register_target_vocabulary(pieces)
+    spec.config.unk_token = pieces[UNK]
+    spec.config.bos_token = pieces[BOS]
+    spec.config.eos_token = pieces[EOS]
+    spec.config.decoder_start_token = pieces[BOS]
+    spec.config.add_source_eos = True
+    return spec
+
+
+def export_ct2(ckpt: dict, cfg: ModelConfig, sp_blobs: list[bytes], out: Path) -> Path:
+    """Write a CTranslate2 model directory (float32 weights) plus ``spm.model``.
+
+    Returns:
+        ``out``.
+    """
+    import ctranslate2
+    import sentencepiece as spm
+
+    check_exportable(cfg, len(sp_blobs) == 1, "ctranslate2")
+    sp = spm.SentencePieceProcessor(model_proto=sp_blobs[0])
+    V = int(ckpt["vocab_size"])
+    if sp.vocab_size() != V:
+        raise ExportError(f"the SentencePiece model has {sp.vocab_size()} pieces, the model {V}")
+    pieces = [sp.id_to_piece(i) for i in range(V)]
+    spec = ct2_spec(ckpt["model"], cfg, pieces)
+
+    class _MtConverter(ctranslate2.converters.Converter):
+        def _load(self):
+            return spec
+
+    _MtConverter().convert(str(out), force=True)
+    (Path(out) / "spm.model").write_bytes(sp_blobs[0])
+    return Path(out)

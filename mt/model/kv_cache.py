@@ -1,0 +1,159 @@
+"""The decoder's incremental state: typed per-layer key/value caches with the row operations
+that search needs.
+
+Incremental decoding feeds the decoder one new token per row and step. Each decoder layer then
+needs the keys/values of every earlier position of its self-attention (a growing buffer) and
+the keys/values of the encoder output for its encoder-decoder attention (computed once). Beam
+search moves rows around: a surviving hypothesis takes the state of its parent
+(:meth:`DecoderCache.select`, :meth:`DecoderCache.copy_rows`), and a sentence whose search has
+ended is dropped (``sents``).
+
+Rows: the self-attention caches hold one row per hypothesis (B = G * n rows); the
+encoder-decoder caches hold one row per sentence (n rows), shared by its G hypotheses.
+
+Shape letters: B decoder rows, n sentences, H heads, C capacity, S source length, d_k head size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class SelfAttentionCache:
+    """Keys and values of the positions decoded so far, in preallocated buffers.
+
+    New positions are written in place (no re-concatenation of the whole prefix each step);
+    the capacity doubles when it runs out.
+
+    Attributes:
+        k, v: (B, H, C, d_k) buffers, or None before the first step.
+        length: how many of the C positions are filled.
+    """
+
+    __slots__ = ("k", "v", "length")
+
+    def __init__(
+        self, k: torch.Tensor | None = None, v: torch.Tensor | None = None, length: int = 0
+    ) -> None:
+        self.k, self.v, self.length = k, v, length
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the keys/values (B, H, T, d_k) of T new positions.
+
+        Returns:
+            (B, H, length + T, d_k) views of the keys/values of every position so far.
+        """
+        past, end = self.length, self.length + k.size(2)
+        if self.k is None or self.k.size(2) < end or self.k.dtype != k.dtype:
+            B, H, _, d_k = k.shape
+            capacity = max(end, 2 * past, 16)
+            new_k, new_v = k.new_empty(B, H, capacity, d_k), v.new_empty(B, H, capacity, d_k)
+            if past:
+                new_k[:, :, :past], new_v[:, :, :past] = self.filled()
+            self.k, self.v = new_k, new_v
+        self.k[:, :, past:end], self.v[:, :, past:end] = k, v
+        self.length = end
+        return self.filled()
+
+    def filled(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, H, length, d_k) views of the filled positions."""
+        assert self.k is not None and self.v is not None
+        return self.k[:, :, : self.length], self.v[:, :, : self.length]
+
+    def select(self, rows: torch.Tensor) -> SelfAttentionCache:
+        """A new cache whose row i is row ``rows[i]`` of this one (only filled positions move)."""
+        if self.k is None:
+            return SelfAttentionCache()
+        out = []
+        for buf, filled in zip((self.k, self.v), self.filled()):
+            if buf.requires_grad and torch.is_grad_enabled():  # out= has no autograd
+                out.append(filled.index_select(0, rows))
+                continue
+            new = buf.new_empty(rows.numel(), *buf.shape[1:])
+            torch.index_select(filled, 0, rows, out=new[:, :, : self.length])
+            out.append(new)
+        return SelfAttentionCache(out[0], out[1], self.length)
+
+    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """In place: rows ``dst`` take the contents of rows ``src`` (disjoint index sets)."""
+        for filled in self.filled():
+            filled.index_copy_(0, dst, filled.index_select(0, src))
+
+
+class CrossAttentionCache:
+    """Keys and values of the encoder output for one layer's encoder-decoder attention,
+    computed at the first step: (n, H, S, d_k) each, one row per sentence."""
+
+    __slots__ = ("k", "v")
+
+    def __init__(self, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> None:
+        self.k, self.v = k, v
+
+    def select(self, sents: torch.Tensor) -> CrossAttentionCache:
+        """A new cache holding the sentences ``sents``."""
+        if self.k is None or self.v is None:
+            return CrossAttentionCache()
+        return CrossAttentionCache(self.k.index_select(0, sents), self.v.index_select(0, sents))
+
+
+class LayerCache:
+    """One decoder layer's state: its self-attention and encoder-decoder attention caches."""
+
+    __slots__ = ("self_attn", "cross_attn")
+
+    def __init__(
+        self,
+        self_attn: SelfAttentionCache | None = None,
+        cross_attn: CrossAttentionCache | None = None,
+    ) -> None:
+        self.self_attn = self_attn or SelfAttentionCache()
+        self.cross_attn = cross_attn or CrossAttentionCache()
+
+
+class DecoderCache:
+    """The incremental state of a whole decoder: one :class:`LayerCache` per layer.
+
+    Args:
+        n_layers: decoder layers.
+        kernels: how attention is computed while decoding (``mt.model.attention.Kernels``; None: the
+            paper's formula through SDPA). ``mt.fast.decoding`` chooses it per device.
+
+    Example:
+        >>> cache = DecoderCache(2)
+        >>> cache.length
+        0
+    """
+
+    def __init__(self, n_layers: int, kernels: Any = None) -> None:
+        self.layers = [LayerCache() for _ in range(n_layers)]
+        self.kernels = kernels
+
+    @property
+    def length(self) -> int:
+        """Target positions decoded so far."""
+        return self.layers[0].self_attn.length if self.layers else 0
+
+    def select(self, rows: torch.Tensor, sents: torch.Tensor | None = None) -> DecoderCache:
+        """Follow the surviving hypotheses: a new cache with decoder rows ``rows`` (B',) and,
+        when ``sents`` (n',) is given, the encoder-side rows of those sentences (else as is)."""
+        out = DecoderCache(0, self.kernels)
+        out.layers = [
+            LayerCache(
+                layer.self_attn.select(rows),
+                layer.cross_attn if sents is None else layer.cross_attn.select(sents),
+            )
+            for layer in self.layers
+        ]
+        return out
+
+    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """In place: decoder rows ``dst`` (m,) take the contents of rows ``src`` (m,), disjoint
+        from ``dst``; encoder-side rows are unchanged (the hypotheses stay in their sentence)."""
+        for layer in self.layers:
+            if layer.self_attn.k is not None:
+                layer.self_attn.copy_rows(dst, src)
+
+
+__all__ = ["CrossAttentionCache", "DecoderCache", "LayerCache", "SelfAttentionCache"]

@@ -1,0 +1,529 @@
+"""Stage 4, ``mt-train``: the training recipe, setup -> train -> save -> cleanup.
+
+A run directory holds everything a run writes (rank 0 only, holding ``run_dir/.lock``)::
+
+    run_dir/config.yaml        the original configuration (config.resume-<n>.yaml: a resume's)
+    run_dir/train.log          the log
+    run_dir/metrics.jsonl      one JSON record per line (training and validation), appended
+    run_dir/tensorboard/       TensorBoard events (when tensorboard is installed)
+    run_dir/checkpoints/       last.pt (full training state), best.pt, checkpoint_<step>.pt
+                               (full state too: hard links to last.pt as saved),
+                               averaged.pt (train.average_last)
+    run_dir/preempted.json     only after a stop by a signal
+
+Starting ``mt-train`` on a run directory that has ``checkpoints/last.pt`` resumes it exactly:
+model, optimiser, schedule, loss scale, every RNG state of every rank and the position in the
+data (an unreadable last.pt: the newest readable periodic checkpoint, see :mod:`mt.train.resume`).
+``train.init_from=CKPT`` instead starts a NEW run from a checkpoint's weights (fresh optimiser,
+schedule and data order). SIGTERM, SIGUSR1 or Ctrl-C saves ``last.pt`` and stops; the command
+then exits with 75 (130 for Ctrl-C), see :mod:`mt.train.preempt`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from mt import distributed
+from mt.checkpoint import (
+    average_checkpoints,
+    link_checkpoint,
+    load_checkpoint,
+    model_cfg_from,
+    periodic_checkpoints,
+    rotate_checkpoints,
+    save_checkpoint,
+    set_rng_state,
+)
+from mt.data.batches import BatchSampler, batch_plan, iterate_batches
+from mt.data.build import prepare
+from mt.data.prefetch import Prefetcher
+from mt.fast.precision import (
+    compile_model,
+    compiled_graphs,
+    pad_multiple,
+    resolve_precision,
+    set_fp32_precision,
+)
+from mt.fast.training import for_training
+from mt.files import remove_stale_temps, write_json
+from mt.model.transformer import build_model
+from mt.schema import Config
+from mt.train import preempt
+from mt.train.lock import LockError, RunLock
+from mt.train.progress import progress
+from mt.train.resume import (
+    agree_on_resume,
+    has_checkpoints,
+    keep_best_of_best_pt,
+    record_config,
+    training_state,
+)
+from mt.train.schedule import cooldown_factor, noam_lambda
+from mt.train.state import (
+    TrainState,
+    check_compatible,
+    check_data_plan,
+    seed_everything,
+    train_sampler,
+)
+from mt.train.tracking import MetricsLog
+from mt.train.update import Updater, UpdateResult, build_optimizer
+from mt.train.validation import better, metric_key, validate
+
+log = logging.getLogger(__name__)
+
+PREEMPTED = "preempted.json"  # written when a signal stopped the run, removed when it restarts
+
+
+@dataclass
+class Run:
+    """Everything a training run holds between setup and cleanup."""
+
+    cfg: Config
+    info: distributed.DistInfo
+    run_dir: Path
+    prepared: Any
+    raw_model: torch.nn.Module  # unwrapped, uncompiled: what is saved and validated
+    update: Updater
+    sampler: BatchSampler
+    state: TrainState
+    metrics: MetricsLog
+    key: str  # valid_bleu or valid_loss
+    stop: preempt.StopFlag = field(default_factory=preempt.StopFlag)
+    batches: Optional[Prefetcher] = None  # the current epoch's batches, collated ahead
+
+    def prefetch(self, source) -> Prefetcher:
+        """Collate ``source``'s batches ahead in a background thread (pinned for a GPU)."""
+        self.close_batches()
+        device = self.info.device
+        pin = device.type == "cuda"
+        self.batches = Prefetcher(source, self.cfg.train.prefetch, pin=pin, device=device)
+        return self.batches
+
+    def close_batches(self) -> None:
+        """Stop the background thread of :meth:`prefetch`, if any, and wait for it."""
+        if self.batches is not None:
+            self.batches.close()
+            self.batches = None
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """Train (or resume) the run in ``cfg.run_dir``; under torchrun, one call per rank.
+
+    Args:
+        cfg: the whole configuration.
+
+    Returns:
+        A summary: ``step``, ``epoch``, ``stop`` (why training ended), ``best`` (the best
+        validation metric), ``metric``, ``run_dir``.
+    """
+    info = distributed.setup(cfg.train.device, cfg.train.dist_timeout_minutes)
+    file_log = None
+    restore_signals = None
+    lock = None
+    try:
+        lock = _lock_run_dir(Path(cfg.run_dir), info)
+        if info.is_main:
+            file_log = logging.FileHandler(Path(cfg.run_dir) / "train.log", encoding="utf-8")
+            file_log.setFormatter(logging.Formatter("%(asctime)s | %(levelname)s | %(message)s"))
+            logging.getLogger().addHandler(file_log)
+        run = setup(cfg, info)
+        restore_signals = preempt.install(run.stop, "saving last.pt and stopping")
+        try:
+            stop = train_loop(run)
+            return finish(run, stop)
+        finally:
+            run.close_batches()
+            run.metrics.close()
+    finally:
+        if restore_signals is not None:
+            restore_signals()
+        if file_log is not None:
+            logging.getLogger().removeHandler(file_log)
+            file_log.close()
+        if lock is not None:
+            lock.release()
+        distributed.cleanup()
+
+
+def _lock_run_dir(run_dir: Path, info: distributed.DistInfo) -> Optional[RunLock]:
+    """Rank 0 (the only process that writes the run directory) takes its lock; every rank
+    learns whether it did, so all of them stop together when another run holds it."""
+    lock, error = None, None
+    if info.is_main:
+        try:
+            lock = RunLock(run_dir).acquire()
+        except LockError as err:
+            error = err
+    ok = distributed.broadcast_float(0.0 if error else 1.0)
+    if error is not None:
+        raise error
+    if not ok:
+        raise LockError(f"rank 0 could not lock run_dir {run_dir} (see its log)")
+    return lock
+
+
+def setup(cfg: Config, info: distributed.DistInfo) -> Run:
+    """Data, model, optimiser, schedule and state, fresh, from ``init_from``, or resumed."""
+    tc = cfg.train
+    run_dir = Path(cfg.run_dir)
+    if tc.threads > 0:
+        torch.set_num_threads(tc.threads)
+    set_fp32_precision(info.device, tc.tf32)
+    seed_everything(tc.seed)
+    ckpt_dir = run_dir / "checkpoints"
+    if info.is_main:
+        remove_stale_temps(run_dir, ckpt_dir)
+        (run_dir / PREEMPTED).unlink(missing_ok=True)
+        record_config(run_dir, cfg, resuming=has_checkpoints(ckpt_dir))
+    prepared = _prepared(cfg, info)
+    cfg = _resolve_batch(cfg, info.world_size)
+    precision = resolve_precision(cfg.train.precision, info.device)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
+    tc = cfg.train
+
+    resume, resume_path = agree_on_resume(ckpt_dir, info.is_main)
+    raw = build_model(cfg.model, prepared.vocab_size)  # same init on every rank (same seed)
+    if resume is not None:
+        check_compatible(
+            resume, cfg, prepared.vocab_size, resume_path, prepared.tokenizer.to_bytes()
+        )
+        check_data_plan(resume, cfg, info.world_size, resume_path)
+        raw.load_state_dict(resume["model"])
+        log.info("resuming %s from %s (step %d)", run_dir, resume_path.name, resume["step"])
+    elif tc.init_from:
+        init = load_checkpoint(tc.init_from)
+        check_compatible(
+            init, cfg, prepared.vocab_size, Path(tc.init_from), prepared.tokenizer.to_bytes()
+        )
+        raw.load_state_dict(init["model"])
+        log.info("initialised from %s (step %d); fresh optimiser", tc.init_from, init["step"])
+    raw.to(info.device)
+    n_params = sum(p.numel() for p in raw.parameters())
+    log.info("model: %s parameters, vocabulary %d", f"{n_params:,}", prepared.vocab_size)
+
+    optimizer = build_optimizer(raw.parameters(), tc, info.device)
+    if tc.cooldown > 0 and tc.max_steps <= 0 and tc.max_minutes <= 0:
+        raise ValueError("train.cooldown needs a budget: set train.max_steps or train.max_minutes")
+    lr_lambda = noam_lambda(cfg.model.d_model, tc.warmup, tc.factor, tc.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    scaler = torch.amp.GradScaler(info.device.type, enabled=tc.precision == "fp16")
+    state = TrainState()
+    if resume is not None:
+        optimizer.load_state_dict(resume["optimizer"])
+        scheduler.load_state_dict(resume["scheduler"])
+        if resume.get("scaler"):
+            scaler.load_state_dict(resume["scaler"])
+        state = TrainState(**resume["state"])
+        keep_best_of_best_pt(state, ckpt_dir / "best.pt", metric_key(cfg))
+
+    # The module the training step runs: on a CPU, a copy with faster kernels sharing raw's
+    # parameters (mt.fast.training); compiled, then wrapped in DDP (the order torch documents).
+    forward = for_training(raw, info.device, tc.cpu_kernels, tc.precision)
+    model = compile_model(forward, tc)
+    model = distributed.wrap(model, info)
+    split = prepared.split("train")
+    sampler = train_sampler(split, cfg, info.rank, info.world_size)
+    metrics = MetricsLog(run_dir, state.step, enabled=info.is_main)
+    update = Updater(model, raw.parameters(), optimizer, scheduler, scaler, cfg, info.world_size)
+    # RNG last: from here on the resumed run draws exactly what the uninterrupted one drew.
+    if resume is not None:
+        states = resume["rng"]
+        if len(states) != info.world_size:
+            log.warning(
+                "resuming %d ranks from %d: RNG streams differ", info.world_size, len(states)
+            )
+        set_rng_state(states[info.rank % len(states)])
+    else:
+        seed_everything(tc.seed + info.rank)  # different dropout masks on each rank
+    return Run(cfg, info, run_dir, prepared, raw, update, sampler, state, metrics, metric_key(cfg))
+
+
+def train_loop(run: Run) -> str:
+    """Updates until a limit, a signal or patience stops training; returns the reason."""
+    tc, state = run.cfg.train, run.state
+    split = run.prepared.split("train")
+    bar = progress(
+        "train", total=tc.max_steps or None, initial=state.step, disable=not run.info.is_main
+    )
+    wall0, t0 = state.wall, time.perf_counter()
+    logged: list[UpdateResult] = []  # the updates since the last log record (on the device)
+    t_log, paused = t0, 0.0  # when that record was written; time validating/saving since
+    stop = _limits(run)
+    while stop is None:
+        n_batches = len(run.sampler.batches(state.epoch))
+        if n_batches == 0:
+            raise RuntimeError("no training batches: check the data and train.max_tokens")
+        batches = run.prefetch(
+            iterate_batches(
+                split, run.sampler, state.epoch, start=state.batch, pad_multiple=pad_multiple(tc)
+            )
+        )
+        for group in _groups(batches, tc.accum_steps):
+            group = [b.to(run.info.device) for b in group]
+            lr = _apply_cooldown(run)
+            result = run.update(group, state)
+            state.batch += len(group)
+            state.wall = wall0 + time.perf_counter() - t0
+            if result is not None:
+                state.step += 1
+                bar.update(1)
+                if tc.log_every > 0:
+                    logged.append(result)
+                if tc.log_every > 0 and (state.step % tc.log_every == 0 or state.step == 1):
+                    epoch = round(state.epoch + state.batch / n_batches, 4)
+                    _log_updates(run, logged, lr, epoch, bar, t_log, paused)
+                    logged, t_log, paused = [], time.perf_counter(), 0.0
+                t_pause = time.perf_counter()
+                if tc.eval_every > 0 and state.step % tc.eval_every == 0:
+                    evaluate(run)
+                if tc.save_every > 0 and state.step % tc.save_every == 0:
+                    save(run, periodic=True)
+                paused += time.perf_counter() - t_pause
+            stop = _limits(run)
+            if stop is not None:
+                break
+        else:
+            state.epoch += 1
+            state.batch = 0
+            if tc.max_epochs > 0 and state.epoch >= tc.max_epochs:
+                stop = "max_epochs"
+    run.close_batches()
+    bar.close()
+    log.info("training stopped at step %d (%s)", state.step, stop)
+    return stop
+
+
+def _log_updates(
+    run: Run, results: list[UpdateResult], lr: float, epoch: float, bar, since: float,
+    paused: float,
+) -> None:  # fmt: skip
+    """The log record of the latest update, and the progress bar's figures: ONE read of the
+    device for all the updates since the last record (their tokens give the rate over the
+    training time since ``since``, less ``paused`` seconds of validation and saving)."""
+    state = run.state
+    figures = torch.stack([r.figures for r in results]).tolist()  # (k, 4): waits for the device
+    loss, nll, _, gnorm = figures[-1]
+    tok_s = sum(f[2] for f in figures) / max(time.perf_counter() - since - paused, 1e-9)
+    bar.set_postfix_str(f"loss {loss:.3f} lr {lr:.2e} tok/s {tok_s:,.0f}")
+    run.metrics.write(
+        {
+            "step": state.step,
+            "epoch": epoch,
+            "loss": loss,
+            "nll": nll,
+            "ppl": math.exp(min(nll, 50.0)),
+            "lr": lr,
+            "gnorm": gnorm,
+            "tgt_tok_per_s": tok_s,
+            "wall": round(state.wall, 3),
+            **({"compiled_graphs": compiled_graphs()} if run.cfg.train.compile else {}),
+        }
+    )
+
+
+def _prepared(cfg: Config, info: distributed.DistInfo):
+    """The prepared data. One process builds it on a cache miss; under torchrun every rank only
+    loads it (building it inside a collective's timeout would fail on a large corpus), so a
+    miss stops every rank with an error that says to run ``mt-prepare`` first."""
+    if not info.distributed:
+        return prepare(cfg)
+    prepared, error = None, None
+    try:
+        prepared = prepare(cfg, build=False)
+    except Exception as err:  # every rank stops, not only this one
+        error = err
+    distributed.check_all(error, "loading the prepared data")
+    return prepared
+
+
+def _resolve_batch(cfg: Config, world_size: int) -> Config:
+    """``cfg`` with each rank's ``max_tokens`` and ``accum_steps`` for ``train.batch_tokens``
+    (:func:`mt.data.batches.batch_plan`; unchanged when it is 0), logged."""
+    tc = cfg.train
+    max_tokens, accum = batch_plan(tc.batch_tokens, tc.max_tokens, world_size, tc.accum_steps)
+    log.info(
+        "batch: up to %d padded tokens per update = %d rank(s) x %d accumulation step(s) x "
+        "max_tokens %d%s", world_size * accum * max_tokens, world_size, accum, max_tokens,
+        f" (train.batch_tokens={tc.batch_tokens})" if tc.batch_tokens else "",
+    )  # fmt: skip
+    resolved = dataclasses.replace(tc, max_tokens=max_tokens, accum_steps=accum)
+    return dataclasses.replace(cfg, train=resolved)
+
+
+def evaluate(run: Run) -> dict[str, float]:
+    """Validate (the work shared by all ranks), keep best.pt and the patience count."""
+    state, info = run.state, run.info
+    result = validate(run.raw_model, run.prepared, run.cfg, info.device, info.rank, info.world_size)
+    value = distributed.broadcast_float(result.get(run.key))
+    state.last_eval_step = state.step
+    improved = better(run.key, value, state.best)
+    if improved:
+        state.best, state.best_step, state.bad_evals = value, state.step, 0
+    else:
+        state.bad_evals += 1
+    if info.is_main:
+        record = {"step": state.step, "epoch": state.epoch, "wall": round(state.wall, 3)}
+        run.metrics.write({**record, **result})
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in result.items())
+        log.info("validation at step %d: %s%s", state.step, shown, " (best)" if improved else "")
+        if improved:
+            save_checkpoint(run.ckpt_dir / "best.pt", _checkpoint(run, full=False))
+    return result
+
+
+def save(run: Run, periodic: bool) -> None:
+    """``last.pt`` (full state, all ranks take part) and optionally ``checkpoint_<step>.pt``.
+
+    A periodic checkpoint holds the full training state too (any of them can resume the run
+    when ``last.pt`` is unreadable): a hard link to ``last.pt``, not a second write.
+    """
+    ckpt = _checkpoint(run, full=True)
+    if run.info.is_main:
+        last = run.ckpt_dir / "last.pt"
+        save_checkpoint(last, ckpt)
+        if periodic:
+            link_checkpoint(last, run.ckpt_dir / f"checkpoint_{run.state.step}.pt")
+            rotate_checkpoints(run.ckpt_dir, run.cfg.train.keep_last)
+        log.info("saved checkpoints at step %d", run.state.step)
+    distributed.barrier()
+
+
+def finish(run: Run, stop: str) -> dict[str, Any]:
+    """Final validation, checkpoints and averaging (skipped after a stop signal)."""
+    tc, state = run.cfg.train, run.state
+    if stop != "signal":
+        if state.last_eval_step != state.step and state.step > 0:
+            evaluate(run)
+        save(run, periodic=not (run.ckpt_dir / f"checkpoint_{state.step}.pt").is_file())
+        if tc.average_last > 1 and run.info.is_main:
+            _average(run)
+        distributed.barrier()
+    else:
+        save(run, periodic=False)
+        if run.info.is_main:  # for a requeue script that cannot see the exit status (torchrun)
+            write_json(run.run_dir / PREEMPTED, {"step": state.step, "signal": run.stop.name})
+    run.metrics.write({"stage": "train", "seconds": round(state.wall, 3)})
+    return {
+        "step": state.step,
+        "epoch": state.epoch,
+        "stop": stop,
+        "signal": run.stop.signum if stop == "signal" else None,
+        "best": state.best,
+        "metric": run.key,
+        "run_dir": str(run.run_dir),
+    }
+
+
+def _average(run: Run) -> None:
+    """Average the last N periodic checkpoints into averaged.pt; it becomes best.pt when it
+    validates at least as well as the best single checkpoint (the paper always uses it)."""
+    paths = periodic_checkpoints(run.ckpt_dir)[-run.cfg.train.average_last :]
+    if len(paths) < 2:
+        log.warning("average_last: only %d periodic checkpoint(s), nothing to average", len(paths))
+        return
+    avg = average_checkpoints(paths)
+    save_checkpoint(run.ckpt_dir / "averaged.pt", avg)
+    model = build_model(model_cfg_from(avg), int(avg["vocab_size"]))
+    model.load_state_dict(avg["model"])
+    result = validate(model.to(run.info.device), run.prepared, run.cfg, run.info.device)
+    value = result[run.key]
+    use = (
+        run.state.best is None or value == run.state.best or better(run.key, value, run.state.best)
+    )
+    run.metrics.write(
+        {
+            "step": run.state.step,
+            "averaged": len(paths),
+            **{f"avg_{k}": v for k, v in result.items()},
+        }
+    )
+    log.info(
+        "average of %d checkpoints: %s %.4g%s",
+        len(paths),
+        run.key,
+        value,
+        " -> best.pt" if use else "",
+    )
+    if use:
+        avg.update(best=value, best_metric=run.key)
+        save_checkpoint(run.ckpt_dir / "best.pt", avg)
+
+
+def _checkpoint(run: Run, full: bool) -> dict[str, Any]:
+    update = run.update
+    return training_state(
+        run.raw_model, run.prepared, run.cfg, run.state,
+        update.optimizer, update.scheduler, update.scaler, full, run.info.world_size,
+    )  # fmt: skip
+
+
+def budget_progress(tc, state: TrainState) -> float:
+    """Share of the training budget spent: the larger of steps/max_steps and
+    time/max_minutes (0 when neither is set)."""
+    shares = [0.0]
+    if tc.max_steps > 0:
+        shares.append(state.step / tc.max_steps)
+    if tc.max_minutes > 0:
+        shares.append(state.wall / (tc.max_minutes * 60))
+    return min(max(shares), 1.0)
+
+
+def _apply_cooldown(run: Run) -> float:
+    """Set the rate of the coming update, the Noam one times the cool-down factor (the
+    scheduler recomputes the plain Noam rate after each update); returns it. The progress is
+    the same on every rank: :func:`_limits` makes ``state.wall`` agree."""
+    tc, optimizer = run.cfg.train, run.update.optimizer
+    if tc.cooldown <= 0:
+        return optimizer.param_groups[0]["lr"]
+    factor = cooldown_factor(budget_progress(tc, run.state), tc.cooldown)
+    for group, noam in zip(optimizer.param_groups, run.update.scheduler.get_last_lr()):
+        group["lr"] = noam * factor
+    return optimizer.param_groups[0]["lr"]
+
+
+def _limits(run: Run) -> Optional[str]:
+    """Why training should stop now, agreed by every rank (None: go on)."""
+    tc, state = run.cfg.train, run.state
+    if tc.max_steps > 0 and state.step >= tc.max_steps:
+        return "max_steps"
+    if tc.max_epochs > 0 and state.epoch >= tc.max_epochs:
+        return "max_epochs"
+    if tc.patience > 0 and state.bad_evals >= tc.patience:
+        log.info("no improvement in %d validations: early stop", state.bad_evals)
+        return "patience"
+    # One collective: a stop signal seen by any rank, and one training time for all ranks
+    # (the slowest rank's), which the time limit and the cool-down then read alike. It runs on
+    # the host (gloo, see mt.distributed), so it never waits for the GPU's queued work.
+    signal_seen, state.wall = distributed.max_over_ranks(
+        [1.0 if run.stop.signum is not None else 0.0, state.wall]
+    )
+    if signal_seen:
+        return "signal"
+    if tc.max_minutes > 0 and state.wall >= tc.max_minutes * 60:
+        return "max_minutes"
+    return None
+
+
+def _groups(batches, n: int):
+    """Consecutive groups of ``n`` batches (the last one may be shorter): one update each."""
+    group = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == n:
+            yield group
+            group = []
+    if group:
+        yield group

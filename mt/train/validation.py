@@ -1,0 +1,129 @@
+"""Validation of a model during training: loss and NLL per target token, greedy BLEU, and
+which of them decides ``best.pt`` and patience."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+
+from mt import distributed
+from mt.data.batches import BatchSampler, iterate_batches
+from mt.schema import Config
+from mt.train.update import batch_loss
+
+
+@torch.no_grad()
+def valid_loss(
+    model: torch.nn.Module, split, cfg: Config, device: torch.device, rank: int = 0,
+    world_size: int = 1,
+) -> tuple[float, float]:  # fmt: skip
+    """Label-smoothed loss and NLL per target token over a whole split.
+
+    With ``world_size`` > 1 every rank must call this: each scores its share of the batches
+    (the training plan's sharding, zero-weight fillers included) and the sums are added over
+    ranks, so every rank returns the single-process values.
+    """
+    was_training = model.training
+    model.eval()
+    sampler = BatchSampler(
+        split.src.lengths,
+        split.tgt.lengths,
+        cfg.train.max_tokens,
+        seed=0,
+        rank=rank,
+        world_size=world_size,
+        max_len=cfg.model.max_positions - 1,
+    )
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, NLL (read once, below)
+    ntok = 0.0
+    for batch in iterate_batches(split, sampler, 0):
+        batch = batch.to(device)
+        lsum, nsum = batch_loss(model, batch, cfg.train.label_smoothing, cfg.train.precision)
+        sums += torch.stack([lsum, nsum]).double()
+        ntok += batch.ntokens * batch.weight
+    model.train(was_training)
+    totals = torch.cat([sums, sums.new_tensor([ntok])])
+    if world_size > 1:
+        distributed.all_reduce_sum(totals)
+    loss, nll, ntok = totals.tolist()
+    if ntok == 0:  # a loss of 0.0 would become "best"
+        raise ValueError(
+            "the validation split has no target tokens (empty, or every pair too long for "
+            "model.max_positions): check data.splits.valid"
+        )
+    return loss / ntok, nll / ntok
+
+
+@torch.no_grad()
+def valid_hypotheses(
+    model: torch.nn.Module, prepared, cfg: Config, device: torch.device, rank: int = 0,
+    world_size: int = 1,
+) -> list[str]:  # fmt: skip
+    """Greedy translations of the valid sources (the first ``train.eval_max_sentences``), in
+    order. With ``world_size`` > 1 every rank must call this: rank r decodes sentences r,
+    r + W, ... and the translations are gathered, so every rank returns all of them."""
+    from mt.decode.driver import translate_ids
+
+    split = prepared.split("valid")
+    n = len(split)
+    if cfg.train.eval_max_sentences > 0:
+        n = min(n, cfg.train.eval_max_sentences)
+    mine = range(rank, n, world_size)
+    src_ids = [split.src[i].tolist() for i in mine]
+    greedy = dataclasses.replace(cfg.decode, beam_size=1, nbest=1)
+    was_training = model.training
+    model.eval()
+    hyp_ids = translate_ids(model, src_ids, greedy, device) if src_ids else []
+    model.train(was_training)
+    if world_size == 1:
+        return prepared.tokenizer.decode(hyp_ids, side="tgt")
+    shards = distributed.all_gather_object(hyp_ids)  # rank r's: sentences r, r + W, ...
+    ordered = [shards[i % world_size][i // world_size] for i in range(n)]
+    return prepared.tokenizer.decode(ordered, side="tgt")
+
+
+def valid_bleu(
+    model: torch.nn.Module, prepared, cfg: Config, device: torch.device, rank: int = 0,
+    world_size: int = 1,
+) -> float:  # fmt: skip
+    """Greedy-decode the valid sources and score them: the code path of final evaluation
+    (shared over ranks as :func:`valid_hypotheses`; every rank scores the gathered set)."""
+    from mt.evaluation.evaluate import score
+
+    hyps = valid_hypotheses(model, prepared, cfg, device, rank, world_size)
+    return float(score(hyps, prepared.references("valid")[: len(hyps)])["bleu"])
+
+
+def validate(
+    model: torch.nn.Module, prepared, cfg: Config, device: torch.device, rank: int = 0,
+    world_size: int = 1,
+) -> dict:  # fmt: skip
+    """Valid loss, NLL and (with train.eval_bleu) greedy BLEU of ``model``.
+
+    ``world_size`` > 1: every rank calls this with its ``rank``; the work is shared and every
+    rank returns the values a single process computes.
+    """
+    loss, nll = valid_loss(model, prepared.split("valid"), cfg, device, rank, world_size)
+    out = {"valid_loss": loss, "valid_nll": nll, "valid_ppl": math.exp(min(nll, 50.0))}
+    if cfg.train.eval_bleu:
+        out["valid_bleu"] = valid_bleu(model, prepared, cfg, device, rank, world_size)
+    return out
+
+
+def metric_key(cfg: Config) -> str:
+    """The validation record key that decides best.pt and patience."""
+    if cfg.train.best_metric not in ("bleu", "loss"):
+        raise ValueError(f"train.best_metric must be bleu or loss, got {cfg.train.best_metric!r}")
+    if cfg.train.best_metric == "bleu" and cfg.train.eval_bleu:
+        return "valid_bleu"
+    return "valid_loss"
+
+
+def better(key: str, new: float, old: Optional[float]) -> bool:
+    """Is ``new`` an improvement on ``old`` (higher BLEU or lower loss)?"""
+    if old is None:
+        return True
+    return new > old if key == "valid_bleu" else new < old
