@@ -71,3 +71,16 @@ def assert_same_nbest(expected, actual, abs_tol: float = 1e-4) -> None:
     for a, b in zip(expected, actual, strict=True):
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=abs_tol)
         assert [h.tokens for h in a] == [h.tokens for h in b]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need a CUDA device: ``pytest -m gpu`` selects all of them on a GPU
+    machine; elsewhere they skip with one reason."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

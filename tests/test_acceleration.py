@@ -14,13 +14,8 @@ import torch
 import mt.fast.precision
 import mt.train.recipe
 from mt.data.batches import collate
-from mt.fast.precision import (
-    compile_model,
-    native_bf16,
-    pad_multiple,
-    resolve_precision,
-    set_fp32_precision,
-)
+from mt.fast.compile import compile_model, pad_multiple
+from mt.fast.precision import native_bf16, resolve_precision, set_fp32_precision
 from mt.model.transformer import build_model
 from mt.schema import ModelConfig, TrainConfig
 from mt.train.update import batch_loss

@@ -8,17 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mt.fast.decoding import onednn_available
-from mt.fast.training import (
-    CPU_TRAINING,
-    Dropout,
-    Linear,
-    dropout,
-    expected_keep,
-    linear,
-    training_copy,
-)
-from mt.model.attention import SDPA, attention
+from mt.fast.attention import CPUTrainingAttention
+from mt.fast.dropout import Dropout, dropout, expected_keep
+from mt.fast.onednn import Linear, linear, onednn_available
+from mt.fast.training import for_training, training_copy
+from mt.model.attention import ScaledDotProduct
 from mt.model.transformer import build_model
 from mt.schema import ModelConfig
 
@@ -133,7 +127,11 @@ def test_training_copy_shares_parameters_and_swaps_modules():
     assert nn.Dropout in {type(m) for m in model.modules()}
     assert nn.Linear in {type(m) for m in model.modules()}
     assert "product" not in vars(model)
-    assert copy.teacher_kernels is CPU_TRAINING and model.teacher_kernels is None
+    cores = {type(m) for m in copy.modules() if isinstance(m, ScaledDotProduct)}
+    assert cores == {CPUTrainingAttention}
+    assert {type(m) for m in model.modules() if isinstance(m, ScaledDotProduct)} == {
+        ScaledDotProduct
+    }
 
 
 def test_training_copy_computes_the_model_without_dropout():
@@ -161,17 +159,17 @@ def test_training_copy_scores_in_row_blocks_like_the_model(precision, monkeypatc
     training step's own ``batch_loss``; the model keeps the logits path."""
     import numpy as np
 
-    import mt.model.loss
+    import mt.fast.loss
     from mt.data.batches import collate
     from mt.train.update import batch_loss
 
-    monkeypatch.setattr(mt.model.loss, "BLOCKWISE_MIN_ROWS", 3)
-    monkeypatch.setattr(mt.model.loss, "BLOCKWISE_BLOCK_BYTES", 3 * 4 * 40)  # 3 rows a block
+    monkeypatch.setattr(mt.fast.loss, "BLOCKWISE_MIN_ROWS", 3)
+    monkeypatch.setattr(mt.fast.loss, "BLOCKWISE_BLOCK_BYTES", 3 * 4 * 40)  # 3 rows a block
     torch.manual_seed(9)
     cfg = ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.0, vocab_multiple=16)
     model = build_model(cfg, vocab_size=40)  # 48 rows, 40 scored
-    copy = training_copy(model, products=precision == "fp32")
-    assert copy.blockwise_loss and not model.blockwise_loss
+    copy = for_training(model, torch.device("cpu"), True, precision)
+    assert copy.blockwise and not hasattr(model, "blockwise")
     rng = np.random.default_rng(2)
     pairs = [(rng.integers(4, 40, n), rng.integers(4, 40, m)) for n, m in [(5, 4), (3, 7), (6, 2)]]
     batch = collate(pairs)
@@ -210,7 +208,7 @@ def test_written_out_attention_is_the_formula_with_its_dropout(p):
     q, k, v = (torch.randn(2, 3, 4, 8, requires_grad=True) for _ in range(3))
     keep = torch.tensor([True, True, True, False]).view(1, 1, 1, 4).expand(2, 1, 1, 4)
     torch.manual_seed(8)
-    out, _ = attention(q, k, v, keep, dropout_p=p, explicit=True, dropout=CPU_TRAINING.dropout)
+    out, _ = CPUTrainingAttention()(q, k, v, keep, dropout_p=p)
     # By hand: the paper's formula, padded keys at -inf, then the same 16-bit mask (same seed).
     scores = torch.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(8)
     weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
@@ -218,7 +216,7 @@ def test_written_out_attention_is_the_formula_with_its_dropout(p):
     want = (dropout(weights, p) if p else weights) @ v
     torch.testing.assert_close(out, want)
     if p == 0:  # and SDPA's own result
-        sdpa, _ = attention(q, k, v, keep)
+        sdpa, _ = ScaledDotProduct()(q, k, v, keep)
         torch.testing.assert_close(out, sdpa)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     for got, ref in zip(grads, torch.autograd.grad(want.sum(), (q, k, v))):
@@ -236,7 +234,7 @@ def test_training_copy_attention_goes_through_its_kernels(monkeypatch):
         calls.append((tuple(weights.shape), p))
         return dropout(weights, p)
 
-    monkeypatch.setattr(CPU_TRAINING, "dropout", spy)
+    monkeypatch.setattr(CPUTrainingAttention, "dropout", lambda self, w, p: spy(w, p))
     src = torch.tensor([[5, 6, 7, 3, 0], [8, 9, 10, 11, 3]])
     tgt = torch.tensor([[2, 12, 13, 0], [2, 14, 15, 16]])
     model(src, tgt)
@@ -250,7 +248,8 @@ def test_training_copy_attention_goes_through_its_kernels(monkeypatch):
     copy.eval()
     copy(src, tgt)
     assert calls == []  # no dropout in eval mode
-    assert SDPA.explicit(torch.zeros(1)) is False and CPU_TRAINING.explicit(torch.zeros(1))
+    assert type(model.encoder[0].self_attn.core) is ScaledDotProduct  # the model: SDPA
+    assert type(copy.encoder[0].self_attn.core) is CPUTrainingAttention
 
 
 def test_training_copy_in_bfloat16_matches_the_model():
@@ -269,7 +268,7 @@ def test_training_copy_in_bfloat16_matches_the_model():
 def test_hold_freed_memory_is_idempotent_and_harmless():
     import sys
 
-    from mt.fast.training import hold_freed_memory
+    from mt.fast.memory import hold_freed_memory
 
     first = hold_freed_memory()
     assert hold_freed_memory() == first
@@ -283,14 +282,12 @@ def test_hold_freed_memory_is_idempotent_and_harmless():
 
 
 def test_for_training_picks_the_copy_on_cpu_only():
-    from mt.fast.training import for_training
-
     model = build_model(CFG, vocab_size=40)
-    assert for_training(model, torch.device("cpu"), False, "fp32") is model
-    assert for_training(model, torch.device("cuda"), True, "fp32") is model
+    assert for_training(model, torch.device("cpu"), False, "fp32").model is model
+    assert for_training(model, torch.device("cuda"), True, "fp32").model is model
     fp32 = for_training(model, torch.device("cpu"), True, "fp32")
     bf16 = for_training(model, torch.device("cpu"), True, "bf16")
-    assert fp32 is not model and Dropout in {type(m) for m in fp32.modules()}
+    assert fp32.model is not model and Dropout in {type(m) for m in fp32.modules()}
     # bf16 keeps autocast's products: only the dropout is swapped.
     assert nn.Linear in {type(m) for m in bf16.modules()}
     assert Dropout in {type(m) for m in bf16.modules()}

@@ -229,7 +229,7 @@ def test_resume_is_rank_0s_choice_checked_by_every_rank_and_a_cache_miss_says_pr
     )
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL)")
+@pytest.mark.gpu
 def test_control_collectives_do_not_synchronise_the_gpu(tmp_path):
     """Under NCCL the stop/wall-time collective of every update runs on the gloo control group:
     with sync debug mode "error", a device-side all-reduce read back with .tolist() would

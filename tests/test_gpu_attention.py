@@ -1,6 +1,7 @@
-"""Attention masks for the GPU's fast SDPA kernels: the GPU formulation (no mask without source
-padding, else an additive float mask) computes the paper's attention, checked on the CPU
-against the boolean-mask reference; on a GPU, training runs with the math kernel ruled out."""
+"""Attention masks for the GPU's fast SDPA kernels: a training batch without source padding
+passes no mask (the flash kernel takes none), one with padding a boolean key mask, and both
+compute the paper's attention, checked on the CPU against the always-masked reference; on a
+GPU, training runs with the math kernel ruled out."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-import mt.model.transformer
 from mt.data.batches import collate
-from mt.model.attention import GPU_TRAINING, SDPA, attention
+from mt.model.attention import ScaledDotProduct, attention
 from mt.model.transformer import build_model
 from mt.schema import ModelConfig
 
@@ -33,14 +33,15 @@ UNPADDED = [(4, 3), (4, 3)]  # same lengths: no padding on either side
 
 
 def test_key_mask_forms():
-    keep = torch.tensor([[True, True, False]])[:, None, None, :]
-    assert SDPA.key_mask(keep, padded=True) is keep
-    assert GPU_TRAINING.key_mask(keep, padded=False) is None
-    additive = GPU_TRAINING.key_mask(keep, padded=True)
-    assert additive.dtype == torch.float32 and additive.shape == keep.shape
-    assert additive.flatten().tolist() == [0.0, 0.0, float("-inf")]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert GPU_TRAINING.key_mask(keep, padded=True).dtype == torch.bfloat16
+    """No source padding in a training batch (its real positions from collate): no mask;
+    padding: a boolean key mask, True at real tokens; decoding (no real positions): a mask."""
+    model = _model().eval()
+    unpadded, padded = _batch(UNPADDED), _batch(PADDED)
+    assert model.encode(unpadded.src, unpadded.real).src_mask is None
+    mask = model.encode(padded.src, padded.real).src_mask
+    assert mask.dtype == torch.bool and mask.shape == (3, 1, 1, padded.src.size(1))
+    assert torch.equal(mask[:, 0, 0], padded.src != 0)
+    assert model.encode(unpadded.src).src_mask is not None
 
 
 def test_additive_mask_equals_boolean_mask_in_both_attention_forms():
@@ -49,40 +50,34 @@ def test_additive_mask_equals_boolean_mask_in_both_attention_forms():
     keep = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
     keep = keep[:, None, None, :]
     k, v = (torch.cat([t, t[:, :, :1]], dim=2) for t in (k, v))  # S = 6 keys
-    additive = GPU_TRAINING.key_mask(keep, padded=True)
-    for explicit in (False, True):
-        ref, _ = attention(q, k, v, keep, explicit=explicit)
-        got, _ = attention(q, k, v, additive, explicit=explicit)
+    additive = torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))
+    for attend in (ScaledDotProduct(), attention):  # SDPA; the formula written out
+        ref = attend(q, k, v, keep)[0]
+        got = attend(q, k, v, additive)[0]
         torch.testing.assert_close(got, ref)
 
 
 @pytest.mark.parametrize("lengths", [PADDED, UNPADDED], ids=["padded", "unpadded"])
-def test_gpu_formulation_equals_the_reference_on_cpu(lengths, monkeypatch):
-    """Logits and gradients of a teacher-forced pass with the GPU's masks equal the boolean
-    mask reference (the batch's real positions from collate, as in training)."""
+def test_gpu_formulation_equals_the_reference_on_cpu(lengths):
+    """Decoder outputs and gradients of a teacher-forced pass given the batch's real positions
+    (no mask without source padding) equal the always-masked reference."""
     batch = _batch(lengths)
     assert (batch.real.src is None) == (lengths is UNPADDED)
 
-    def run():
+    def run(real):
         model = _model().train()
-        logits = model(batch.src, batch.tgt_in, batch.real)
-        logits.float().pow(2).mean().backward()
-        return logits.detach(), [p.grad for p in model.parameters()]
+        h = model.features(batch.src, batch.tgt_in, real)
+        h.float().pow(2).mean().backward()
+        return h.detach(), [p.grad for p in model.parameters()]
 
-    ref_logits, ref_grads = run()
-    monkeypatch.setattr(mt.model.transformer, "teacher_forced_kernels", lambda device: GPU_TRAINING)
-    logits, grads = run()
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    ref_h, ref_grads = run(None)
+    h, grads = run(batch.real)
+    torch.testing.assert_close(h, ref_h, rtol=1e-5, atol=1e-5)
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
 
 
-def test_cpu_keeps_the_boolean_mask():
-    assert mt.model.transformer.teacher_forced_kernels(torch.device("cpu")) is SDPA
-    assert mt.model.transformer.teacher_forced_kernels(torch.device("cuda", 0)) is GPU_TRAINING
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [PADDED, UNPADDED], ids=["padded", "unpadded"])
 def test_training_attention_uses_a_fast_sdpa_backend_on_gpu(lengths):
     """Forward and backward in bf16 with SDPA restricted to flash / memory-efficient / cuDNN:

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mt.model.loss import label_smoothed_cross_entropy, label_smoothed_nll_loss
+from mt.fast.loss import label_smoothed_cross_entropy
+from mt.model.loss import label_smoothed_nll_loss
 from mt.vocab import PAD
 
 
@@ -115,7 +116,7 @@ def test_fused_matches_explicit_distribution(eps):
 def test_fused_gradient_passes_gradcheck():
     """Numerical differentiation (float64) of the fused loss, with padded rows and blocks of
     rows smaller than N (the row loop is exercised)."""
-    from mt.model.loss import _SmoothedCrossEntropy
+    from mt.fast.loss import _SmoothedCrossEntropy
 
     logits, target = _data(N=7, V=5, seed=2)
     keep = target != PAD
@@ -159,7 +160,7 @@ def test_fused_shape_errors():
 def test_block_rows_by_device():
     """CPU blocks stay cache-sized (as measured before: 4 MB of float32); GPU blocks hold
     64 MB (few large kernels)."""
-    from mt.model.loss import block_rows
+    from mt.fast.loss import block_rows
 
     assert block_rows(37_000, "cpu") == (1 << 20) // 37_000 == 28
     assert block_rows(37_000, torch.device("cuda", 3)) == (1 << 24) // 37_000 == 453
@@ -171,7 +172,7 @@ def test_fused_with_gpu_blocks_equals_the_textbook_formula():
     batch is one fused pass (the loop over several blocks is tested above), against
     -sum_k q(k) log p(k) with q written out in float64: loss and NLL at 1e-5, the gradient at
     1e-5 (float32 logits)."""
-    from mt.model.loss import _SmoothedCrossEntropy, block_rows
+    from mt.fast.loss import _SmoothedCrossEntropy, block_rows
 
     N, V, eps = 1200, 4096, 0.1
     rows = block_rows(V, "cuda")
@@ -212,7 +213,7 @@ def _projection_data(N=11, V=13, V_padded=16, D=6, seed=21, dtype=torch.float64)
 def test_projected_equals_the_explicit_distribution_of_the_projection(rows, eps):
     """Loss, NLL and both gradients against the textbook formula on ``h W[:V]^T`` (float64,
     q written out), over one block and several, with padded rows of W never scored."""
-    from mt.model.loss import projected_cross_entropy
+    from mt.fast.loss import projected_cross_entropy
 
     h, weight, target = _projection_data()
     h1, w1 = h.clone().requires_grad_(True), weight.clone().requires_grad_(True)
@@ -231,7 +232,7 @@ def test_projected_equals_the_explicit_distribution_of_the_projection(rows, eps)
 
 
 def test_projected_gradient_passes_gradcheck():
-    from mt.model.loss import projected_cross_entropy
+    from mt.fast.loss import projected_cross_entropy
 
     h, weight, target = _projection_data(N=5, V=7, V_padded=8, D=3, seed=3)
     h.requires_grad_(True)
@@ -246,7 +247,7 @@ def test_projected_gradient_passes_gradcheck():
 def test_projected_without_gradients_and_with_another_product():
     """Under no_grad (validation) only the sums are computed; a product function (oneDNN's in
     the CPU training copy) is used for the products."""
-    from mt.model.loss import projected_cross_entropy
+    from mt.fast.loss import projected_cross_entropy
 
     h, weight, target = _projection_data(dtype=torch.float32)
     calls = []
@@ -267,7 +268,7 @@ def test_projected_under_bf16_autocast_is_close_to_the_logits_path():
     """Under bf16 autocast the products run in bfloat16 (as F.linear's would) and the scores
     in float32: the same loss and gradients as autocast's projection then the fused loss,
     within bfloat16 rounding."""
-    from mt.model.loss import projected_cross_entropy
+    from mt.fast.loss import projected_cross_entropy
 
     g = torch.Generator().manual_seed(8)
     N, V, D = 300, 1000, 32
@@ -288,7 +289,7 @@ def test_projected_under_bf16_autocast_is_close_to_the_logits_path():
 
 
 def test_projected_shape_errors():
-    from mt.model.loss import projected_cross_entropy
+    from mt.fast.loss import projected_cross_entropy
 
     with pytest.raises(ValueError, match="expected h"):
         projected_cross_entropy(torch.zeros(2, 3), torch.zeros(5, 4), torch.zeros(2).long(), 0.1)

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mt.model.attention import SelfAttention, attention
+from mt.fast.attention import CPUTrainingAttention, ShortQueryAttention
+from mt.model.attention import ScaledDotProduct, SelfAttention
 from mt.model.transformer import build_model
 from mt.schema import ModelConfig
 from mt.vocab import BOS, EOS, PAD
@@ -266,8 +267,14 @@ def test_need_attn_is_a_distribution_over_real_source_tokens():
     assert torch.allclose(logits, model.decode(tgt, enc), atol=1e-5)  # explicit path == SDPA
 
 
-@pytest.mark.parametrize("explicit", [False, True])  # SDPA; explicit short queries
-def test_sdpa_equals_plain_softmax_attention(explicit):
+@pytest.mark.parametrize("core", ["sdpa", "cpu_training", "short_query"])
+def test_sdpa_equals_plain_softmax_attention(core):
+    """The model's core (SDPA) and mt.fast's (written out; short queries) give the formula."""
+    attention = {
+        "sdpa": ScaledDotProduct(),
+        "cpu_training": CPUTrainingAttention(),
+        "short_query": ShortQueryAttention(),
+    }[core]
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 5, 8, generator=g) for _ in range(3))
     k, v = torch.randn(2, 3, 6, 8, generator=g), torch.randn(2, 3, 6, 8, generator=g)
@@ -278,14 +285,14 @@ def test_sdpa_equals_plain_softmax_attention(explicit):
     expected = torch.softmax(scores, -1) @ v
     for need_weights in (False, True):
         with torch.no_grad():  # the explicit short-query path is for inference
-            out, _ = attention(q, k, v, mask=mask, need_weights=need_weights, explicit=explicit)
+            out, _ = attention(q, k, v, mask=mask, need_weights=need_weights)
         assert torch.allclose(out, expected, atol=1e-5)
     # Causal path.
     qc, kc, vc = q, torch.randn(2, 3, 5, 8, generator=g), torch.randn(2, 3, 5, 8, generator=g)
     causal = torch.ones(5, 5).tril().bool()
     s = (qc @ kc.transpose(-2, -1) / math.sqrt(8)).masked_fill(~causal, float("-inf"))
     with torch.no_grad():
-        out, _ = attention(qc, kc, vc, is_causal=True, explicit=explicit)
+        out, _ = attention(qc, kc, vc, is_causal=True)
     assert torch.allclose(out, torch.softmax(s, -1) @ vc, atol=1e-5)
 
 

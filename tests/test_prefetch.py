@@ -112,7 +112,7 @@ def test_items_are_pinned_in_the_thread_when_asked():
         Prefetcher(iter([]), depth=-1)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned host memory)")
+@pytest.mark.gpu
 def test_batches_are_pinned_for_a_gpu():
     batch = collate([(np.array([7, 8]), np.array([9]))])
     dev = torch.device("cuda", torch.cuda.device_count() - 1)

@@ -20,7 +20,8 @@ import mt.fast.precision
 import mt.train.update
 from mt.checkpoint import CheckpointError, load_checkpoint, periodic_checkpoints
 from mt.config import load_config
-from mt.model.loss import label_smoothed_cross_entropy, label_smoothed_nll_loss
+from mt.fast.loss import label_smoothed_cross_entropy
+from mt.model.loss import label_smoothed_nll_loss
 from mt.train.preempt import EXIT_PREEMPTED
 from mt.train.recipe import train
 from mt.train.state import train_sampler
@@ -270,7 +271,7 @@ def test_init_from_uses_weights_with_fresh_optimizer(tmp_path):
 def test_patience_stops_and_best_follows_the_metric(tmp_path, monkeypatch):
     values = iter([5.0, 4.0, 4.5, 4.2, 3.0, 1.0])
 
-    def fake_validate(model, prepared, cfg, device, rank=0, world_size=1):
+    def fake_validate(model, prepared, cfg, device, rank=0, world_size=1, loss_model=None):
         return {"valid_loss": next(values), "valid_nll": 1.0}
 
     monkeypatch.setattr("mt.train.recipe.validate", fake_validate)

@@ -154,7 +154,7 @@ def test_the_update_figures_stay_on_the_device_until_read(monkeypatch):
     assert result.ntokens == 2 + 1 + 6 + 1 + 4 + 1  # each target + EOS (the filler: weight 0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_update_on_a_gpu_makes_no_synchronising_call(monkeypatch):
     """torch's own check: ``set_sync_debug_mode("error")`` raises on any synchronising CUDA
     call; only the step-or-skip read is let through."""

@@ -4,12 +4,12 @@
 the sources are checked against the model's length limit (:func:`fit_to_model`: one policy,
 "count long inputs, warn, truncate" or "stop naming the line"), grouped into length-sorted
 batches (:func:`make_batches`), and searched with the decoding copy of the model that the
-``decode.*`` settings ask for (``mt.fast.decoding``), under the right precision (:func:`autocast`).
+``decode.*`` settings ask for (``mt.fast.for_decoding``), under the right precision
+(``mt.fast.precision.autocast``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any
 
@@ -18,7 +18,9 @@ import torch
 from mt.data.batches import make_src
 from mt.decode.ensemble import Ensemble
 from mt.decode.search import Hypothesis, IncrementalDecoder, search
-from mt.fast.decoding import for_decoding, needs_autocast
+from mt.fast import for_decoding
+from mt.fast.decoding import needs_autocast
+from mt.fast.precision import autocast
 from mt.schema import DecodeConfig
 from mt.vocab import BOS, EOS
 
@@ -92,22 +94,13 @@ def make_batches(lengths: list[int], batch_size: int, max_tokens: int = 0) -> li
     return batches
 
 
-def autocast(device: torch.device | str, precision: str):
-    """An autocast context for ``decode.precision`` (fp32: none; bf16: bfloat16 autocast)."""
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    if precision == "bf16":
-        return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
-    raise ValueError(f"decode.precision must be fp32 or bf16, got {precision!r}")
-
-
 def decoding_model(model: Any, cfg: DecodeConfig) -> tuple[IncrementalDecoder, str]:
     """The model search should run for ``cfg`` and the precision to autocast to.
 
-    ``model`` is an ``mt.model.transformer.Transformer`` (made into its decoding copy,
-    ``mt.fast.decoding``), an
-    :class:`mt.decode.ensemble.Ensemble` of them (each member made into its copy), or anything else
-    that already follows the search contract (used as it is, e.g. the tests' stub models).
+    ``model`` is an ``mt.model.Transformer`` (made into its decoding copy by
+    ``mt.fast.for_decoding``), an :class:`mt.decode.ensemble.Ensemble` of them (each member
+    made into its copy), or anything else that already follows the search contract (used as it
+    is, e.g. the tests' stub models).
     """
     from mt.model.transformer import Transformer
 
@@ -227,7 +220,6 @@ def score_ids(
 
 
 __all__ = [
-    "autocast",
     "decoding_model",
     "fit_to_model",
     "make_batches",

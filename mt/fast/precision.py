@@ -1,15 +1,12 @@
-"""Speed settings of a training run: the precision the hardware computes fastest
-(``train.precision=auto``), TF32 for float32 products on CUDA, ``torch.compile`` in the order
-torch documents for DDP, padded lengths rounded up so that the compiler sees few shapes, and the
-count of compiled graphs for the log. Only the precision changes the math."""
+"""Precision: which one the hardware computes fastest (``train.precision=auto``), the autocast
+context of each (training and decoding alike), and TF32 for float32 products on CUDA."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
-
-from mt.schema import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -73,34 +70,11 @@ def set_fp32_precision(device: torch.device, tf32: bool) -> None:
     log.info("float32 matrix products on %s: %s", device, "TF32" if tf32 else "full float32")
 
 
-def pad_multiple(tc: TrainConfig) -> int:
-    """What training batches' lengths are padded up to a multiple of: ``train.pad_multiple``,
-    or when it is 0, 8 with ``train.compile`` (fewer shapes, fewer recompiles) and 1 without."""
-    if tc.pad_multiple < 0:
-        raise ValueError(f"train.pad_multiple must be >= 0, got {tc.pad_multiple}")
-    return tc.pad_multiple or (8 if tc.compile else 1)
-
-
-def compile_model(raw: torch.nn.Module, tc: TrainConfig) -> torch.nn.Module:
-    """``torch.compile(raw)`` with ``train.compile``, else ``raw``; wrap the result in DDP after.
-
-    That is the order torch documents for DDP ("Where to apply torch.compile?": compile the
-    module, then wrap it). Dynamo then compiles inside DDP's forward, sees the DDP module and,
-    with ``torch._dynamo.config.optimize_ddp`` (on by default), splits the graph at DDP's
-    gradient-bucket boundaries, so each bucket's all-reduce overlaps the rest of the backward.
-    ``raw`` itself stays uncompiled: validation and checkpoints use it.
-    """
-    if not tc.compile:
-        return raw
-    import torch._dynamo
-
-    if not torch._dynamo.config.optimize_ddp:
-        log.warning("torch._dynamo.config.optimize_ddp is off: DDP cannot overlap all-reduces")
-    return torch.compile(raw)
-
-
-def compiled_graphs() -> int:
-    """Graphs compiled by Dynamo in this process so far (a recompile adds one)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
+def autocast(device: torch.device | str, precision: str):
+    """The autocast context for ``precision``: fp32 none, bf16 bfloat16, fp16 float16."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision not in ("bf16", "fp16"):
+        raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)

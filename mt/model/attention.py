@@ -1,16 +1,17 @@
 """Multi-head attention (paper section 3.2), self and encoder-decoder, with a key/value cache.
 
-``Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V`` computed by
-``torch.nn.functional.scaled_dot_product_attention`` (fused kernels where the hardware has them),
-or written out when the caller asks for the attention weights (SDPA does not return them).
-Masks are boolean, True = may attend (see ``mt.model.masks``).
+``Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V``. The formula itself is one small module,
+:class:`ScaledDotProduct` (the *core*), held by every attention layer as ``core``: it calls
+``torch.nn.functional.scaled_dot_product_attention`` (fused kernels where the hardware has them)
+and writes the formula out (:func:`attention`) when the caller asks for the weights, which SDPA
+does not return. ``mt.fast`` replaces the cores of a model's copy with faster ones for a device;
+this file is the paper. Masks are boolean, True = may attend (see ``mt.model.masks``).
 
 Shape letters: B batch, H heads, T query length, S key length, D = d_model, d_k = D / H.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
 
@@ -22,67 +23,6 @@ from mt.model.kv_cache import CrossAttentionCache, SelfAttentionCache
 from mt.model.masks import subsequent_mask
 
 
-class Kernels:
-    """How attention is computed. This default is the paper's formula through SDPA everywhere
-    (the explicit form only when the weights are asked for). ``mt.fast.decoding`` supplies the
-    rules that make incremental decoding fast on a given device; they reach the layers through
-    the decoder's cache (``mt.model.kv_cache.DecoderCache.kernels``) and ``Transformer.encode``."""
-
-    def explicit(self, q: torch.Tensor) -> bool:
-        """Whether queries ``q`` (B, H, T, d_k) use the written-out formula instead of SDPA."""
-        return False
-
-    def inputs(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The attention inputs (and cached keys/values) of incremental decoding, recast."""
-        return tensors
-
-    def scope(self) -> contextlib.AbstractContextManager:
-        """The context the attention of incremental decoding runs in (e.g. autocast off)."""
-        return contextlib.nullcontext()
-
-    def key_mask(self, keep: torch.Tensor, padded: bool) -> torch.Tensor | None:
-        """The source key mask that attention is given, from (B, 1, 1, S) bool ``keep`` (True
-        at real tokens); ``padded`` is False when the batch is known to have no padding.
-        Here: ``keep`` itself."""
-        return keep
-
-    def dropout(self, weights: torch.Tensor, p: float) -> torch.Tensor:
-        """Dropout on the attention weights of the written-out formula (training)."""
-        return F.dropout(weights, p=p)
-
-
-SDPA = Kernels()
-
-
-class GPUTrainingKernels(Kernels):
-    """Teacher-forced attention on a GPU, with the masks the fastest SDPA backends accept:
-    none when the source has no padding (the flash kernel takes no mask; batches sorted by
-    source length often have none), else an additive float mask (0 / -inf) in the compute
-    dtype, built once per batch, for the memory-efficient and cuDNN kernels (SDPA would
-    convert a boolean mask on every call). The same attention as :data:`SDPA`."""
-
-    def key_mask(self, keep: torch.Tensor, padded: bool) -> torch.Tensor | None:
-        if not padded:
-            return None
-        device = keep.device.type
-        if torch.is_autocast_enabled(device):
-            dtype = torch.get_autocast_dtype(device)
-        else:
-            dtype = torch.get_default_dtype()
-        return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(
-            ~keep, float("-inf")
-        )
-
-
-GPU_TRAINING = GPUTrainingKernels()
-
-
-def teacher_forced_kernels(device: torch.device) -> Kernels:
-    """How attention is computed in teacher-forced passes (training, validation loss) on
-    ``device``: :data:`GPU_TRAINING` on CUDA, the plain :data:`SDPA` elsewhere."""
-    return GPU_TRAINING if device.type == "cuda" else SDPA
-
-
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -90,11 +30,9 @@ def attention(
     mask: torch.Tensor | None = None,
     is_causal: bool = False,
     dropout_p: float = 0.0,
-    need_weights: bool = False,
-    explicit: bool = False,
-    dropout: Callable[[torch.Tensor, float], torch.Tensor] = SDPA.dropout,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scaled dot-product attention over heads.
+    dropout: Callable[[torch.Tensor, float], torch.Tensor] = F.dropout,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``softmax(q k^T / sqrt(d_k)) v``, written out.
 
     Args:
         q: (B, H, T, d_k) queries.
@@ -103,20 +41,12 @@ def attention(
         mask: bool, broadcastable to (B, H, T, S); True = may attend (or an additive float
             mask: 0 = may attend, -inf = may not). None: attend everywhere.
         is_causal: apply the subsequent mask (query i sees keys <= i; needs T == S, no mask).
-        dropout_p: dropout on the attention weights (pass 0.0 in eval mode).
-        need_weights: also return the weights (computed explicitly, not through SDPA).
-        explicit: compute ``softmax(q k^T / sqrt(d_k)) v`` as written even without
-            ``need_weights`` (a kernel choice: see :class:`Kernels`).
-        dropout: ``(weights, p) -> weights`` for the written-out formula (``Kernels.dropout``).
+        dropout_p: dropout on the attention weights (0.0 in eval mode).
+        dropout: ``(weights, p) -> weights``, the dropout function (``F.dropout``).
 
     Returns:
-        (B, H, T, d_k) output, and the (B, H, T, S) weights (before dropout) or None.
+        (B, H, T, d_k) output and the (B, H, T, S) weights (before dropout).
     """
-    if not (need_weights or explicit):
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
-        )
-        return out, None
     # In place on the fresh product: neither step's gradient needs the scores themselves.
     scores = (q @ k.transpose(-2, -1)).mul_(1 / math.sqrt(q.size(-1)))  # (B, H, T, S)
     if is_causal:
@@ -127,7 +57,34 @@ def attention(
         scores.add_(mask)
     weights = scores.softmax(dim=-1)
     out = (dropout(weights, dropout_p) if dropout_p > 0 else weights) @ v
-    return out, weights if need_weights else None
+    return out, weights
+
+
+class ScaledDotProduct(nn.Module):
+    """The attention core: ``softmax(q k^T / sqrt(d_k)) v`` through SDPA, or written out
+    (:func:`attention`) when the weights are wanted. No parameters."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        dropout_p: float = 0.0,
+        need_weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q (B, H, T, d_k), k/v (B, H, S, d_k), mask as :func:`attention` takes it.
+
+        Returns:
+            (B, H, T, d_k) output, and the (B, H, T, S) weights or None.
+        """
+        if need_weights:
+            return attention(q, k, v, mask, is_causal, dropout_p)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
+        )
+        return out, None
 
 
 def _init_chunks(linear: nn.Linear, chunks: int) -> None:
@@ -147,6 +104,7 @@ class _MultiHead(nn.Module):
             raise ValueError(f"d_model={d_model} is not divisible by h={h}")
         self.h, self.d_k = h, d_model // h
         self.attention_dropout = attention_dropout
+        self.core = ScaledDotProduct()
 
 
 class SelfAttention(_MultiHead):
@@ -169,22 +127,15 @@ class SelfAttention(_MultiHead):
         mask: torch.Tensor | None = None,
         is_causal: bool = False,
         cache: SelfAttentionCache | None = None,
-        kernels: Kernels = SDPA,
     ) -> torch.Tensor:
         """Args: x (B, T, D); mask broadcastable to (B, H, T, S_total). Returns (B, T, D)."""
         B, T, D = x.shape
         # (B, T, 3D) -> (B, T, 3, H, d_k) -> (3, B, H, T, d_k)
         q, k, v = self.qkv(x).view(B, T, 3, self.h, self.d_k).permute(2, 0, 3, 1, 4).unbind(0)
-        p = self.attention_dropout if self.training else 0.0
-        if cache is None:
-            out, _ = attention(
-                q, k, v, mask, is_causal, p, explicit=kernels.explicit(q), dropout=kernels.dropout
-            )
-        else:
-            q, k, v = kernels.inputs(q, k, v)
+        if cache is not None:
             k, v = cache.append(k, v)  # (B, H, S_past + T, d_k)
-            with kernels.scope():
-                out, _ = attention(q, k, v, mask, is_causal, p, explicit=kernels.explicit(q))
+        p = self.attention_dropout if self.training else 0.0
+        out, _ = self.core(q, k, v, mask, is_causal, p)
         return self.out(out.transpose(1, 2).reshape(B, T, D))  # (B, H, T, d_k) -> (B, T, D)
 
 
@@ -213,7 +164,6 @@ class CrossAttention(_MultiHead):
         mask: torch.Tensor | None,
         cache: CrossAttentionCache | None = None,
         need_weights: bool = False,
-        kernels: Kernels = SDPA,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Args: x (B, T, D); memory (n, S, D); mask (n, 1, 1, S), where B = G * n (G >= 1).
 
@@ -234,19 +184,10 @@ class CrossAttention(_MultiHead):
             # (n, S, 2D) -> (n, S, 2, H, d_k) -> (2, n, H, S, d_k)
             kv = self.kv(memory).view(n, S, 2, self.h, self.d_k).permute(2, 0, 3, 1, 4)
             k, v = kv.unbind(0)
-            if cache is not None:  # contiguous once, not copied by every step's products
-                k, v = (t.contiguous() for t in kernels.inputs(k, v))
-                cache.k, cache.v = k, v
+            if cache is not None:
+                k, v = cache.store(k, v)
         p = self.attention_dropout if self.training else 0.0
-        explicit = kernels.explicit(q)
-        if cache is None:
-            out, weights = attention(
-                q, k, v, mask, False, p, need_weights, explicit, kernels.dropout
-            )
-        else:
-            (q,) = kernels.inputs(q)
-            with kernels.scope():
-                out, weights = attention(q, k, v, mask, False, p, need_weights, explicit)
+        out, weights = self.core(q, k, v, mask, False, p, need_weights)
         if weights is not None and G > 1:  # (n, H, G*T, S) -> (B, H, T, S)
             weights = weights.view(n, self.h, G, T, S).transpose(1, 2).reshape(B, self.h, T, S)
         return self.out(out.transpose(1, 2).reshape(B, T, D)), weights  # (n, G*T, H, d_k)

@@ -16,8 +16,6 @@ Shape letters: B decoder rows, n sentences, H heads, C capacity, S source length
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 
@@ -30,14 +28,19 @@ class SelfAttentionCache:
     Attributes:
         k, v: (B, H, C, d_k) buffers, or None before the first step.
         length: how many of the C positions are filled.
+        dtype: what the buffers hold (None: the dtype of the keys/values given).
     """
 
-    __slots__ = ("k", "v", "length")
+    __slots__ = ("k", "v", "length", "dtype")
 
     def __init__(
-        self, k: torch.Tensor | None = None, v: torch.Tensor | None = None, length: int = 0
+        self,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+        length: int = 0,
+        dtype: torch.dtype | None = None,
     ) -> None:
-        self.k, self.v, self.length = k, v, length
+        self.k, self.v, self.length, self.dtype = k, v, length, dtype
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the keys/values (B, H, T, d_k) of T new positions.
@@ -45,6 +48,8 @@ class SelfAttentionCache:
         Returns:
             (B, H, length + T, d_k) views of the keys/values of every position so far.
         """
+        if self.dtype is not None:
+            k, v = k.to(self.dtype), v.to(self.dtype)
         past, end = self.length, self.length + k.size(2)
         if self.k is None or self.k.size(2) < end or self.k.dtype != k.dtype:
             B, H, _, d_k = k.shape
@@ -65,7 +70,7 @@ class SelfAttentionCache:
     def select(self, rows: torch.Tensor) -> SelfAttentionCache:
         """A new cache whose row i is row ``rows[i]`` of this one (only filled positions move)."""
         if self.k is None:
-            return SelfAttentionCache()
+            return SelfAttentionCache(dtype=self.dtype)
         out = []
         for buf, filled in zip((self.k, self.v), self.filled()):
             if buf.requires_grad and torch.is_grad_enabled():  # out= has no autograd
@@ -74,7 +79,7 @@ class SelfAttentionCache:
             new = buf.new_empty(rows.numel(), *buf.shape[1:])
             torch.index_select(filled, 0, rows, out=new[:, :, : self.length])
             out.append(new)
-        return SelfAttentionCache(out[0], out[1], self.length)
+        return SelfAttentionCache(out[0], out[1], self.length, self.dtype)
 
     def copy_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """In place: rows ``dst`` take the contents of rows ``src`` (disjoint index sets)."""
@@ -86,16 +91,29 @@ class CrossAttentionCache:
     """Keys and values of the encoder output for one layer's encoder-decoder attention,
     computed at the first step: (n, H, S, d_k) each, one row per sentence."""
 
-    __slots__ = ("k", "v")
+    __slots__ = ("k", "v", "dtype")
 
-    def __init__(self, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> None:
-        self.k, self.v = k, v
+    def __init__(
+        self,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.k, self.v, self.dtype = k, v, dtype
+
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep the memory's keys/values (n, H, S, d_k), contiguous once (not copied by every
+        step's products) and in the cache's dtype; returns them."""
+        dtype = self.dtype or k.dtype
+        self.k, self.v = k.to(dtype).contiguous(), v.to(dtype).contiguous()
+        return self.k, self.v
 
     def select(self, sents: torch.Tensor) -> CrossAttentionCache:
         """A new cache holding the sentences ``sents``."""
         if self.k is None or self.v is None:
-            return CrossAttentionCache()
-        return CrossAttentionCache(self.k.index_select(0, sents), self.v.index_select(0, sents))
+            return CrossAttentionCache(dtype=self.dtype)
+        k, v = self.k.index_select(0, sents), self.v.index_select(0, sents)
+        return CrossAttentionCache(k, v, self.dtype)
 
 
 class LayerCache:
@@ -107,9 +125,10 @@ class LayerCache:
         self,
         self_attn: SelfAttentionCache | None = None,
         cross_attn: CrossAttentionCache | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
-        self.self_attn = self_attn or SelfAttentionCache()
-        self.cross_attn = cross_attn or CrossAttentionCache()
+        self.self_attn = self_attn or SelfAttentionCache(dtype=dtype)
+        self.cross_attn = cross_attn or CrossAttentionCache(dtype=dtype)
 
 
 class DecoderCache:
@@ -117,8 +136,9 @@ class DecoderCache:
 
     Args:
         n_layers: decoder layers.
-        kernels: how attention is computed while decoding (``mt.model.attention.Kernels``; None: the
-            paper's formula through SDPA). ``mt.fast.decoding`` chooses it per device.
+        dtype: what the caches hold (None: the dtype of the keys/values, e.g. bfloat16 under
+            autocast; ``mt.fast`` keeps float32 caches under CPU autocast, where attention over
+            them is faster in float32).
 
     Example:
         >>> cache = DecoderCache(2)
@@ -126,9 +146,9 @@ class DecoderCache:
         0
     """
 
-    def __init__(self, n_layers: int, kernels: Any = None) -> None:
-        self.layers = [LayerCache() for _ in range(n_layers)]
-        self.kernels = kernels
+    def __init__(self, n_layers: int, dtype: torch.dtype | None = None) -> None:
+        self.layers = [LayerCache(dtype=dtype) for _ in range(n_layers)]
+        self.dtype = dtype
 
     @property
     def length(self) -> int:
@@ -138,7 +158,7 @@ class DecoderCache:
     def select(self, rows: torch.Tensor, sents: torch.Tensor | None = None) -> DecoderCache:
         """Follow the surviving hypotheses: a new cache with decoder rows ``rows`` (B',) and,
         when ``sents`` (n',) is given, the encoder-side rows of those sentences (else as is)."""
-        out = DecoderCache(0, self.kernels)
+        out = DecoderCache(0, self.dtype)
         out.layers = [
             LayerCache(
                 layer.self_attn.select(rows),

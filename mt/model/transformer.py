@@ -19,6 +19,10 @@
 target prefix are kept per layer, the encoder-decoder keys/values are computed once). Masks are
 boolean, True = may attend.
 
+This file is the paper and nothing else: speed (oneDNN or int8 products, other attention cores,
+the fused loss, 16-bit dropout masks) is applied to a copy of the model from outside, by
+``mt.fast.for_training`` and ``mt.fast.for_decoding``.
+
 Shape letters: B batch, S source length, T target length, D d_model, V vocab_size.
 """
 
@@ -33,9 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mt.model.attention import SDPA, CrossAttention, Kernels, SelfAttention, teacher_forced_kernels
+from mt.model.attention import CrossAttention, SelfAttention
 from mt.model.kv_cache import DecoderCache, LayerCache
-from mt.model.loss import label_smoothed_cross_entropy, projected_cross_entropy
+from mt.model.loss import label_smoothed_nll_loss
 from mt.model.masks import RealPositions, pad_mask, subsequent_mask
 from mt.schema import ModelConfig, attention_dropout
 from mt.vocab import PAD
@@ -45,7 +49,7 @@ class EncoderOut(NamedTuple):
     """What the decoder needs from the encoder."""
 
     memory: torch.Tensor  # (B, S, D) encoder output
-    src_mask: torch.Tensor | None  # (B, 1, 1, S) key mask (see Kernels.key_mask); None: no pad
+    src_mask: torch.Tensor | None  # (B, 1, 1, S) key mask, True = real token; None: no padding
 
     def select(self, sents: torch.Tensor) -> EncoderOut:
         """The rows ``sents`` (n',) of the encoder output (sentences still searching)."""
@@ -99,21 +103,6 @@ class _Layer(nn.Module):
             return x + self.dropout(sublayer(self.norms[i](x)))
         return self.norms[i](x + self.dropout(sublayer(x)))
 
-    def packed_residual(
-        self, x: torch.Tensor, i: int, sublayer: Callable, rows: torch.Tensor | None
-    ) -> torch.Tensor:
-        """:meth:`residual` of a position-wise sublayer (the FFN) on the real positions only.
-
-        ``rows`` are the flat indices of the non-pad positions of ``x`` (B, L, D), or None (no
-        padding). Padded positions come out as zeros: nothing reads them (keys there are
-        masked, and the causal mask keeps real target queries off the right padding).
-        """
-        if rows is None:
-            return self.residual(x, i, sublayer)
-        B, L, D = x.shape
-        packed = self.residual(x.reshape(B * L, D).index_select(0, rows), i, sublayer)
-        return x.new_zeros(B * L, D).index_copy(0, rows, packed).view(B, L, D)
-
 
 class EncoderLayer(_Layer):
     """Self-attention then FFN."""
@@ -123,16 +112,10 @@ class EncoderLayer(_Layer):
         self.self_attn = SelfAttention(cfg.d_model, cfg.h, attention_dropout)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        mask: torch.Tensor,
-        rows: torch.Tensor | None = None,
-        kernels: Kernels = SDPA,
-    ) -> torch.Tensor:
-        """x (B, S, D), mask (B, 1, 1, S), rows (see :func:`real_rows`) -> (B, S, D)."""
-        x = self.residual(x, 0, lambda y: self.self_attn(y, mask=mask, kernels=kernels))
-        return self.packed_residual(x, 1, self.ffn, rows)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """x (B, S, D), mask (B, 1, 1, S) or None (no padding) -> (B, S, D)."""
+        x = self.residual(x, 0, lambda y: self.self_attn(y, mask=mask))
+        return self.residual(x, 1, self.ffn)
 
 
 class DecoderLayer(_Layer):
@@ -152,49 +135,24 @@ class DecoderLayer(_Layer):
         is_causal: bool,
         cache: LayerCache | None,
         need_weights: bool = False,
-        rows: torch.Tensor | None = None,
-        kernels: Kernels = SDPA,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x (B, T, D) -> (B, T, D) and the cross-attention weights (B, H, T, S) or None.
-        ``rows``: the non-pad positions for the FFN (see :func:`real_rows`)."""
+        """x (B, T, D) -> (B, T, D) and the cross-attention weights (B, H, T, S) or None."""
         self_cache = None if cache is None else cache.self_attn
         cross_cache = None if cache is None else cache.cross_attn
-        x = self.residual(
-            x, 0, lambda y: self.self_attn(y, self_mask, is_causal, self_cache, kernels)
-        )
+        x = self.residual(x, 0, lambda y: self.self_attn(y, self_mask, is_causal, self_cache))
         weights = None
 
         def cross(y: torch.Tensor) -> torch.Tensor:
             nonlocal weights
-            out, weights = self.cross_attn(
-                y, enc.memory, enc.src_mask, cross_cache, need_weights, kernels
-            )
+            out, weights = self.cross_attn(y, enc.memory, enc.src_mask, cross_cache, need_weights)
             return out
 
         x = self.residual(x, 1, cross)
-        return self.packed_residual(x, 2, self.ffn, rows), weights
-
-
-def real_rows(tokens: torch.Tensor) -> torch.Tensor | None:
-    """Flat indices of the non-pad positions of (B, L) ``tokens``; None when there is no
-    padding (or in incremental decoding, where every row is real)."""
-    keep = (tokens != PAD).view(-1)
-    if bool(keep.all()):
-        return None
-    return keep.nonzero().squeeze(1)
+        return self.residual(x, 2, self.ffn), weights
 
 
 class Transformer(nn.Module):
     """Encoder-decoder Transformer; see the module docstring. Build with :func:`build_model`."""
-
-    # The pre-softmax product; the CPU training copy swaps in oneDNN's (mt.fast.training).
-    product = staticmethod(F.linear)
-    # How teacher-forced passes compute attention; None: the device's default
-    # (mt.model.attention.teacher_forced_kernels). The CPU training copy sets its own.
-    teacher_kernels: Kernels | None = None
-    # How the training loss meets the projection (see `loss`): False, the (n, V) logits and then
-    # the loss; True (the CPU training copy), both in row blocks, the logits never held whole.
-    blockwise_loss: bool = False
 
     def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
         super().__init__()
@@ -252,65 +210,26 @@ class Transformer(nn.Module):
         x = F.embedding(tokens, weight) * math.sqrt(self.d_model)
         return self.dropout(x + self.pe[start : start + L])
 
-    def encode(
-        self, src: torch.Tensor, kernels: Kernels = SDPA, real: RealPositions | None = None
-    ) -> EncoderOut:
+    def encode(self, src: torch.Tensor, real: RealPositions | None = None) -> EncoderOut:
         """Encode a right-padded source batch.
 
         Args:
             src: (B, S) ids (tokens + EOS, PAD-padded).
-            kernels: how attention is computed (``mt.fast.decoding`` picks them for decoding).
-            real: the real positions when the caller knows them (training batches); None:
-                found here (which reads the device).
+            real: the batch's real positions when the caller knows them (training batches,
+                ``mt.data.batches.Batch.real``): a source without padding then needs no mask.
 
         Returns:
-            EncoderOut(memory (B, S, D), src_mask (B, 1, 1, S)).
+            EncoderOut(memory (B, S, D), src_mask (B, 1, 1, S) or None).
         """
-        mask = kernels.key_mask(pad_mask(src), padded=real is None or real.src is not None)
-        rows = real_rows(src) if real is None else real.src
+        mask = None if real is not None and real.src is None else pad_mask(src)
         x = self._embed(src, self.src_embedding)
         for layer in self.encoder:
-            x = layer(x, mask, rows, kernels)
+            x = layer(x, mask)
         return EncoderOut(self.encoder_norm(x), mask)
 
-    def _decoder(
-        self,
-        tgt_in: torch.Tensor,
-        enc: EncoderOut,
-        cache: DecoderCache | None,
-        need_attn: bool,
-        attn_layer: int = -1,
-        real: RealPositions | None = None,
-        kernels: Kernels = SDPA,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Decoder stack: (B, T) ids -> (B, T, D) features and (B, T, S) attention or None.
-        ``kernels``: attention without a cache (with one: the cache's)."""
-        T = tgt_in.size(1)
-        past = 0 if cache is None else cache.length  # positions decoded so far
-        # Targets are right-padded, so the causal mask alone keeps real positions off pad keys.
-        if cache is None or past == 0:
-            self_mask, is_causal = None, True  # T = 1: the same (a SymBool under compile)
-        elif T == 1:
-            self_mask, is_causal = None, False  # one new token sees the whole cached prefix
-        else:  # several new tokens after a prefix: new token i sees keys <= past + i
-            self_mask, is_causal = subsequent_mask(T, tgt_in.device, past), False
-        x = self._embed(tgt_in, self.tgt_embedding, past)
-        rows = None if cache is not None else real_rows(tgt_in) if real is None else real.tgt
-        if cache is not None:
-            kernels = SDPA if cache.kernels is None else cache.kernels
-        wanted = attn_layer % len(self.decoder)
-        attn = None
-        for i, layer in enumerate(self.decoder):
-            layer_cache = None if cache is None else cache.layers[i]
-            want = need_attn and i == wanted
-            x, weights = layer(x, enc, self_mask, is_causal, layer_cache, want, rows, kernels)
-            if want:  # (B, H, T, S) -> (B, T, S)
-                attn = weights.mean(dim=1)
-        return self.decoder_norm(x), attn
-
-    def new_cache(self, kernels: Kernels | None = None) -> DecoderCache:
+    def new_cache(self, dtype: torch.dtype | None = None) -> DecoderCache:
         """An empty incremental state for :meth:`decode` (one cache per decoder layer)."""
-        return DecoderCache(len(self.decoder), kernels)
+        return DecoderCache(len(self.decoder), dtype)
 
     def decode(
         self,
@@ -318,8 +237,8 @@ class Transformer(nn.Module):
         enc: EncoderOut,
         cache: DecoderCache | None = None,
         need_attn: bool = False,
-        head: nn.Module | None = None,
         attn_layer: int = -1,
+        project: bool = True,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Decode target tokens given the encoder output.
 
@@ -332,19 +251,33 @@ class Transformer(nn.Module):
             cache: None (decode the whole prefix) or a :class:`DecoderCache` (empty at the
                 first step: :meth:`new_cache`), updated in place with per-layer keys/values.
             need_attn: also return a layer's cross-attention averaged over heads.
-            head: a replacement for the output projection (``mt.fast.decoding``'s oneDNN or int8
-                copies of it), producing ``padded_vocab`` columns.
             attn_layer: which decoder layer's attention ``need_attn`` returns (-1: the last).
+            project: False stops before the projection: the decoder output (B, T, D).
 
         Returns:
             logits (B, T, V), or ``(logits, attn (B, T, S))`` with ``need_attn``.
         """
-        h, attn = self._decoder(tgt_in, enc, cache, need_attn, attn_layer)
-        if head is None:
-            logits = self.project(h)
-        else:  # a oneDNN or int8 copy of the projection (mt.fast.decoding); same padded columns
-            logits = head(h)[..., : self.vocab_size]
-        return (logits, attn) if need_attn else logits
+        T = tgt_in.size(1)
+        past = 0 if cache is None else cache.length  # positions decoded so far
+        # Targets are right-padded, so the causal mask alone keeps real positions off pad keys.
+        if cache is None or past == 0:
+            self_mask, is_causal = None, True  # T = 1: the same (a SymBool under compile)
+        elif T == 1:
+            self_mask, is_causal = None, False  # one new token sees the whole cached prefix
+        else:  # several new tokens after a prefix: new token i sees keys <= past + i
+            self_mask, is_causal = subsequent_mask(T, tgt_in.device, past), False
+        x = self._embed(tgt_in, self.tgt_embedding, past)
+        wanted = attn_layer % len(self.decoder)
+        attn = None
+        for i, layer in enumerate(self.decoder):
+            layer_cache = None if cache is None else cache.layers[i]
+            want = need_attn and i == wanted
+            x, weights = layer(x, enc, self_mask, is_causal, layer_cache, want)
+            if want:  # (B, H, T, S) -> (B, T, S)
+                attn = weights.mean(dim=1)
+        h = self.decoder_norm(x)
+        out = self.project(h) if project else h
+        return (out, attn) if need_attn else out
 
     def reorder(
         self, enc: EncoderOut, cache: DecoderCache | None, index: torch.Tensor
@@ -364,9 +297,7 @@ class Transformer(nn.Module):
         self, src: torch.Tensor, tgt_in: torch.Tensor, real: RealPositions | None = None
     ) -> torch.Tensor:
         """Decoder output before the projection: (B, S), (B, T) -> (B, T, D)."""
-        kernels = self.teacher_kernels or teacher_forced_kernels(src.device)
-        enc = self.encode(src, kernels, real)
-        return self._decoder(tgt_in, enc, None, False, real=real, kernels=kernels)[0]
+        return self.decode(tgt_in, self.encode(src, real), project=False)
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """Pre-softmax projection with the tied embedding: (..., D) -> (..., V).
@@ -374,7 +305,7 @@ class Transformer(nn.Module):
         The product uses all padded rows (aligned shapes are faster); the padded columns are
         then sliced off, so they never receive probability.
         """
-        logits = self.product(h, self.output_weight)  # (..., V_padded)
+        logits = F.linear(h, self.output_weight)  # (..., V_padded)
         return logits if self.padded_vocab == self.vocab_size else logits[..., : self.vocab_size]
 
     def forward(
@@ -390,30 +321,26 @@ class Transformer(nn.Module):
         target positions are projected: -> (n, V), rows in row-major order (all B*T of them
         when the target has no padding). Training uses this, so padding costs nothing in the
         projection and the loss, and nothing waits for the device to find the positions.
-        ``project=False`` (training, with ``real``) stops before the projection: the decoder
-        features of those positions, (n, D), for :meth:`loss`.
+        ``project=False`` stops before the projection: the decoder output of those positions,
+        (n, D) with ``real``, for :meth:`loss`.
         """
-        h = self.features(src, tgt_in, real)
-        if real is None:
-            return self.project(h) if project else h
-        h = h.reshape(-1, h.size(-1))  # (B*T, D)
-        h = h if real.tgt is None else h.index_select(0, real.tgt)  # (n, D)
+        h = self.features(src, tgt_in, real)  # (B, T, D)
+        if real is not None:
+            h = h.reshape(-1, h.size(-1))  # (B*T, D)
+            h = h if real.tgt is None else h.index_select(0, real.tgt)  # (n, D)
         return self.project(h) if project else h
 
     def loss(
         self, h: torch.Tensor, target: torch.Tensor, smoothing: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed (label-smoothed loss, NLL) of decoder features h (n, D) against target (n,).
+        """Summed (label-smoothed loss, NLL) of decoder outputs h (n, D) against target (n,):
+        ``mt.model.loss.label_smoothed_nll_loss`` of ``log_softmax(project(h))`` in float32.
 
-        The logits ``project(h)`` scored by ``mt.model.loss.label_smoothed_cross_entropy``; with
-        ``blockwise_loss``, the same sums from ``mt.model.loss.projected_cross_entropy``, which
-        projects and scores one block of rows at a time (same math, less memory traffic).
+        The training step's loss (``mt.fast.for_training``) computes the same sums without
+        holding the (n, V) log-probabilities.
         """
-        if self.blockwise_loss:
-            return projected_cross_entropy(
-                h, self.output_weight, target, smoothing, self.vocab_size, self.product
-            )
-        return label_smoothed_cross_entropy(self.project(h), target, smoothing, None)
+        lprobs = F.log_softmax(self.project(h).float(), dim=-1)  # (n, V)
+        return label_smoothed_nll_loss(lprobs, target, smoothing)
 
 
 def build_model(model_cfg: ModelConfig | dict, vocab_size: int) -> Transformer:

@@ -45,14 +45,9 @@ from mt.checkpoint import (
 from mt.data.batches import BatchSampler, batch_plan, iterate_batches
 from mt.data.build import prepare
 from mt.data.prefetch import Prefetcher
-from mt.fast.precision import (
-    compile_model,
-    compiled_graphs,
-    pad_multiple,
-    resolve_precision,
-    set_fp32_precision,
-)
-from mt.fast.training import for_training
+from mt.fast import for_training
+from mt.fast.compile import compile_model, compiled_graphs, pad_multiple
+from mt.fast.precision import resolve_precision, set_fp32_precision
 from mt.files import remove_stale_temps, write_json
 from mt.model.transformer import build_model
 from mt.schema import Config
@@ -91,7 +86,8 @@ class Run:
     info: distributed.DistInfo
     run_dir: Path
     prepared: Any
-    raw_model: torch.nn.Module  # unwrapped, uncompiled: what is saved and validated
+    raw_model: torch.nn.Module  # unwrapped, uncompiled: what is saved and decoded
+    training_model: torch.nn.Module  # mt.fast.TrainingModel, unwrapped: validation's loss
     update: Updater
     sampler: BatchSampler
     state: TrainState
@@ -230,7 +226,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
         keep_best_of_best_pt(state, ckpt_dir / "best.pt", metric_key(cfg))
 
     # The module the training step runs: on a CPU, a copy with faster kernels sharing raw's
-    # parameters (mt.fast.training); compiled, then wrapped in DDP (the order torch documents).
+    # parameters (mt.fast.for_training); compiled, then wrapped in DDP.
     forward = for_training(raw, info.device, tc.cpu_kernels, tc.precision)
     model = compile_model(forward, tc)
     model = distributed.wrap(model, info)
@@ -248,7 +244,8 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
         set_rng_state(states[info.rank % len(states)])
     else:
         seed_everything(tc.seed + info.rank)  # different dropout masks on each rank
-    return Run(cfg, info, run_dir, prepared, raw, update, sampler, state, metrics, metric_key(cfg))
+    key = metric_key(cfg)
+    return Run(cfg, info, run_dir, prepared, raw, forward, update, sampler, state, metrics, key)
 
 
 def train_loop(run: Run) -> str:
@@ -288,7 +285,7 @@ def train_loop(run: Run) -> str:
                     logged, t_log, paused = [], time.perf_counter(), 0.0
                 t_pause = time.perf_counter()
                 if tc.eval_every > 0 and state.step % tc.eval_every == 0:
-                    evaluate(run)
+                    run_validation(run)
                 if tc.save_every > 0 and state.step % tc.save_every == 0:
                     save(run, periodic=True)
                 paused += time.perf_counter() - t_pause
@@ -363,10 +360,13 @@ def _resolve_batch(cfg: Config, world_size: int) -> Config:
     return dataclasses.replace(cfg, train=resolved)
 
 
-def evaluate(run: Run) -> dict[str, float]:
+def run_validation(run: Run) -> dict[str, float]:
     """Validate (the work shared by all ranks), keep best.pt and the patience count."""
     state, info = run.state, run.info
-    result = validate(run.raw_model, run.prepared, run.cfg, info.device, info.rank, info.world_size)
+    result = validate(
+        run.raw_model, run.prepared, run.cfg, info.device, info.rank, info.world_size,
+        loss_model=run.training_model,
+    )  # fmt: skip
     value = distributed.broadcast_float(result.get(run.key))
     state.last_eval_step = state.step
     improved = better(run.key, value, state.best)
@@ -406,7 +406,7 @@ def finish(run: Run, stop: str) -> dict[str, Any]:
     tc, state = run.cfg.train, run.state
     if stop != "signal":
         if state.last_eval_step != state.step and state.step > 0:
-            evaluate(run)
+            run_validation(run)
         save(run, periodic=not (run.ckpt_dir / f"checkpoint_{state.step}.pt").is_file())
         if tc.average_last > 1 and run.info.is_main:
             _average(run)

@@ -7,7 +7,6 @@ of target tokens of the WHOLE update (all accumulation steps, all ranks), so 2 r
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -16,6 +15,7 @@ import torch
 
 from mt import distributed
 from mt.data.batches import Batch
+from mt.fast.precision import autocast
 from mt.schema import Config
 from mt.train.state import TrainState
 
@@ -57,22 +57,13 @@ class UpdateResult:
         return float(self.figures[3])
 
 
-def autocast(device: torch.device, precision: str):
-    """The autocast context for ``precision`` (fp32: none)."""
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    if precision not in ("bf16", "fp16"):
-        raise ValueError(f"train.precision must be fp32, bf16 or fp16, got {precision!r}")
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
 def batch_loss(
     model: torch.nn.Module, batch: Batch, eps: float, precision: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed (label-smoothed loss, NLL) of one batch, in float32 (weight 0 for fillers).
 
-    Only the non-pad target positions are projected and scored (``Transformer.loss``); they
+    Only the non-pad target positions are projected and scored (``model.loss``: the
+    Transformer's own, or the fast one of the ``mt.fast.TrainingModel`` the step runs); they
     are selected by the indices ``collate`` found on the host, so nothing here reads the
     device."""
     target = batch.tgt_out.reshape(-1)  # (B*T,)

@@ -94,19 +94,24 @@ def valid_bleu(
     from mt.evaluation.evaluate import score
 
     hyps = valid_hypotheses(model, prepared, cfg, device, rank, world_size)
-    return float(score(hyps, prepared.references("valid")[: len(hyps)])["bleu"])
+    refs = prepared.references("valid")[: len(hyps)]
+    return float(score(hyps, refs, metrics=["bleu"], bleu_tokenize=cfg.eval.bleu_tokenize)["bleu"])
 
 
 def validate(
     model: torch.nn.Module, prepared, cfg: Config, device: torch.device, rank: int = 0,
-    world_size: int = 1,
+    world_size: int = 1, loss_model: torch.nn.Module | None = None,
 ) -> dict:  # fmt: skip
     """Valid loss, NLL and (with train.eval_bleu) greedy BLEU of ``model``.
 
-    ``world_size`` > 1: every rank calls this with its ``rank``; the work is shared and every
-    rank returns the values a single process computes.
+    ``loss_model``: what computes the loss (training passes the step's own
+    ``mt.fast.TrainingModel`` over ``model``'s parameters, so the loss is computed the way
+    training computes it); None: ``model`` itself. ``world_size`` > 1: every rank calls this
+    with its ``rank``; the work is shared and every rank returns the values a single process
+    computes.
     """
-    loss, nll = valid_loss(model, prepared.split("valid"), cfg, device, rank, world_size)
+    split = prepared.split("valid")
+    loss, nll = valid_loss(loss_model or model, split, cfg, device, rank, world_size)
     out = {"valid_loss": loss, "valid_nll": nll, "valid_ppl": math.exp(min(nll, 50.0))}
     if cfg.train.eval_bleu:
         out["valid_bleu"] = valid_bleu(model, prepared, cfg, device, rank, world_size)

@@ -1,0 +1,225 @@
+"""The training loss, fast: :func:`mt.model.loss.label_smoothed_nll_loss` of
+``log_softmax(logits)`` computed without the (N, V) float log-probabilities.
+
+- :func:`label_smoothed_cross_entropy` (logits in, fused): forward keeps one float block of rows
+  at a time, backward writes the closed-form gradient ``g * (softmax(z) - q)`` straight into the
+  logits' dtype. What a GPU and the plain CPU path train with.
+- :func:`projected_cross_entropy` (decoder output and projection in, blockwise): the logits
+  themselves never exist whole; each block of rows is projected, scored and turned into its
+  gradient at once. What the CPU training copy trains with (``mt.fast.training``).
+
+Both return the reference's ``(loss_sum, nll_sum)``; ``tests/test_loss.py`` holds them equal to
+the formula in values and gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from mt.vocab import PAD
+
+
+class _SmoothedCrossEntropy(torch.autograd.Function):
+    """The same loss from the logits, fused: forward keeps one float row block at a time, and
+    backward writes ``g * (softmax(z) - q)`` (its closed form) straight into the logits' dtype.
+
+    The unfused path (``log_softmax`` -> gather + sum -> their backward) makes about ten passes
+    over an (N, V) float tensor; on a CPU they cost more than the model's matrix products.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, eps: float, rows: int):
+        N, V = logits.shape
+        eps_i = eps / (V - 1) if V > 1 else 0.0
+        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        lse, nll, smooth = (logits.new_empty(N, dtype=acc) for _ in range(3))
+        for i in range(0, N, rows):
+            # One block, cast once: element-wise ops that mix bfloat16 and float32 operands
+            # take torch's slow per-element casting loop on a CPU (5-10x a plain float pass).
+            z, t = logits[i : i + rows].to(acc), target[i : i + rows].unsqueeze(-1)
+            lp = torch.log_softmax(z, dim=-1)  # float32 at least
+            nll[i : i + rows] = -lp.gather(-1, t).squeeze(-1)
+            smooth[i : i + rows] = -lp.sum(dim=-1)
+            lse[i : i + rows] = z[:, 0] - lp[:, 0]
+        ctx.save_for_backward(logits, target, lse)
+        ctx.eps, ctx.eps_i, ctx.rows = eps, eps_i, rows
+        nll_sum = nll.sum()
+        ctx.mark_non_differentiable(nll_sum)
+        return (1.0 - eps - eps_i) * nll_sum + eps_i * smooth.sum(), nll_sum
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor, grad_nll: torch.Tensor):
+        logits, target, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        g = grad_loss.to(lse.dtype)
+        on_target = -(1.0 - ctx.eps - ctx.eps_i)  # p - q = p - eps_i, minus (1-eps-eps_i) at t
+        for i in range(0, logits.size(0), ctx.rows):
+            z, t = logits[i : i + ctx.rows], target[i : i + ctx.rows].unsqueeze(-1)
+            shift = lse[i : i + ctx.rows].unsqueeze(-1)
+            # softmax in float, in a new block (z cast once, never mixed-dtype ops: see forward)
+            p = torch.sub(z, shift) if z.dtype == lse.dtype else z.to(lse.dtype).sub_(shift)
+            p.exp_().sub_(ctx.eps_i).scatter_add_(-1, t, p.new_full(t.shape, on_target))
+            if grad.dtype == p.dtype:
+                torch.mul(p, g, out=grad[i : i + ctx.rows])
+            else:
+                grad[i : i + ctx.rows].copy_(p.mul_(g))
+        return grad, None, None, None
+
+
+CPU_BLOCK_BYTES = 1 << 22  # ~4 MB of float32 per row block: the block stays in a CPU cache
+GPU_BLOCK_BYTES = 1 << 26  # 64 MB: few, large kernels (a 25k-token x 37k batch: ~55 blocks)
+
+
+def block_rows(V: int, device: torch.device | str) -> int:
+    """Rows of (N, V) logits that the fused loss treats at once on ``device``.
+
+    On a CPU a block of ~4 MB of float32 stays in cache (28 rows at V = 37k); a GPU wants few
+    large kernels instead, so its blocks hold 64 MB (the float32 block is the only extra
+    memory the loss needs beyond the logits and their gradient).
+    """
+    budget = GPU_BLOCK_BYTES if torch.device(device).type == "cuda" else CPU_BLOCK_BYTES
+    return max(1, budget // (4 * max(V, 1)))
+
+
+def label_smoothed_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, eps: float, ignore_index: int | None = PAD
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mt.model.loss.label_smoothed_nll_loss` of ``log_softmax(logits)``, fused.
+
+    Computed in float32 whatever the logits' dtype, one block of rows at a time (its size
+    chosen for the logits' device: :func:`block_rows`); the gradient has the logits' dtype.
+    Only the loss is differentiable (the NLL is for reporting).
+
+    Args:
+        logits: (N, V) unnormalised scores (float32, bfloat16 or float16).
+        target: (N,) reference ids; rows whose target is ``ignore_index`` are dropped.
+        ignore_index: the padding id, or None when every row is real (training passes only
+            the real positions: no scan, no copy).
+        eps: smoothing mass in [0, 1).
+
+    Returns:
+        ``(loss_sum, nll_sum)``, float32 scalars (sums over the kept rows).
+
+    Example:
+        >>> z, t = torch.randn(4, 10, requires_grad=True), torch.tensor([4, 5, 0, 9])
+        >>> loss, nll = label_smoothed_cross_entropy(z, t, 0.1)
+        >>> loss.backward()
+    """
+    if logits.dim() != 2 or target.dim() != 1 or logits.size(0) != target.size(0):
+        raise ValueError(
+            f"expected logits (N,V) and target (N,), got {tuple(logits.shape)} and "
+            f"{tuple(target.shape)}"
+        )
+    if ignore_index is not None:
+        keep = target != ignore_index
+        if not bool(keep.all()):
+            logits, target = logits[keep], target[keep]
+    rows = block_rows(logits.size(1), logits.device)
+    return _SmoothedCrossEntropy.apply(logits, target, float(eps), rows)
+
+
+class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
+    """The loss of ``h W^T`` in row blocks: the (N, V) logits never exist at once.
+
+    Each block of rows is projected, scored and, when gradients are wanted, turned into the
+    gradient of the loss for a unit upstream gradient, ``G = softmax(z) - q`` (the closed form
+    of :class:`_SmoothedCrossEntropy`), whose products ``G W`` (for ``h``) and ``G^T h`` (for
+    ``W``, summed over blocks) are taken at once. Backward only scales them by the upstream
+    gradient. What this saves over logits-then-loss is the memory traffic of two (N, V)
+    float32 tensors (logits and their gradient, 112 MB each for a 3,500-token batch at V = 8000),
+    and on a CPU the page faults of allocating them afresh every step.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, target, eps, vocab, rows, dtype, product):
+        N = h.size(0)
+        w = weight[:vocab].to(dtype)  # (V, D): the rows that are scored
+        eps_i = eps / (vocab - 1) if vocab > 1 else 0.0
+        on_target = -(1.0 - eps - eps_i)
+        acc = torch.float64 if dtype == torch.float64 else torch.float32  # scores, sums
+        grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(h) if grads else None
+        grad_w = torch.zeros_like(weight, dtype=acc) if grads else None
+        nll, smooth = (h.new_empty(N, dtype=acc) for _ in range(2))
+        for i in range(0, N, rows):
+            x, t = h[i : i + rows].to(dtype), target[i : i + rows].unsqueeze(-1)
+            lp = torch.log_softmax(product(x, w, None).to(acc), dim=-1)  # (r, V)
+            nll[i : i + rows] = -lp.gather(-1, t).squeeze(-1)
+            smooth[i : i + rows] = -lp.sum(dim=-1)
+            if not grads:
+                continue
+            g = lp.exp_().sub_(eps_i)  # softmax - eps_i ...
+            g.scatter_add_(-1, t, g.new_full(t.shape, on_target))  # ... - (1 - eps - eps_i) at t
+            g = g.to(dtype)
+            grad_h[i : i + rows] = product(g, w.t(), None)  # G W: W^T as the (in, out) weight
+            if dtype == acc:
+                grad_w[:vocab].addmm_(g.t(), x)  # += G^T x
+            else:
+                grad_w[:vocab] += g.t().mm(x)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        nll_sum = nll.sum()
+        ctx.mark_non_differentiable(nll_sum)
+        return (1.0 - eps - eps_i) * nll_sum + eps_i * smooth.sum(), nll_sum
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor, grad_nll: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        grad_h = grad_h * grad_loss.to(grad_h.dtype)
+        grad_w = (grad_w * grad_loss).to(ctx.weight_dtype)
+        return grad_h, grad_w, None, None, None, None, None, None
+
+
+BLOCKWISE_BLOCK_BYTES = 1 << 24  # 16 MB of float32 scores per block (512 rows at V = 8000)
+BLOCKWISE_MIN_ROWS = 256  # fewer rows make G^T h a thin, slow product
+
+
+def projected_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    eps: float,
+    vocab: int | None = None,
+    product: Callable = F.linear,
+    rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`label_smoothed_cross_entropy` of ``h weight[:vocab]^T``, without the logits.
+
+    The same sums and gradients as projecting first and scoring after, computed one block of
+    rows at a time (:class:`_ProjectedSmoothedCrossEntropy`). Under autocast the products run
+    in the autocast dtype, as ``F.linear`` would, and the scores in float32.
+
+    Args:
+        h: (N, D) features of the positions to score (every row real).
+        weight: (V_padded, D) output projection; rows from ``vocab`` on are never scored.
+        target: (N,) reference ids.
+        eps: smoothing mass in [0, 1).
+        vocab: the number of rows of ``weight`` to score (default: all).
+        product: ``(x, w, bias) -> x w^T (+ bias)``, e.g. oneDNN's (``mt.fast.training``).
+        rows: rows per block (default: ~16 MB of float32 scores, at least 256).
+
+    Returns:
+        ``(loss_sum, nll_sum)`` as :func:`label_smoothed_cross_entropy` returns them.
+
+    Example:
+        >>> h, w = torch.randn(6, 4, requires_grad=True), torch.randn(10, 4, requires_grad=True)
+        >>> loss, nll = projected_cross_entropy(h, w, torch.tensor([4, 5, 1, 9, 2, 3]), 0.1)
+        >>> loss.backward()
+    """
+    if h.dim() != 2 or target.shape != h.shape[:1] or weight.size(-1) != h.size(-1):
+        raise ValueError(
+            f"expected h (N,D), target (N,), weight (V,D), got {tuple(h.shape)}, "
+            f"{tuple(target.shape)}, {tuple(weight.shape)}"
+        )
+    vocab = weight.size(0) if vocab is None else vocab
+    if rows is None:
+        rows = max(BLOCKWISE_MIN_ROWS, BLOCKWISE_BLOCK_BYTES // (4 * max(vocab, 1)))
+    device = h.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+    with torch.autocast(device, enabled=False):
+        return _ProjectedSmoothedCrossEntropy.apply(
+            h, weight, target, float(eps), vocab, rows, dtype, product
+        )

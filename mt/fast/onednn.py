@@ -1,0 +1,160 @@
+"""oneDNN's linear kernel (``torch.ops.mkldnn._linear_pointwise``, the kernel ``torch.compile``
+picks on a CPU) for float32 and bfloat16 products on a CPU.
+
+``nn.Linear`` runs on MKL's sgemm, which reaches about half of an AMD CPU's float32 peak;
+oneDNN reaches about 85% there. Every product here accumulates in float32; only the order of
+the sums differs from ``F.linear``.
+
+- :class:`OneDNNLinear`: ``y = act(x W^T + b)`` for decoding (no autograd), float32 or with a
+  bfloat16 copy of the weight, ReLU optionally fused into the kernel.
+- :func:`linear` / :class:`Linear`: ``F.linear`` for training, with the forward product and the
+  input gradient ``dx = dy W`` on oneDNN (the weight gradient ``dW = dy^T x`` stays on
+  ``torch.mm``, as fast there).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@cache
+def onednn_available() -> bool:
+    """Whether this torch has oneDNN's linear kernel and it agrees with ``F.linear`` here."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if op is None:
+        return False
+    try:
+        x, w, b = torch.randn(3, 2, 16), torch.randn(8, 16), torch.randn(8)
+        y = op(x, w, b, "relu", [], "")
+        return bool(torch.allclose(y, torch.relu(F.linear(x, w, b)), atol=1e-5))
+    except RuntimeError:  # a build whose oneDNN lacks the op's kernels
+        return False
+
+
+@cache
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN has bfloat16 linear kernels on this CPU: AVX-512 and newer. On AVX2 CPUs
+    (e.g. AMD Zen 3) it has none, and ``precision=bf16`` decodes under plain autocast instead."""
+    if not onednn_available():
+        return False
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if check is not None and not check():
+        return False
+    try:
+        x, w = torch.randn(2, 16, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
+        torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        return True
+    except RuntimeError:  # "could not create a primitive descriptor"
+        return False
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class OneDNNLinear(nn.Module):
+    """``y = act(x W^T + b)`` through oneDNN, for inference (no autograd).
+
+    Args:
+        weight: (out, in); kept as given (fp32: shared with the model) or as a bfloat16 copy.
+        bias: (out,) or None.
+        dtype: the dtype of the product (float32 or bfloat16); inputs are cast to it and the
+            output is cast back to the input's dtype.
+        relu: apply ReLU inside the kernel (the FFN's first layer).
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype = torch.float32,
+        relu: bool = False,
+    ) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight.detach().to(dtype), persistent=False)
+        b = None if bias is None else bias.detach().to(dtype)
+        self.register_buffer("bias", b, persistent=False)
+        self.attr = "relu" if relu else "none"
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., in) -> (..., out) in the weight's dtype."""
+        return torch.ops.mkldnn._linear_pointwise(
+            x.to(self.weight.dtype), self.weight, self.bias, self.attr, [], ""
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., in) -> (..., out), in ``x``'s dtype."""
+        return self.product(x).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        out, inp = self.weight.shape
+        return f"in={inp}, out={out}, dtype={self.weight.dtype}, attr={self.attr}"
+
+
+class FusedFeedForward(nn.Module):
+    """FFN(x) = W2 relu(W1 x + b1) + b2 with the ReLU inside the first oneDNN product (for
+    decoding; ``ffn`` is an ``mt.model.transformer.FeedForward``)."""
+
+    def __init__(self, ffn: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.w1 = OneDNNLinear(ffn.w1.weight, ffn.w1.bias, dtype, relu=True)
+        self.w2 = OneDNNLinear(ffn.w2.weight, ffn.w2.bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., D) -> (..., D); the hidden layer stays in the product's dtype."""
+        return self.w2.product(self.w1.product(x)).to(x.dtype)
+
+
+class _OneDNNLinearFunction(torch.autograd.Function):
+    """``y = x W^T + b`` with the forward and the input gradient on oneDNN."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _product(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _product(grad, weight.t(), None)  # dy W: W^T as the (in, out) "weight"
+        grad_2d = grad.reshape(-1, grad.size(-1))
+        if ctx.needs_input_grad[1]:
+            grad_w = grad_2d.t().mm(x.reshape(-1, x.size(-1)))  # dy^T x: (out, in)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_2d.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``F.linear`` with oneDNN's kernel for float32 on the CPU outside autocast (where torch's
+    own bfloat16 products already run on oneDNN), ``F.linear`` otherwise."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
+        return F.linear(x, weight, bias)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _OneDNNLinearFunction.apply(x, weight, bias)
+    return _product(x, weight, bias)
+
+
+class Linear(nn.Module):
+    """An ``nn.Linear``'s own parameters (shared, not copied) through :func:`linear`."""
+
+    def __init__(self, original: nn.Linear) -> None:
+        super().__init__()
+        self.weight = original.weight
+        self.bias = original.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        out, inp = self.weight.shape
+        return f"in={inp}, out={out}, bias={self.bias is not None}, oneDNN"
