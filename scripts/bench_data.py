@@ -17,7 +17,7 @@ import numpy as np
 from bench_common import Recorder, environment, peak_memory_mb
 
 from mt.data.batches import BatchSampler, iterate_batches
-from mt.data.build import EncodedSplit, Prepared, TokenArray
+from mt.data.store import EncodedSplit, Prepared, TokenArray
 from mt.vocab import PAD
 
 log = logging.getLogger("bench")

@@ -171,7 +171,7 @@ def prepared_dir(tmp_path_factory) -> Path:
 
 
 def test_data_and_train_from_prepared_split(prepared_dir, tmp_path):
-    from mt.data.build import Prepared
+    from mt.data.store import Prepared
 
     split = Prepared(prepared_dir).split("train")
     (r,), _ = run_bench(

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from mt.config import load_config
-from mt.data.corpus import Cleaner, DataError, count_lines, open_corpus, read_lines
+from mt.data.cleaning import Cleaner
+from mt.data.corpus import DataError, count_lines, open_corpus, read_lines
 from mt.schema import CleanConfig
 
 

@@ -12,8 +12,10 @@ import pytest
 
 import mt.data.build as prep
 from mt.config import load_config
-from mt.data.build import TokenArray, encode_files, prepare
+from mt.data.build import prepare
 from mt.data.corpus import DataError
+from mt.data.encode import encode_files
+from mt.data.store import TokenArray
 from mt.data.tokenizer import Tokenizer
 
 FAST = ["tokenizer.vocab_size=1000", "tokenizer.threads=1"]

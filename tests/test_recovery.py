@@ -258,7 +258,7 @@ def test_best_pt_is_only_replaced_by_a_better_model_across_resumes(corpus, tmp_p
 def test_empty_validation_is_an_error_not_a_best_loss_of_zero(corpus, tmp_path):
     import numpy as np
 
-    from mt.data.build import EncodedSplit, TokenArray
+    from mt.data.store import EncodedSplit, TokenArray
     from mt.train.validation import valid_loss
 
     cfg = cfg_for(corpus, tmp_path / "r", 1)

@@ -1,29 +1,21 @@
 """Stages 1-2 as one cached step: corpus -> cleaned pairs -> SentencePiece -> encoded splits.
 
-Cleaning: Moses normalisation when enabled (:mod:`mt.data.cleaning`), then the word-level filters
-and
-de-duplication (:class:`mt.data.corpus.Cleaner`), then, after encoding, the piece-level filters. The
-SentencePiece model is trained on the cleaned text, or reused (``tokenizer.reuse``).
+:func:`prepare` builds the prepared store (``mt.data.store``) in named stages, or loads it:
+
+1. :func:`clean_train` reads the training pairs, normalises them (Moses punctuation when enabled,
+   :mod:`mt.data.cleaning`) and filters them (:class:`mt.data.cleaning.Cleaner`);
+2. :func:`keep_raw` keeps the valid and test lines exactly as read (sacreBLEU scores them);
+3. :func:`train_tokenizer` trains the joint SentencePiece model on the cleaned text (or reuses
+   one, ``tokenizer.reuse``);
+4. :func:`encode_splits` encodes every split on all cores (:mod:`mt.data.encode`);
+5. :func:`filter_pieces` drops training pairs by their piece lengths (``clean.max_pieces``);
+6. :func:`write_meta` records settings, counts, timings and every file's checksum.
 
 The result lives in ``cfg.cache_dir/<name>-<hash>/`` where the hash covers everything that
 produced it: the data and tokenizer settings and the identity (path, size, mtime) of every
 input file. A hit only loads (cheap and read-only, so DDP ranks after rank 0 just open it); any
 change rebuilds. A build happens in a temporary directory renamed into place at the end, so an
 interrupted prepare never leaves a directory a later run would trust.
-
-Layout of a prepared directory::
-
-    meta.json                      key, settings, counts, vocab size, id dtype, and the size
-                                   and CRC-32 of every other file (checked on load: a damaged
-                                   cache is rebuilt)
-    spm.model | spm.{src,tgt}.model
-    <role>.<side>.ids              flat ids of all sentences (uint16 if V <= 65536 else int32)
-    <role>.<side>.off              int64 offsets (n + 1): sentence i is ids[off[i]:off[i+1]]
-    {valid,test}.raw.{src,tgt}     the raw lines exactly as read (for sacreBLEU)
-
-Encoding runs on all cores: the text files are cut into byte ranges at line ends and a pool of
-worker processes encodes them; results are appended to the flat files in order, so no stage ever
-holds the corpus as Python objects.
 """
 
 from __future__ import annotations
@@ -33,7 +25,6 @@ import hashlib
 import itertools
 import json
 import logging
-import multiprocessing as mp
 import os
 import shutil
 import tempfile
@@ -41,137 +32,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
-
-from mt.data.cleaning import NormSpec, TextNormalizer, filter_encoded_pairs, normalize_pairs
-from mt.data.corpus import ROLES, Cleaner, DataError, corpus_identity, normalize_line, open_corpus
+from mt.data.cleaning import Cleaner, NormSpec, filter_encoded_pairs, normalize_pairs
+from mt.data.corpus import ROLES, Corpus, DataError, corpus_identity, open_corpus
+from mt.data.encode import encode_files
+from mt.data.store import FORMAT_VERSION, CacheError, Prepared
 from mt.data.tokenizer import SIDES, Tokenizer, TokenizerError, num_threads
-from mt.files import damaged_file, file_crc, write_json
+from mt.files import file_crc, write_json
 from mt.schema import Config
 
 log = logging.getLogger(__name__)
-
-FORMAT_VERSION = 2  # bump when the layout or the processing changes
-CHUNK_BYTES = 4 << 20  # text per encoding task
-
-
-class TokenArray:
-    """Variable-length id sequences stored flat: ``ids`` (memory-mapped) plus ``offsets``.
-
-    Args:
-        ids: (total,) all ids, one sequence after another.
-        offsets: (n + 1,) int64; sequence ``i`` is ``ids[offsets[i]:offsets[i + 1]]``.
-    """
-
-    def __init__(self, ids: np.ndarray, offsets: np.ndarray):
-        self.ids = ids
-        self.offsets = offsets
-        self._lengths: np.ndarray | None = None
-
-    @classmethod
-    def open(cls, ids_path: Path, offsets_path: Path, dtype: str) -> TokenArray:
-        """Memory-map a pair of files written by :func:`encode_files` (read-only)."""
-        return cls(_memmap(ids_path, np.dtype(dtype)), _memmap(offsets_path, np.dtype(np.int64)))
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        """(L,) int64 ids of sequence ``i`` (no BOS/EOS)."""
-        n = len(self)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"index {i} out of range for {n} sequences")
-        return np.asarray(self.ids[self.offsets[i] : self.offsets[i + 1]], dtype=np.int64)
-
-    def __iter__(self) -> Iterator[np.ndarray]:
-        return (self[i] for i in range(len(self)))
-
-    @property
-    def lengths(self) -> np.ndarray:
-        """(n,) int64 length of each sequence."""
-        if self._lengths is None:
-            self._lengths = np.diff(np.asarray(self.offsets))
-        return self._lengths
-
-
-def _memmap(path: Path, dtype: np.dtype) -> np.ndarray:
-    if path.stat().st_size == 0:  # np.memmap refuses empty files
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r")
-
-
-@dataclasses.dataclass
-class EncodedSplit:
-    """One split's encoded (source, target) pairs; ``len`` is the number of pairs."""
-
-    src: TokenArray
-    tgt: TokenArray
-
-    def __len__(self) -> int:
-        return len(self.src)
-
-
-class Prepared:
-    """A prepared-data directory: the tokenizer, encoded splits and raw references.
-
-    ``verify`` checks every file's size and checksum against ``meta.json`` (a cache read back
-    later); a directory this process has just written needs no second read.
-    """
-
-    def __init__(self, path: Path, verify: bool = True):
-        self.dir = Path(path)
-        try:
-            self.meta = json.loads((self.dir / "meta.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError) as err:
-            raise CacheError(f"{self.dir / 'meta.json'} is unreadable ({err})") from None
-        damaged = damaged_file(self.dir, self.meta.get("files")) if verify else None
-        if damaged is not None:
-            raise CacheError(f"prepared data file {damaged} is damaged (size or checksum differs)")
-        self.tokenizer = Tokenizer.load([self.dir / n for n in self.meta["tokenizer_files"]])
-        self.vocab_size: int = self.tokenizer.vocab_size
-        self._splits: dict[str, EncodedSplit] = {}
-
-    def split(self, role: str) -> EncodedSplit:
-        """The encoded ``role`` ("train", "valid" or "test"), memory-mapped."""
-        _check_role(role)
-        if role not in self._splits:
-            arrays = [
-                TokenArray.open(
-                    self.dir / f"{role}.{side}.ids",
-                    self.dir / f"{role}.{side}.off",
-                    self.meta["dtype"],
-                )
-                for side in SIDES
-            ]
-            self._splits[role] = EncodedSplit(*arrays)
-        return self._splits[role]
-
-    def references(self, role: str) -> list[str]:
-        """Raw target lines of ``role`` ("valid" or "test") exactly as read, for sacreBLEU."""
-        return self._raw(role, "tgt")
-
-    def sources(self, role: str) -> list[str]:
-        """Raw source lines of ``role`` ("valid" or "test") exactly as read."""
-        return self._raw(role, "src")
-
-    def _raw(self, role: str, side: str) -> list[str]:
-        _check_role(role)
-        if role == "train":
-            raise ValueError("raw lines are kept for valid and test only (train is cleaned)")
-        text = (self.dir / f"{role}.raw.{side}").read_bytes().decode("utf-8")
-        return text.split("\n")[:-1]  # "\n" only: U+2028 etc. stay inside their line
-
-
-class CacheError(DataError):
-    """A prepared-data directory whose files do not match what was written (a damaged disk, a
-    hand edit); :func:`prepare` rebuilds it."""
-
-
-def _check_role(role: str) -> None:
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
 
 
 def cache_key(cfg: Config) -> str:
@@ -252,30 +121,64 @@ def _valid(path: Path, key: str) -> bool:
 
 
 def _build(cfg: Config, out: Path, key: str, root: Path) -> None:
-    """Build everything into ``out``; meta.json is written last."""
-    t0 = time.time()
+    """Build everything into ``out``, stage by stage; meta.json is written last."""
+    seconds, t = {}, time.time()
+
+    def stage(name: str) -> None:
+        nonlocal t
+        now = time.time()
+        seconds[name], t = now - t, now
+
     corpus = open_corpus(cfg.data, hf_cache_dir=str(root / "hf"))
     work = out / "work"
     work.mkdir()
-    counts: dict[str, dict] = {}
-
-    cleaner = Cleaner(cfg.data.clean)
+    specs = _norm_specs(cfg)
     workers = num_threads(cfg.tokenizer.threads)
+    counts = {"train": clean_train(cfg, corpus, work, specs, workers)}
+    counts.update(keep_raw(cfg, corpus, out))
+    stage("read_clean")
+    tokenizer = train_tokenizer(cfg, work, out)
+    stage("spm")
+    dtype = "uint16" if tokenizer.vocab_size <= 1 << 16 else "int32"
+    encode_splits(tokenizer, work, out, specs, dtype, cfg.data.clean.normalize, workers)
+    shutil.rmtree(work)
+    stage("encode")
+    filter_pieces(cfg, out, dtype, counts["train"])
+    stage("piece_filter")
+    write_meta(cfg, out, key, tokenizer, dtype, counts, seconds)
+    log.info(
+        "prepared %s in %.1fs (read+clean %.1fs, SentencePiece %.1fs, encode %.1fs, piece "
+        "filter %.1fs): %s", cfg.data.name, sum(seconds.values()), *seconds.values(),
+        ", ".join(f"{r} {c['pairs']} pairs" for r, c in counts.items()),
+    )  # fmt: skip
+
+
+def clean_train(
+    cfg: Config, corpus: Corpus, work: Path, specs: tuple[NormSpec, NormSpec], workers: int
+) -> dict:
+    """Stage 1: the training pairs read, normalised and filtered into ``work/train.{src,tgt}``;
+    returns their counts (``pairs``, and per rule under ``clean``)."""
     pairs = corpus.pairs("train")
     if cfg.data.max_train_pairs:
         pairs = itertools.islice(pairs, cfg.data.max_train_pairs)
-    specs = _norm_specs(cfg)
     norm_counts = {"moses_punct": 0, "non_printing": 0}
     if any(spec.moses for spec in specs):  # else the Cleaner's NFC + strip is all there is
         pairs = normalize_pairs(pairs, specs, norm_counts, workers)
-    counts["train"] = {
-        "pairs": _write_pairs(cleaner(pairs), work / "train.src", work / "train.tgt")
-    }
-    counts["train"]["clean"] = {**norm_counts, **cleaner.counts}
-    log.info("train: %s; text changed by Moses punctuation %d, non-printing %d",
-             cleaner.summary(), norm_counts["moses_punct"], norm_counts["non_printing"])
-    if counts["train"]["pairs"] == 0:
+    cleaner = Cleaner(cfg.data.clean)
+    n = _write_pairs(cleaner(pairs), work / "train.src", work / "train.tgt")
+    log.info(
+        "train: %s; text changed by Moses punctuation %d, non-printing %d",
+        cleaner.summary(), norm_counts["moses_punct"], norm_counts["non_printing"],
+    )  # fmt: skip
+    if n == 0:
         raise ValueError("no training pairs left after cleaning: " + cleaner.summary())
+    return {"pairs": n, "clean": {**norm_counts, **cleaner.counts}}
+
+
+def keep_raw(cfg: Config, corpus: Corpus, out: Path) -> dict[str, dict]:
+    """Stage 2: the valid and test lines as read, into ``out/<role>.raw.{src,tgt}`` (never
+    filtered: sacreBLEU scores against them); returns their counts."""
+    counts = {}
     for role in ("valid", "test"):
         empty = [0]
         pairs = _count_empty(corpus.pairs(role), empty)
@@ -288,39 +191,56 @@ def _build(cfg: Config, out: Path, key: str, root: Path) -> None:
             )
         counts[role] = {"pairs": n}
         log.info("%s: %d pairs (not filtered)", role, n)
-    t_read = time.time()
+    return counts
 
+
+def train_tokenizer(cfg: Config, work: Path, out: Path) -> Tokenizer:
+    """Stage 3: SentencePiece trained on the cleaned training text (or ``tokenizer.reuse``)."""
     if cfg.tokenizer.reuse:
         tokenizer = Tokenizer.from_reference(cfg.tokenizer.reuse)
         log.info("SentencePiece reused from %s: vocab size %d", cfg.tokenizer.reuse,
                  tokenizer.vocab_size)  # fmt: skip
-    else:
-        tokenizer = Tokenizer.train(work / "train.src", work / "train.tgt", out, cfg.tokenizer)
-        log.info("SentencePiece %s: vocab size %d", cfg.tokenizer.type, tokenizer.vocab_size)
-    t_spm = time.time()
+        return tokenizer
+    tokenizer = Tokenizer.train(work / "train.src", work / "train.tgt", out, cfg.tokenizer)
+    log.info("SentencePiece %s: vocab size %d", cfg.tokenizer.type, tokenizer.vocab_size)
+    return tokenizer
 
-    dtype = "uint16" if tokenizer.vocab_size <= 1 << 16 else "int32"
+
+def encode_splits(
+    tokenizer: Tokenizer, work: Path, out: Path, specs: tuple[NormSpec, NormSpec], dtype: str,
+    nfc: bool, workers: int,
+) -> None:  # fmt: skip
+    """Stage 4: every split encoded into ``out/<role>.<side>.{ids,off}``. The training text is
+    already normalised; valid and test are normalised as training was (``specs``)."""
     jobs = []
     for role in ROLES:
         for side in SIDES:
-            if role == "train":  # already normalised by the cleaning pass
+            if role == "train":
                 jobs.append((work / f"train.{side}", side, out / f"train.{side}"))
             else:
                 spec = specs[SIDES.index(side)]
                 jobs.append((out / f"{role}.raw.{side}", side, out / f"{role}.{side}", spec))
-    encode_files(tokenizer, jobs, dtype, cfg.data.clean.normalize, workers)
-    shutil.rmtree(work)
-    t_enc = time.time()
+    encode_files(tokenizer, jobs, dtype, nfc, workers)
 
+
+def filter_pieces(cfg: Config, out: Path, dtype: str, counts: dict) -> None:
+    """Stage 5: ``clean-corpus-n`` on SentencePiece pieces (``data.clean.max_pieces``,
+    ``max_piece_ratio``), in place; ``counts`` (the training split's) is updated."""
     clean = cfg.data.clean
-    if clean.max_pieces or clean.max_piece_ratio:  # clean-corpus-n on pieces
-        kept, dropped = filter_encoded_pairs(
-            [str(out / f"train.{side}") for side in SIDES], clean, dtype
-        )
-        counts["train"]["clean"].update(dropped)
-        counts["train"]["pairs"] = kept
-    t_filter = time.time()
+    if not (clean.max_pieces or clean.max_piece_ratio):
+        return
+    prefixes = [str(out / f"train.{side}") for side in SIDES]
+    kept, dropped = filter_encoded_pairs(prefixes, clean, dtype)
+    counts["clean"].update(dropped)
+    counts["pairs"] = kept
 
+
+def write_meta(
+    cfg: Config, out: Path, key: str, tokenizer: Tokenizer, dtype: str, counts: dict,
+    seconds: dict[str, float],
+) -> None:  # fmt: skip
+    """Stage 6: the tokenizer files and ``meta.json`` (every file's size and CRC-32), all
+    fsynced before the directory is renamed into place."""
     tokenizer_files = [p.name for p in tokenizer.save(out)]  # before the checksums (reuse)
     meta = {
         "key": key,
@@ -334,28 +254,12 @@ def _build(cfg: Config, out: Path, key: str, root: Path) -> None:
         "vocab_size": tokenizer.vocab_size,
         "dtype": dtype,
         "counts": counts,
-        "seconds": {
-            "read_clean": t_read - t0,
-            "spm": t_spm - t_read,
-            "encode": t_enc - t_spm,
-            "piece_filter": t_filter - t_enc,
-        },
+        "seconds": seconds,
     }
     for p in out.iterdir():  # durable before the directory is renamed into place
         with open(p, "rb") as f:
             os.fsync(f.fileno())
     write_json(out / "meta.json", meta)
-    log.info(
-        "prepared %s in %.1fs (read+clean %.1fs, SentencePiece %.1fs, encode %.1fs, piece "
-        "filter %.1fs): %s",
-        cfg.data.name,
-        t_filter - t0,
-        t_read - t0,
-        t_spm - t_read,
-        t_enc - t_spm,
-        t_filter - t_enc,
-        ", ".join(f"{r} {c['pairs']} pairs" for r, c in counts.items()),
-    )
 
 
 def _count_empty(pairs: Iterator[tuple[str, str]], empty: list[int]):
@@ -386,99 +290,3 @@ def _write_pairs(pairs: Iterator[tuple[str, str]], src_path: Path, tgt_path: Pat
     return n
 
 
-# ---- parallel encoding ------------------------------------------------------------------------
-_WORKER: dict = {}
-
-
-def _init_worker(blobs: list[bytes], dtype: str, nfc: bool) -> None:
-    _WORKER.update(tokenizer=Tokenizer.from_bytes(blobs), dtype=np.dtype(dtype), nfc=nfc)
-
-
-def _normalizer(spec: NormSpec | None):
-    if spec is None:
-        return lambda s: normalize_line(s, _WORKER["nfc"])
-    if spec not in _WORKER:
-        _WORKER[spec] = TextNormalizer(spec)
-    return _WORKER[spec]
-
-
-def _encode_chunk(
-    task: tuple[str, str, int, int, NormSpec | None],
-) -> tuple[np.ndarray, np.ndarray]:
-    """Encode the lines in bytes [start, end) of a file -> (flat ids, lengths)."""
-    path, side, start, end, spec = task
-    with open(path, "rb") as f:
-        f.seek(start)
-        text = f.read(end - start).decode("utf-8")
-    lines = list(map(_normalizer(spec), text.split("\n")[:-1]))
-    ids = _WORKER["tokenizer"].encode(lines, side=side)
-    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    flat = np.fromiter(
-        itertools.chain.from_iterable(ids), dtype=_WORKER["dtype"], count=int(lengths.sum())
-    )
-    return flat, lengths
-
-
-def _byte_ranges(path: Path, chunk_bytes: int) -> list[tuple[int, int]]:
-    """Cut a "\\n"-terminated file into ranges of about ``chunk_bytes`` ending at line ends."""
-    size = path.stat().st_size
-    ranges, start = [], 0
-    with open(path, "rb") as f:
-        while start < size:
-            f.seek(min(start + chunk_bytes, size) - 1)
-            f.readline()  # to the end of the line holding the cut
-            end = min(f.tell(), size)
-            ranges.append((start, end))
-            start = end
-    return ranges
-
-
-def encode_files(
-    tokenizer: Tokenizer,
-    jobs: list[tuple[Path, str, Path]],
-    dtype: str,
-    nfc: bool,
-    workers: int,
-    chunk_bytes: int = CHUNK_BYTES,
-) -> None:
-    """Encode text files (one sentence per line) into ``<out>.ids`` / ``<out>.off`` pairs.
-
-    Args:
-        tokenizer: encodes each line (after :func:`mt.data.corpus.normalize_line`).
-        jobs: (text file, side, output prefix) triples, or quadruples with a
-            :class:`mt.data.cleaning.NormSpec` that replaces the plain normalisation for that file.
-        dtype: numpy dtype of the flat ids.
-        nfc: NFC-normalise lines before encoding (jobs without a NormSpec).
-        workers: processes; 1 (or a small input) encodes in this process.
-        chunk_bytes: text per task.
-    """
-    tasks, owner = [], []
-    for j, (path, side, _, *spec) in enumerate(jobs):
-        for start, end in _byte_ranges(path, chunk_bytes):
-            tasks.append((str(path), side, start, end, spec[0] if spec else None))
-            owner.append(j)
-    init = (tokenizer.to_bytes(), dtype, nfc)
-    total = sum(end - start for _, _, start, end, _ in tasks)
-    if workers > 1 and total > chunk_bytes:  # else a pool's start-up costs more than it saves
-        pool = mp.get_context("spawn").Pool(min(workers, len(tasks)), _init_worker, init)
-        results = pool.imap(_encode_chunk, tasks)  # in order, a few chunks in flight
-    else:
-        pool = None
-        _init_worker(*init)
-        results = map(_encode_chunk, tasks)
-    files = [(open(f"{o}.ids", "wb"), open(f"{o}.off", "wb")) for _, _, o, *_ in jobs]
-    try:
-        totals = [0] * len(jobs)
-        for _, f_off in files:
-            f_off.write(np.zeros(1, dtype=np.int64).tobytes())
-        for j, (flat, lengths) in zip(owner, results):
-            f_ids, f_off = files[j]
-            f_ids.write(flat.tobytes())
-            f_off.write((totals[j] + np.cumsum(lengths)).tobytes())
-            totals[j] += int(lengths.sum())
-    finally:
-        for f_ids, f_off in files:
-            f_ids.close()
-            f_off.close()
-        if pool is not None:
-            pool.terminate()

@@ -1,5 +1,9 @@
-"""WMT-style cleaning beyond :class:`mt.data.corpus.Cleaner`: Moses text normalisation and piece
-filters.
+"""Cleaning training pairs: the word-level filters every corpus gets, and WMT-style Moses text
+normalisation and piece filters.
+
+- :class:`Cleaner`: Unicode NFC and outer whitespace stripped (:func:`normalize_line`), then a
+  pair is dropped when a side is empty, too short or long in words, too unequal in length, or
+  a duplicate (``data.clean.*``), each drop counted under its rule.
 
 Two steps of the recipe fairseq's ``prepare-wmt14en2de.sh`` runs, with maintained code instead of
 hand copies of Moses' Perl scripts:
@@ -16,6 +20,7 @@ hand copies of Moses' Perl scripts:
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import multiprocessing as mp
@@ -37,6 +42,63 @@ except ImportError:  # Python < 3.11
 from mt.schema import CleanConfig
 
 log = logging.getLogger(__name__)
+
+
+def normalize_line(text: str, nfc: bool = True) -> str:
+    """The pipeline's normalisation: Unicode NFC (when ``nfc``), then strip outer whitespace."""
+    return (unicodedata.normalize("NFC", text) if nfc else text).strip()
+
+
+RULES = ("empty", "min_len", "max_len", "max_ratio", "duplicate")
+
+
+class Cleaner:
+    """Joint filter of training pairs; a pair is kept or dropped whole, so sides never drift.
+
+    Each dropped pair is counted under the first rule it fails (``RULES`` order). Lengths are in
+    whitespace-separated words. De-duplication keeps an 8-byte digest per kept pair.
+    """
+
+    def __init__(self, cfg: CleanConfig):
+        self.cfg = cfg
+        self.counts = {"read": 0, **{r: 0 for r in RULES}, "kept": 0}
+        self._seen: set[bytes] = set()
+
+    def rule(self, src: str, tgt: str) -> str | None:
+        """The first rule the (normalised) pair fails, or None to keep it."""
+        if not src or not tgt:
+            return "empty"
+        ns, nt = len(src.split()), len(tgt.split())
+        if min(ns, nt) < self.cfg.min_len:
+            return "min_len"
+        if self.cfg.max_len and max(ns, nt) > self.cfg.max_len:
+            return "max_len"
+        if self.cfg.max_ratio and max(ns, nt) > self.cfg.max_ratio * max(min(ns, nt), 1):
+            return "max_ratio"
+        if self.cfg.dedup:
+            key = hashlib.blake2b(f"{src}\t{tgt}".encode(), digest_size=8).digest()
+            if key in self._seen:
+                return "duplicate"
+            self._seen.add(key)
+        return None
+
+    def __call__(self, pairs: Iterator[tuple[str, str]]) -> Iterator[tuple[str, str]]:
+        """Normalise and filter ``pairs``; counts accumulate in :attr:`counts`."""
+        nfc = self.cfg.normalize
+        for src, tgt in pairs:
+            self.counts["read"] += 1
+            src, tgt = normalize_line(src, nfc), normalize_line(tgt, nfc)
+            rule = self.rule(src, tgt)
+            if rule is None:
+                self.counts["kept"] += 1
+                yield src, tgt
+            else:
+                self.counts[rule] += 1
+
+    def summary(self) -> str:
+        c = self.counts
+        dropped = ", ".join(f"{r}={c[r]}" for r in RULES)
+        return f"read {c['read']} pairs, dropped {dropped}, kept {c['kept']}"
 
 CHUNK_PAIRS = 20_000  # pairs per normalisation task
 

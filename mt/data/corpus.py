@@ -1,4 +1,5 @@
-"""Stage 1: parallel text in, aligned and cleaned sentence pairs out, one pair at a time.
+"""Stage 1: parallel text in, aligned sentence pairs out, one pair at a time (cleaning them is
+``mt.data.cleaning``'s).
 
 Three sources share one interface (:class:`Corpus`): a local directory of ``<split>.<lang>`` files
 (the layout of shared/data/multi30k), a local ``<split>.tsv`` (``src<TAB>tgt``), and Hugging Face
@@ -17,16 +18,14 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
-import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from mt import files
-from mt.schema import CleanConfig, DataConfig
+from mt.schema import DataConfig
 
 log = logging.getLogger(__name__)
 
@@ -314,60 +313,3 @@ def corpus_identity(cfg: DataConfig) -> Any:
     if cfg.source == "local" or (cfg.source == "auto" and has_dir):
         return TextCorpus(cfg).identity()
     return hf_identity(cfg)
-
-
-def normalize_line(text: str, nfc: bool = True) -> str:
-    """The pipeline's normalisation: Unicode NFC (when ``nfc``), then strip outer whitespace."""
-    return (unicodedata.normalize("NFC", text) if nfc else text).strip()
-
-
-RULES = ("empty", "min_len", "max_len", "max_ratio", "duplicate")
-
-
-class Cleaner:
-    """Joint filter of training pairs; a pair is kept or dropped whole, so sides never drift.
-
-    Each dropped pair is counted under the first rule it fails (``RULES`` order). Lengths are in
-    whitespace-separated words. De-duplication keeps an 8-byte digest per kept pair.
-    """
-
-    def __init__(self, cfg: CleanConfig):
-        self.cfg = cfg
-        self.counts = {"read": 0, **{r: 0 for r in RULES}, "kept": 0}
-        self._seen: set[bytes] = set()
-
-    def rule(self, src: str, tgt: str) -> str | None:
-        """The first rule the (normalised) pair fails, or None to keep it."""
-        if not src or not tgt:
-            return "empty"
-        ns, nt = len(src.split()), len(tgt.split())
-        if min(ns, nt) < self.cfg.min_len:
-            return "min_len"
-        if self.cfg.max_len and max(ns, nt) > self.cfg.max_len:
-            return "max_len"
-        if self.cfg.max_ratio and max(ns, nt) > self.cfg.max_ratio * max(min(ns, nt), 1):
-            return "max_ratio"
-        if self.cfg.dedup:
-            key = hashlib.blake2b(f"{src}\t{tgt}".encode(), digest_size=8).digest()
-            if key in self._seen:
-                return "duplicate"
-            self._seen.add(key)
-        return None
-
-    def __call__(self, pairs: Iterator[tuple[str, str]]) -> Iterator[tuple[str, str]]:
-        """Normalise and filter ``pairs``; counts accumulate in :attr:`counts`."""
-        nfc = self.cfg.normalize
-        for src, tgt in pairs:
-            self.counts["read"] += 1
-            src, tgt = normalize_line(src, nfc), normalize_line(tgt, nfc)
-            rule = self.rule(src, tgt)
-            if rule is None:
-                self.counts["kept"] += 1
-                yield src, tgt
-            else:
-                self.counts[rule] += 1
-
-    def summary(self) -> str:
-        c = self.counts
-        dropped = ", ".join(f"{r}={c[r]}" for r in RULES)
-        return f"read {c['read']} pairs, dropped {dropped}, kept {c['kept']}"

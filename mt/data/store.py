@@ -1,0 +1,147 @@
+"""The prepared data on disk, as training and decoding read it: memory-mapped encoded splits,
+the tokenizer, and the raw valid/test lines for sacreBLEU.
+
+Layout of a prepared directory (written by ``mt.data.build``)::
+
+    meta.json                      key, settings, counts, vocab size, id dtype, and the size
+                                   and CRC-32 of every other file (checked on load: a damaged
+                                   cache is rebuilt)
+    spm.model | spm.{src,tgt}.model
+    <role>.<side>.ids              flat ids of all sentences (uint16 if V <= 65536 else int32)
+    <role>.<side>.off              int64 offsets (n + 1): sentence i is ids[off[i]:off[i+1]]
+    {valid,test}.raw.{src,tgt}     the raw lines exactly as read (for sacreBLEU)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from mt.data.corpus import ROLES, DataError
+from mt.data.tokenizer import SIDES, Tokenizer
+from mt.files import damaged_file
+
+FORMAT_VERSION = 2  # bump when the layout or the processing changes
+
+
+class TokenArray:
+    """Variable-length id sequences stored flat: ``ids`` (memory-mapped) plus ``offsets``.
+
+    Args:
+        ids: (total,) all ids, one sequence after another.
+        offsets: (n + 1,) int64; sequence ``i`` is ``ids[offsets[i]:offsets[i + 1]]``.
+    """
+
+    def __init__(self, ids: np.ndarray, offsets: np.ndarray):
+        self.ids = ids
+        self.offsets = offsets
+        self._lengths: np.ndarray | None = None
+
+    @classmethod
+    def open(cls, ids_path: Path, offsets_path: Path, dtype: str) -> TokenArray:
+        """Memory-map a pair of files written by :func:`encode_files` (read-only)."""
+        return cls(_memmap(ids_path, np.dtype(dtype)), _memmap(offsets_path, np.dtype(np.int64)))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        """(L,) int64 ids of sequence ``i`` (no BOS/EOS)."""
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {i} out of range for {n} sequences")
+        return np.asarray(self.ids[self.offsets[i] : self.offsets[i + 1]], dtype=np.int64)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self[i] for i in range(len(self)))
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """(n,) int64 length of each sequence."""
+        if self._lengths is None:
+            self._lengths = np.diff(np.asarray(self.offsets))
+        return self._lengths
+
+
+def _memmap(path: Path, dtype: np.dtype) -> np.ndarray:
+    if path.stat().st_size == 0:  # np.memmap refuses empty files
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+@dataclasses.dataclass
+class EncodedSplit:
+    """One split's encoded (source, target) pairs; ``len`` is the number of pairs."""
+
+    src: TokenArray
+    tgt: TokenArray
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+class Prepared:
+    """A prepared-data directory: the tokenizer, encoded splits and raw references.
+
+    ``verify`` checks every file's size and checksum against ``meta.json`` (a cache read back
+    later); a directory this process has just written needs no second read.
+    """
+
+    def __init__(self, path: Path, verify: bool = True):
+        self.dir = Path(path)
+        try:
+            self.meta = json.loads((self.dir / "meta.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise CacheError(f"{self.dir / 'meta.json'} is unreadable ({err})") from None
+        damaged = damaged_file(self.dir, self.meta.get("files")) if verify else None
+        if damaged is not None:
+            raise CacheError(f"prepared data file {damaged} is damaged (size or checksum differs)")
+        self.tokenizer = Tokenizer.load([self.dir / n for n in self.meta["tokenizer_files"]])
+        self.vocab_size: int = self.tokenizer.vocab_size
+        self._splits: dict[str, EncodedSplit] = {}
+
+    def split(self, role: str) -> EncodedSplit:
+        """The encoded ``role`` ("train", "valid" or "test"), memory-mapped."""
+        _check_role(role)
+        if role not in self._splits:
+            arrays = [
+                TokenArray.open(
+                    self.dir / f"{role}.{side}.ids",
+                    self.dir / f"{role}.{side}.off",
+                    self.meta["dtype"],
+                )
+                for side in SIDES
+            ]
+            self._splits[role] = EncodedSplit(*arrays)
+        return self._splits[role]
+
+    def references(self, role: str) -> list[str]:
+        """Raw target lines of ``role`` ("valid" or "test") exactly as read, for sacreBLEU."""
+        return self._raw(role, "tgt")
+
+    def sources(self, role: str) -> list[str]:
+        """Raw source lines of ``role`` ("valid" or "test") exactly as read."""
+        return self._raw(role, "src")
+
+    def _raw(self, role: str, side: str) -> list[str]:
+        _check_role(role)
+        if role == "train":
+            raise ValueError("raw lines are kept for valid and test only (train is cleaned)")
+        text = (self.dir / f"{role}.raw.{side}").read_bytes().decode("utf-8")
+        return text.split("\n")[:-1]  # "\n" only: U+2028 etc. stay inside their line
+
+
+class CacheError(DataError):
+    """A prepared-data directory whose files do not match what was written (a damaged disk, a
+    hand edit); ``mt.data.build.prepare`` rebuilds it."""
+
+
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
