@@ -6,8 +6,8 @@ so ``torch.load(weights_only=True)`` reads it. The keys:
 - ``model`` (state_dict of the unwrapped, uncompiled model), ``model_cfg`` (ModelConfig fields),
   ``vocab_size``, ``specials`` ({pad, unk, bos, eos}), ``tokenizer`` ({"joint": bool, "models":
   list of uint8 tensors}), ``step``, ``epoch``: everything decoding needs.
-- training state adds ``optimizer``, ``scheduler``, ``scaler``, ``rng``, ``data`` ({epoch,
-  batch}), ``train_cfg``, ``best``.
+- training state adds ``optimizer``, ``scheduler``, ``scaler``, ``rng`` (``mt.train.state``),
+  ``data`` ({epoch, batch}), ``train_cfg``, ``best``.
 
 Writes go to a temporary file in the same directory, are flushed and fsynced, then renamed over
 the target (``os.replace`` is atomic on POSIX, see :mod:`mt.files`): a crash mid-save leaves the
@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import re
 import zipfile
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from mt.files import atomic_path, fsync_dir, temp_path
@@ -208,37 +206,6 @@ def model_state(model: torch.nn.Module, model_cfg: ModelConfig, tokenizer, vocab
 def tokenizer_blobs(ckpt: dict[str, Any]) -> list[bytes]:
     """The serialized SentencePiece model(s) stored in a checkpoint."""
     return [t.numpy().tobytes() for t in ckpt["tokenizer"]["models"]]
-
-
-def rng_state() -> dict[str, Any]:
-    """Every RNG state (python, numpy, torch, cuda) as tensors, lists and numbers."""
-    version, internal, gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    state = {
-        "python": [version, list(internal), gauss],
-        "numpy": [
-            np_name,
-            torch.from_numpy(np_keys.astype(np.int64)),
-            int(np_pos),
-            int(np_has_gauss),
-            float(np_gauss),
-        ],
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` captured."""
-    version, internal, gauss = state["python"]
-    random.setstate((int(version), tuple(int(x) for x in internal), gauss))
-    name, keys, pos, has_gauss, gauss_np = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss_np))
-    torch.set_rng_state(state["torch"].cpu())
-    cuda = state.get("cuda") or []
-    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all([t.cpu() for t in cuda])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,12 +19,11 @@ from mt.checkpoint import (
     load_checkpoint,
     model_cfg_from,
     periodic_checkpoints,
-    rng_state,
     rotate_checkpoints,
     save_checkpoint,
-    set_rng_state,
 )
 from mt.schema import ModelConfig
+from mt.train.state import rng_state, set_rng_state
 from mt.vocab import SPECIALS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mt.config import conf_dir, load_config, to_yaml
 from mt.schema import Config
-from mt.train.resume import _changed_keys
+from mt.train.state import _changed_keys
 
 CONF = conf_dir()
 GROUPS = ["data", "tokenizer", "model", "train", "decode", "experiment"]

@@ -128,7 +128,7 @@ RANKS_SCRIPT = r"""
 import json, sys
 from pathlib import Path
 from mt import distributed
-from mt.train.resume import agree_on_resume
+from mt.train.state import agree_on_resume
 
 root = Path(sys.argv[1])
 info = distributed.setup("cpu", timeout_minutes=2)

@@ -13,7 +13,7 @@ A run directory holds everything a run writes (rank 0 only, holding ``run_dir/.l
 
 Starting ``mt-train`` on a run directory that has ``checkpoints/last.pt`` resumes it exactly:
 model, optimiser, schedule, loss scale, every RNG state of every rank and the position in the
-data (an unreadable last.pt: the newest readable periodic checkpoint, see :mod:`mt.train.resume`).
+data (an unreadable last.pt: the newest readable periodic checkpoint, see :mod:`mt.train.state`).
 ``train.init_from=CKPT`` instead starts a NEW run from a checkpoint's weights (fresh optimiser,
 schedule and data order). SIGTERM, SIGUSR1 or Ctrl-C saves ``last.pt`` and stops; the command
 then exits with 75 (130 for Ctrl-C), see :mod:`mt.train.preempt`.
@@ -40,7 +40,6 @@ from mt.checkpoint import (
     periodic_checkpoints,
     rotate_checkpoints,
     save_checkpoint,
-    set_rng_state,
 )
 from mt.data.batches import BatchSampler, batch_plan, iterate_batches
 from mt.data.build import prepare
@@ -54,24 +53,25 @@ from mt.schema import Config
 from mt.train import preempt
 from mt.train.lock import LockError, RunLock
 from mt.train.progress import progress
-from mt.train.resume import (
-    agree_on_resume,
-    has_checkpoints,
-    keep_best_of_best_pt,
-    record_config,
-    training_state,
-)
 from mt.train.schedule import cooldown_factor, noam_lambda
 from mt.train.state import (
     TrainState,
+    agree_on_resume,
+    better,
     check_compatible,
     check_data_plan,
+    has_checkpoints,
+    keep_best_of_best_pt,
+    metric_key,
+    record_config,
     seed_everything,
+    set_rng_state,
     train_sampler,
+    training_state,
 )
 from mt.train.tracking import MetricsLog
 from mt.train.update import Updater, UpdateResult, build_optimizer
-from mt.train.validation import better, metric_key, validate
+from mt.train.validation import validate
 
 log = logging.getLogger(__name__)
 

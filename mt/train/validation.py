@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
 
 import torch
 
@@ -116,19 +115,3 @@ def validate(
     if cfg.train.eval_bleu:
         out["valid_bleu"] = valid_bleu(model, prepared, cfg, device, rank, world_size)
     return out
-
-
-def metric_key(cfg: Config) -> str:
-    """The validation record key that decides best.pt and patience."""
-    if cfg.train.best_metric not in ("bleu", "loss"):
-        raise ValueError(f"train.best_metric must be bleu or loss, got {cfg.train.best_metric!r}")
-    if cfg.train.best_metric == "bleu" and cfg.train.eval_bleu:
-        return "valid_bleu"
-    return "valid_loss"
-
-
-def better(key: str, new: float, old: Optional[float]) -> bool:
-    """Is ``new`` an improvement on ``old`` (higher BLEU or lower loss)?"""
-    if old is None:
-        return True
-    return new > old if key == "valid_bleu" else new < old
