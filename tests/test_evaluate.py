@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mt.evaluation.evaluate import evaluate_main, read_lines, score
+from mt.evaluation.evaluate import evaluate_main, read_lines
+from mt.evaluation.metrics import score
 from mt.schema import Config, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]

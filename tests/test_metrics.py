@@ -11,11 +11,12 @@ import sacrebleu
 from sacrebleu.dataset import DATASETS
 
 from mt.config import load_config
-from mt.evaluation.evaluate import evaluate_main, read_lines, score, score_files
+from mt.evaluation.evaluate import evaluate_main, read_lines, score_files
 from mt.evaluation.metrics import (
     COMPOUND_SPLIT_NOTE,
     compound_split_bleu,
     corpus_scores,
+    score,
     split_compounds,
 )
 

@@ -231,7 +231,7 @@ def test_cooldown_decays_the_rate_to_zero_over_the_end_of_the_budget(tmp_path):
 
 def test_budget_progress_takes_the_nearer_limit():
     from mt.schema import TrainConfig
-    from mt.train.recipe import budget_progress
+    from mt.train.schedule import budget_progress
     from mt.train.state import TrainState
 
     state = TrainState(step=30, wall=90.0)

@@ -1,4 +1,4 @@
-"""Stage 6: scoring translations with sacreBLEU, and ``mt-evaluate``.
+"""Stage 6, ``mt-evaluate``: translations scored with sacreBLEU (``mt.evaluation.metrics``).
 
 Scores are computed on detokenized text against the raw references, with sacreBLEU's defaults:
 BLEU with the 13a tokenizer and chrF (character 6-grams, beta 2). Each score is reported with
@@ -27,77 +27,10 @@ from typing import Any
 from mt import files
 from mt.decode.alignment import attention_map
 from mt.distributed import resolve_device
+from mt.evaluation.metrics import eval_kwargs, score
 from mt.schema import Config
 
 log = logging.getLogger(__name__)
-
-
-def score(
-    hyps: list[str],
-    refs: list[str] | list[list[str]],
-    chrf: bool = True,
-    metrics: list[str] | None = None,
-    bleu_tokenize: str = "13a",
-    compound_split_lang: str | None = None,
-) -> dict[str, Any]:
-    """Corpus BLEU (13a) and chrF (or ``metrics``) of detokenized hypotheses against raw refs.
-
-    Args:
-        hyps: one translation per segment.
-        refs: one reference per segment, or several reference *streams* (each a list with one
-            reference per segment, sacreBLEU's convention).
-        chrf: also compute chrF (the slower of the two; validation during training may skip it,
-            and then ``chrf`` and ``chrf_signature`` are None). Ignored when ``metrics`` is set.
-        metrics: names from :data:`mt.evaluation.metrics.METRICS` (``eval.metrics``); default BLEU,
-        chrF.
-        bleu_tokenize: sacreBLEU's BLEU tokenizer (``eval.bleu_tokenize``).
-        compound_split_lang: also the papers' tokenized compound-split BLEU with the Moses
-            tokenizer of this language (``eval.compound_split_bleu``; first stream only).
-
-    Returns:
-        ``{"bleu": float, "chrf": float, "signature": str (BLEU's), "chrf_signature": str,
-        "bleu_details": "BLEU = 20.80 54.4/26.6/... (BP = ...)", "n_sentences": int,
-        "scores": {metric: {"score", "signature", "details"}}}`` (a metric not asked for is
-        None), plus ``"compound_split_bleu": {"score", "details", "note"}`` when asked for.
-
-    Raises:
-        ValueError: when a reference stream and the hypotheses differ in length.
-    """
-    from mt.evaluation.metrics import compound_split_bleu, corpus_scores
-
-    streams = [list(refs)] if not refs or isinstance(refs[0], str) else [list(r) for r in refs]
-    if not hyps:
-        raise ValueError("nothing to score: 0 hypotheses")
-    for i, stream in enumerate(streams):
-        if len(stream) != len(hyps):
-            raise ValueError(
-                f"{len(hyps)} hypotheses but reference stream {i + 1} has {len(stream)} lines"
-            )
-    if metrics is None:
-        metrics = ["bleu", "chrf"] if chrf else ["bleu"]
-    scores = corpus_scores(list(hyps), streams, list(metrics), bleu_tokenize)
-    bleu, chrf_score = scores.get("bleu", {}), scores.get("chrf", {})
-    result = {
-        "bleu": bleu.get("score"),
-        "chrf": chrf_score.get("score"),
-        "signature": bleu.get("signature"),
-        "chrf_signature": chrf_score.get("signature"),
-        "bleu_details": bleu.get("details"),
-        "n_sentences": len(hyps),
-        "scores": scores,
-    }
-    if compound_split_lang:
-        result["compound_split_bleu"] = compound_split_bleu(hyps, streams[0], compound_split_lang)
-    return result
-
-
-def eval_kwargs(cfg: Config) -> dict[str, Any]:
-    """:func:`score`'s keyword arguments from ``cfg.eval`` (and the target language)."""
-    return {
-        "metrics": list(cfg.eval.metrics),
-        "bleu_tokenize": cfg.eval.bleu_tokenize,
-        "compound_split_lang": cfg.data.tgt_lang if cfg.eval.compound_split_bleu else None,
-    }
 
 
 def read_lines(path: str | Path) -> list[str]:

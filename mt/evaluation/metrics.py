@@ -1,6 +1,10 @@
 """Corpus metrics on detokenized text: sacreBLEU's BLEU, chrF, chrF++ and TER, each with its
 signature, and the tokenized, compound-split BLEU that WMT14 en-de papers report.
 
+- :func:`score` is what validation, ``mt-evaluate`` and the tests call: hypotheses against one or
+  several reference streams, the scores with their signatures (settings from ``cfg.eval``:
+  :func:`eval_kwargs`).
+
 - :func:`corpus_scores` runs any subset of ``METRICS`` (``eval.metrics``) with sacreBLEU; BLEU
   takes ``eval.bleu_tokenize`` (13a, intl, zh, char, ...). Each result carries sacreBLEU's
   signature, which says exactly how the number was computed.
@@ -19,6 +23,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Any
+
+from mt.schema import Config
 
 METRICS = ("bleu", "chrf", "chrf++", "ter")
 COMPOUND_SPLIT_NOTE = (
@@ -98,6 +104,72 @@ def compound_split_bleu(hyps: list[str], refs: list[str], lang: str) -> dict[str
     bleu = BLEU(tokenize="none", smooth_method="none", force=True)
     result = bleu.corpus_score(prep(hyps), [prep(refs)])
     return {"score": float(result.score), "details": str(result), "note": COMPOUND_SPLIT_NOTE}
+
+
+def score(
+    hyps: list[str],
+    refs: list[str] | list[list[str]],
+    chrf: bool = True,
+    metrics: list[str] | None = None,
+    bleu_tokenize: str = "13a",
+    compound_split_lang: str | None = None,
+) -> dict[str, Any]:
+    """Corpus BLEU (13a) and chrF (or ``metrics``) of detokenized hypotheses against raw refs.
+
+    Args:
+        hyps: one translation per segment.
+        refs: one reference per segment, or several reference *streams* (each a list with one
+            reference per segment, sacreBLEU's convention).
+        chrf: also compute chrF (the slower of the two; validation during training may skip it,
+            and then ``chrf`` and ``chrf_signature`` are None). Ignored when ``metrics`` is set.
+        metrics: names from :data:`mt.evaluation.metrics.METRICS` (``eval.metrics``); default BLEU,
+        chrF.
+        bleu_tokenize: sacreBLEU's BLEU tokenizer (``eval.bleu_tokenize``).
+        compound_split_lang: also the papers' tokenized compound-split BLEU with the Moses
+            tokenizer of this language (``eval.compound_split_bleu``; first stream only).
+
+    Returns:
+        ``{"bleu": float, "chrf": float, "signature": str (BLEU's), "chrf_signature": str,
+        "bleu_details": "BLEU = 20.80 54.4/26.6/... (BP = ...)", "n_sentences": int,
+        "scores": {metric: {"score", "signature", "details"}}}`` (a metric not asked for is
+        None), plus ``"compound_split_bleu": {"score", "details", "note"}`` when asked for.
+
+    Raises:
+        ValueError: when a reference stream and the hypotheses differ in length.
+    """
+    streams = [list(refs)] if not refs or isinstance(refs[0], str) else [list(r) for r in refs]
+    if not hyps:
+        raise ValueError("nothing to score: 0 hypotheses")
+    for i, stream in enumerate(streams):
+        if len(stream) != len(hyps):
+            raise ValueError(
+                f"{len(hyps)} hypotheses but reference stream {i + 1} has {len(stream)} lines"
+            )
+    if metrics is None:
+        metrics = ["bleu", "chrf"] if chrf else ["bleu"]
+    scores = corpus_scores(list(hyps), streams, list(metrics), bleu_tokenize)
+    bleu, chrf_score = scores.get("bleu", {}), scores.get("chrf", {})
+    result = {
+        "bleu": bleu.get("score"),
+        "chrf": chrf_score.get("score"),
+        "signature": bleu.get("signature"),
+        "chrf_signature": chrf_score.get("signature"),
+        "bleu_details": bleu.get("details"),
+        "n_sentences": len(hyps),
+        "scores": scores,
+    }
+    if compound_split_lang:
+        result["compound_split_bleu"] = compound_split_bleu(hyps, streams[0], compound_split_lang)
+    return result
+
+
+def eval_kwargs(cfg: Config) -> dict[str, Any]:
+    """:func:`score`'s keyword arguments from ``cfg.eval`` (and the target language)."""
+    return {
+        "metrics": list(cfg.eval.metrics),
+        "bleu_tokenize": cfg.eval.bleu_tokenize,
+        "compound_split_lang": cfg.data.tgt_lang if cfg.eval.compound_split_bleu else None,
+    }
 
 
 def is_testset(name: str) -> bool:

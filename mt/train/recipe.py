@@ -53,7 +53,7 @@ from mt.schema import Config
 from mt.train import preempt
 from mt.train.lock import LockError, RunLock
 from mt.train.progress import progress
-from mt.train.schedule import cooldown_factor, noam_lambda
+from mt.train.schedule import budget_progress, cooldown_factor, noam_lambda
 from mt.train.state import (
     TrainState,
     agree_on_resume,
@@ -468,17 +468,6 @@ def _checkpoint(run: Run, full: bool) -> dict[str, Any]:
         run.raw_model, run.prepared, run.cfg, run.state,
         update.optimizer, update.scheduler, update.scaler, full, run.info.world_size,
     )  # fmt: skip
-
-
-def budget_progress(tc, state: TrainState) -> float:
-    """Share of the training budget spent: the larger of steps/max_steps and
-    time/max_minutes (0 when neither is set)."""
-    shares = [0.0]
-    if tc.max_steps > 0:
-        shares.append(state.step / tc.max_steps)
-    if tc.max_minutes > 0:
-        shares.append(state.wall / (tc.max_minutes * 60))
-    return min(max(shares), 1.0)
 
 
 def _apply_cooldown(run: Run) -> float:

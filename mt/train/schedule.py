@@ -88,3 +88,14 @@ def cooldown_factor(progress: float, cooldown: float) -> float:
         return 1.0
     progress = min(max(progress, 0.0), 1.0)
     return min(1.0, (1.0 - progress) / cooldown)
+
+
+def budget_progress(tc, state) -> float:
+    """Share of the training budget spent: the larger of steps/max_steps and
+    time/max_minutes (0 when neither is set)."""
+    shares = [0.0]
+    if tc.max_steps > 0:
+        shares.append(state.step / tc.max_steps)
+    if tc.max_minutes > 0:
+        shares.append(state.wall / (tc.max_minutes * 60))
+    return min(max(shares), 1.0)

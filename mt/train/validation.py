@@ -90,7 +90,7 @@ def valid_bleu(
 ) -> float:  # fmt: skip
     """Greedy-decode the valid sources and score them: the code path of final evaluation
     (shared over ranks as :func:`valid_hypotheses`; every rank scores the gathered set)."""
-    from mt.evaluation.evaluate import score
+    from mt.evaluation.metrics import score
 
     hyps = valid_hypotheses(model, prepared, cfg, device, rank, world_size)
     refs = prepared.references("valid")[: len(hyps)]
