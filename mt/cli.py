@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from mt.config import conf_dir, register_schema, to_config
+from mt.config import command_overrides, conf_dir, register_schema, to_config
 from mt.schema import Config
 
 log = logging.getLogger("mt")
@@ -40,14 +40,16 @@ def setup_logging() -> None:
     )
 
 
-def _hydra_app(task: Callable[[Config], object]) -> Callable[[], None]:
-    """Wrap a stage function ``task(cfg)`` as a Hydra command-line app."""
+def _hydra_app(task: Callable[[Config], object], command: str) -> Callable[[], None]:
+    """Wrap a stage function ``task(cfg)`` as the Hydra command-line app ``mt-<command>``."""
 
     def main() -> None:
         import hydra
 
-        tool = _tool_name()
+        tool = f"mt-{command}"
         check_config_files(tool, [conf_dir(), *_extra_config_dirs(sys.argv[1:])])
+        # A command's own settings as users type them: mt-translate input=x -> translate.input=x
+        sys.argv[1:] = command_overrides(command, sys.argv[1:])
         register_schema()
         held = _HeldStderr(tool)
 
@@ -128,13 +130,6 @@ def check_config_files(tool: str, directories: list[Path]) -> None:
                 logging.basicConfig(stream=sys.stderr, format="%(message)s")
                 log.error("%s: error: %s%s: not valid YAML (%s)", tool, path, where, problem)
                 raise SystemExit(1) from None
-
-
-def _tool_name() -> str:
-    name = Path(sys.argv[0]).name
-    if name.startswith("mt-"):
-        return name
-    return f"mt-{sys.argv[1]}" if name == "__main__.py" and len(sys.argv) > 1 else "mt"
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
@@ -226,12 +221,12 @@ def _serve(cfg: Config) -> None:
     serve_main(cfg)
 
 
-prepare_main = _hydra_app(_prepare)
-train_main = _hydra_app(_train)
-translate_main = _hydra_app(_translate)
-evaluate_main = _hydra_app(_evaluate)
-export_main = _hydra_app(_export)
-serve_main = _hydra_app(_serve)
+prepare_main = _hydra_app(_prepare, "prepare")
+train_main = _hydra_app(_train, "train")
+translate_main = _hydra_app(_translate, "translate")
+evaluate_main = _hydra_app(_evaluate, "evaluate")
+export_main = _hydra_app(_export, "export")
+serve_main = _hydra_app(_serve, "serve")
 
 
 def _score(cfg: Config) -> None:
@@ -240,4 +235,4 @@ def _score(cfg: Config) -> None:
     score_main(cfg)
 
 
-score_main = _hydra_app(_score)
+score_main = _hydra_app(_score, "score")

@@ -12,11 +12,14 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from mt import schema
 from mt.schema import Config
 
 
@@ -38,11 +41,40 @@ def to_config(cfg: DictConfig) -> Config:
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]
 
 
-def load_config(overrides: list[str] | None = None) -> Config:
+_OVERRIDE = re.compile(r"^([+~]*)([A-Za-z_][A-Za-z0-9_]*)(?=[=@]|$)")
+
+
+def command_overrides(command: str | None, overrides: list[str]) -> list[str]:
+    """Overrides with a command's own settings written as users type them: for ``translate``,
+    ``input=x`` is ``translate.input=x`` (its node in :data:`mt.schema.COMMANDS`). A key that
+    is not one of the command's settings, or that is a top-level key, is left as it is.
+
+    Example:
+        >>> command_overrides("evaluate", ["hyp=out.txt", "data.tgt_lang=de"])
+        ['eval.hyp=out.txt', 'data.tgt_lang=de']
+    """
+    node = schema.COMMANDS.get(command or "")
+    if node is None:
+        return list(overrides)
+    own = {f.name for f in dataclasses.fields(type(getattr(Config(), node)))}
+    top = {f.name for f in dataclasses.fields(Config)}
+    out = []
+    for item in overrides:
+        m = _OVERRIDE.match(item)
+        if m and m.group(2) in own and m.group(2) not in top:
+            item = f"{m.group(1)}{node}.{item[len(m.group(1)):]}"
+        out.append(item)
+    return out
+
+
+def load_config(overrides: list[str] | None = None, command: str | None = None) -> Config:
     """Compose the configuration with command-line style overrides, schema checks included.
 
     Args:
         overrides: e.g. ``["experiment=smoke", "train.max_steps=10"]``.
+        command: ``translate``, ``evaluate``, ``score``, ``export`` or ``serve``: its own
+            settings may be given without their node, as on its command line
+            (:func:`command_overrides`).
 
     Returns:
         The typed configuration.
@@ -57,7 +89,9 @@ def load_config(overrides: list[str] | None = None) -> Config:
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-        cfg = compose(config_name="config", overrides=list(overrides or []))
+        cfg = compose(
+            config_name="config", overrides=command_overrides(command, list(overrides or []))
+        )
     return to_config(cfg)
 
 

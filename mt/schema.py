@@ -180,8 +180,12 @@ class DecodeConfig:
 
 @dataclass
 class ServeConfig:
-    """mt-serve: limits on a request (each a 4xx with a JSON error when exceeded) and batching."""
+    """mt-serve: what it serves and where, limits on a request (each a 4xx with a JSON error
+    when exceeded) and batching."""
 
+    checkpoint: Optional[str] = None  # default: <run_dir>/checkpoints/best.pt
+    host: str = "127.0.0.1"  # the address to listen on (loopback unless told)
+    port: int = 8000
     max_body_bytes: int = 65536  # a larger request body is refused (413)
     max_sentences: int = 32  # sentences in one request
     max_chars: int = 1000  # characters in one sentence (and tokens: model.max_positions - 1)
@@ -193,8 +197,16 @@ class ServeConfig:
 
 @dataclass
 class EvalConfig:
-    """What mt-evaluate scores (sacreBLEU on detokenized text; each score with its signature)."""
+    """mt-evaluate: what it decodes or reads, and how it scores (sacreBLEU on detokenized text;
+    each score with its signature). Validation during training scores with the same metric
+    settings."""
 
+    checkpoint: Optional[str] = None  # default: <run_dir>/checkpoints/best.pt
+    split: str = "test"  # the split decoded and scored: valid | test
+    hyp: Optional[str] = None  # score this translation file instead of decoding
+    ref: Any = None  # reference file(s) for hyp=, or a sacreBLEU test set (wmt14/full), cached
+    output: Optional[str] = None  # hyp= mode: also write the JSON results here
+    report: bool = True  # write report.md with plots into the run directory
     metrics: list = field(default_factory=lambda: ["bleu", "chrf"])  # bleu chrf chrf++ ter
     bleu_tokenize: str = "13a"  # sacreBLEU's BLEU tokenizer: 13a | intl | zh | char | ...
     # Also the papers' tokenized BLEU with compound splitting (WMT14 en-de; NOT comparable
@@ -203,8 +215,51 @@ class EvalConfig:
 
 
 @dataclass
+class TranslateConfig:
+    """mt-translate: the model, the input and output, and what else to write."""
+
+    # A checkpoint file (default: <run_dir>/checkpoints/best.pt), or a list, [a.pt,b.pt]: an
+    # ensemble averaging the models' log-probabilities.
+    checkpoint: Any = None
+    input: Optional[str] = None  # input file (default stdin)
+    output: Optional[str] = None  # output file (default stdout)
+    attention: Optional[str] = None  # draw the first sentence's attention here (PNG)
+    alignment: Optional[str] = None  # write word alignments (Pharaoh i-j) here
+    alignment_layer: int = -1  # the decoder layer whose cross-attention aligns (-1: the last)
+    prefix: Optional[str] = None  # a file of target prefixes, one per input line
+    interactive: Optional[bool] = None  # one line at a time (None: when stdin is a terminal)
+
+
+@dataclass
+class ScoreConfig:
+    """mt-score: the model's log-probability of given translations."""
+
+    checkpoint: Any = None  # a checkpoint (default: <run_dir>/checkpoints/best.pt) or a list
+    src: Optional[str] = None  # the source file
+    tgt: Optional[str] = None  # the target file whose log-probabilities are scored
+    output: Optional[str] = None  # default stdout
+
+
+@dataclass
+class ExportConfig:
+    """mt-export: a checkpoint out of mt."""
+
+    checkpoint: Optional[str] = None  # the checkpoint to export (required)
+    format: Optional[str] = None  # hf | ctranslate2 (required)
+    output: Optional[str] = None  # the directory to write (required)
+
+
+# The node holding each command's own settings: ``mt-translate input=x`` is
+# ``translate.input=x`` (see mt.config.command_overrides).
+COMMANDS = {
+    "translate": "translate", "evaluate": "eval", "score": "score", "export": "export",
+    "serve": "serve",
+}  # fmt: skip
+
+
+@dataclass
 class Config:
-    """The whole configuration. Run-time arguments of the command-line tools live at the top."""
+    """The whole configuration: the pipeline's settings, then each command's own."""
 
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -215,24 +270,8 @@ class Config:
     name: str = "default"  # experiment name (a label)
     run_dir: str = "runs/default"  # where a run writes; an existing one is resumed
     cache_dir: str = ".cache/mt"  # prepared data (SentencePiece model, encoded splits)
-    # Arguments of mt-translate / mt-evaluate.
-    # A checkpoint file (default: <run_dir>/checkpoints/best.pt); mt-translate and mt-score
-    # also take a list, [a.pt,b.pt]: an ensemble averaging the models' log-probabilities.
-    checkpoint: Any = None
-    split: str = "test"  # the split mt-evaluate decodes and scores: valid | test
-    input: Optional[str] = None  # mt-translate: input file (default stdin)
-    output: Optional[str] = None  # mt-translate: output file; mt-evaluate: JSON results file
-    hyp: Optional[str] = None  # mt-evaluate: score this translation file instead of decoding
-    ref: Any = None  # mt-evaluate: reference file(s), or a sacreBLEU test set (wmt14/full) cached
-    attention: Optional[str] = None  # mt-translate: draw the first sentence's attention (PNG)
-    alignment: Optional[str] = None  # mt-translate: write word alignments (Pharaoh i-j) here
-    alignment_layer: int = -1  # the decoder layer whose cross-attention aligns (-1: the last)
-    prefix: Optional[str] = None  # mt-translate: a file of target prefixes, one per input line
-    interactive: Optional[bool] = None  # mt-translate: one line at a time (None: when a TTY)
-    src: Optional[str] = None  # mt-score: the source file
-    tgt: Optional[str] = None  # mt-score: the target file whose log-probabilities are scored
-    report: bool = True  # mt-evaluate: write report.md with plots into the run directory
-    format: Optional[str] = None  # mt-export: hf | ctranslate2 (output= is the directory)
-    host: str = "127.0.0.1"  # mt-serve: the address to listen on (loopback unless told)
-    port: int = 8000  # mt-serve: the port
-    serve: ServeConfig = field(default_factory=ServeConfig)  # mt-serve: limits, batching
+    # The commands' own settings (mt-evaluate's are eval.*, mt-serve's serve.*).
+    translate: TranslateConfig = field(default_factory=TranslateConfig)
+    score: ScoreConfig = field(default_factory=ScoreConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)

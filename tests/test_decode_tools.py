@@ -19,7 +19,7 @@ from mt.decode.ensemble import Ensemble
 from mt.decode.rescore import score_main
 from mt.decode.search import beam_search
 from mt.decode.translate import Translator, translate_main, translate_stream
-from mt.schema import Config, DecodeConfig
+from mt.schema import Config, DecodeConfig, ScoreConfig, TranslateConfig
 from mt.vocab import BOS, EOS
 
 
@@ -108,8 +108,14 @@ def test_mt_score_command(ckpt, translator, tmp_path, caplog):
     (tmp_path / "s.de").write_text("\n".join(src) + "\n")
     (tmp_path / "t.en").write_text("\n".join(tgt) + "\n")
     out = tmp_path / "scores.tsv"
-    cfg = Config(checkpoint=str(ckpt), src=str(tmp_path / "s.de"), tgt=str(tmp_path / "t.en"),
-                 output=str(out))  # fmt: skip
+    cfg = Config(
+        score=ScoreConfig(
+            checkpoint=str(ckpt),
+            src=str(tmp_path / "s.de"),
+            tgt=str(tmp_path / "t.en"),
+            output=str(out),
+        )
+    )
     result = score_main(cfg)
     rows = [line.split("\t") for line in out.read_text().splitlines()]
     assert len(rows) == 5 and result["sentences"] == 5
@@ -120,8 +126,13 @@ def test_mt_score_command(ckpt, translator, tmp_path, caplog):
     assert result["logprob"] == pytest.approx(sum(e for e, _ in expected), abs=1e-2)
     (tmp_path / "short.en").write_text("one line\n")
     with pytest.raises(SystemExit, match="short.en ends at line 1"):
-        score_main(Config(checkpoint=str(ckpt), src=str(tmp_path / "s.de"),
-                          tgt=str(tmp_path / "short.en")))  # fmt: skip
+        score_main(
+            Config(
+                score=ScoreConfig(
+                    checkpoint=str(ckpt), src=str(tmp_path / "s.de"), tgt=str(tmp_path / "short.en")
+                )
+            )
+        )
 
 
 # ---- alignments ----------------------------------------------------------------------------
@@ -147,8 +158,15 @@ def test_alignment_file_has_one_valid_line_per_input(ckpt, tmp_path):
     src = sentences(7, seed=4)
     src[2] = ""
     (tmp_path / "in.de").write_text("\n".join(src) + "\n")
-    cfg = Config(checkpoint=str(ckpt), input=str(tmp_path / "in.de"), decode=DecodeConfig(**FAST),
-                 output=str(tmp_path / "out.en"), alignment=str(tmp_path / "a.txt"))  # fmt: skip
+    cfg = Config(
+        translate=TranslateConfig(
+            checkpoint=str(ckpt),
+            input=str(tmp_path / "in.de"),
+            output=str(tmp_path / "out.en"),
+            alignment=str(tmp_path / "a.txt"),
+        ),
+        decode=DecodeConfig(**FAST),
+    )
     translate_main(cfg)
     outs = (tmp_path / "out.en").read_text().splitlines()
     lines = (tmp_path / "a.txt").read_text().splitlines()
@@ -173,8 +191,15 @@ def test_translate_with_prefix_list_and_file(ckpt, translator, tmp_path):
         assert f.startswith(p)
     (tmp_path / "in.de").write_text("\n".join(src) + "\n")
     (tmp_path / "prefix.en").write_text("\n".join(prefix) + "\n")
-    cfg = Config(checkpoint=str(ckpt), input=str(tmp_path / "in.de"), decode=DecodeConfig(**long),
-                 output=str(tmp_path / "out.en"), prefix=str(tmp_path / "prefix.en"))  # fmt: skip
+    cfg = Config(
+        translate=TranslateConfig(
+            checkpoint=str(ckpt),
+            input=str(tmp_path / "in.de"),
+            output=str(tmp_path / "out.en"),
+            prefix=str(tmp_path / "prefix.en"),
+        ),
+        decode=DecodeConfig(**long),
+    )
     translate_main(cfg)
     assert (tmp_path / "out.en").read_text().splitlines() == forced
     (tmp_path / "prefix.en").write_text("a\n")
@@ -209,6 +234,7 @@ def test_interactive_translates_each_line_as_it_is_read(translator):
 def test_command_line_takes_a_checkpoint_list_and_interactive_setting():
     from mt.config import load_config
 
-    cfg = load_config(["checkpoint=[a.pt,b.pt]", "interactive=true", "alignment_layer=0"])
+    overrides = ["checkpoint=[a.pt,b.pt]", "interactive=true", "alignment_layer=0"]
+    cfg = load_config(overrides, command="translate").translate
     assert cfg.checkpoint == ["a.pt", "b.pt"] and cfg.interactive and cfg.alignment_layer == 0
-    assert load_config().interactive is None  # decided by whether stdin is a terminal
+    assert load_config().translate.interactive is None  # decided by whether stdin is a terminal

@@ -12,7 +12,7 @@ import pytest
 
 from mt.evaluation.evaluate import evaluate_main, read_lines
 from mt.evaluation.metrics import score
-from mt.schema import Config, ModelConfig
+from mt.schema import Config, EvalConfig, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,12 +93,14 @@ def test_several_references_as_a_list(real_data, tmp_path, capsys):
         (tmp_path / name).write_text("".join(x + "\n" for x in lines), encoding="utf-8")
     one = score(hyps, refs)
     out = tmp_path / "s.json"
-    twice = evaluate_main(Config(hyp=str(tmp_path / "hyp"), ref=[str(tmp_path / "ref")] * 2))
+    args = EvalConfig(hyp=str(tmp_path / "hyp"), ref=[str(tmp_path / "ref")] * 2)
+    twice = evaluate_main(Config(eval=args))
     assert twice["bleu"] == pytest.approx(one["bleu"], abs=1e-9)
     assert twice["signature"].startswith("nrefs:2|")
     assert f"BLEU = {one['bleu']:.2f}" in capsys.readouterr().out
-    cfg = Config(hyp=str(tmp_path / "hyp"), ref=[str(tmp_path / "ref"), str(tmp_path / "other")])
-    cfg.output = str(out)
+    refs = [str(tmp_path / "ref"), str(tmp_path / "other")]
+    cfg = Config(eval=EvalConfig(hyp=str(tmp_path / "hyp"), ref=refs))
+    cfg.eval.output = str(out)
     two = evaluate_main(cfg)
     assert two["bleu"] > one["bleu"]
     assert json.loads(out.read_text())["bleu"] == pytest.approx(two["bleu"])
@@ -137,7 +139,7 @@ def test_score_rejects_mismatched_lengths():
 
 def test_hyp_without_ref_is_an_error():
     with pytest.raises(ValueError, match="ref="):
-        evaluate_main(Config(hyp="x.txt"))
+        evaluate_main(Config(eval=EvalConfig(hyp="x.txt")))
 
 
 def test_evaluate_run_decodes_scores_and_writes_the_run(tmp_path, capsys):
@@ -175,7 +177,7 @@ def test_evaluate_run_decodes_scores_and_writes_the_run(tmp_path, capsys):
             "decode.beam_size=2",
             "decode.max_len_a=0",
             "decode.max_len_b=4",
-            "report=true",
+            "eval.report=true",
         ]
     )
     prepared = prepare(cfg)

@@ -30,7 +30,7 @@ from mt.export.hf import (  # noqa: E402
     marian_positions,
 )
 from mt.model.transformer import build_model, sinusoidal_positions  # noqa: E402
-from mt.schema import Config, DecodeConfig, ModelConfig  # noqa: E402
+from mt.schema import Config, DecodeConfig, ExportConfig, ModelConfig  # noqa: E402
 from mt.vocab import BOS, EOS, PAD  # noqa: E402
 
 
@@ -171,13 +171,15 @@ def test_unexportable_settings_are_refused_naming_the_setting():
 
 
 def test_export_command_errors_are_one_line(tmp_path):
-    cfg = Config(checkpoint=str(tmp_path / "missing.pt"), format="hf", output=str(tmp_path / "o"))
+    missing, out = str(tmp_path / "missing.pt"), str(tmp_path / "o")
+    args = ExportConfig(checkpoint=missing, format="hf", output=out)
+    cfg = Config(export=args)
     with pytest.raises(SystemExit, match="mt-export: no checkpoint at"):
         export_main(cfg)
     with pytest.raises(SystemExit, match="format=onnx"):
-        export_main(dataclasses.replace(cfg, format="onnx"))
+        export_main(dataclasses.replace(cfg, export=dataclasses.replace(args, format="onnx")))
     with pytest.raises(SystemExit, match="format=hf\\|ctranslate2"):
-        export_main(dataclasses.replace(cfg, format=None))
+        export_main(dataclasses.replace(cfg, export=dataclasses.replace(args, format=None)))
 
 
 # ---- a small model trained on Multi30k --------------------------------------------------------

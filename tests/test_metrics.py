@@ -100,7 +100,8 @@ def test_compound_split_bleu_in_results(tmp_path):
     ref.write_text("Der Dax-Index stieg.\n", encoding="utf-8")
     out = tmp_path / "scores.json"
     cfg = load_config([f"hyp={hyp}", f"ref={ref}", f"output={out}", "data.tgt_lang=de",
-                       "eval.compound_split_bleu=true", "eval.metrics=[bleu,ter]"])  # fmt: skip
+                       "eval.compound_split_bleu=true", "eval.metrics=[bleu,ter]"],
+                      command="evaluate")  # fmt: skip
     evaluate_main(cfg)
     data = json.loads(out.read_text())
     assert set(data["scores"]) == {"bleu", "ter"}
@@ -124,7 +125,8 @@ def test_sacrebleu_test_set_names_from_its_cache(tmp_path, monkeypatch):
     by_file = score_files(hyp, cached, "en-de")
     assert by_name["bleu"] == by_file["bleu"] and by_name["ref"] == [str(cached)]
     # through mt-evaluate, the language pair comes from data.src_lang/tgt_lang
-    cfg = load_config([f"hyp={hyp}", "ref=wmt14/full", "data.src_lang=en", "data.tgt_lang=de"])
+    overrides = [f"hyp={hyp}", "ref=wmt14/full", "data.src_lang=en", "data.tgt_lang=de"]
+    cfg = load_config(overrides, command="evaluate")
     assert evaluate_main(cfg)["bleu"] == by_file["bleu"]
 
 

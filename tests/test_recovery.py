@@ -59,6 +59,30 @@ def test_a_held_lock_names_its_holder(tmp_path):
     RunLock(tmp_path).acquire().release()  # free again once released
 
 
+def test_a_lock_just_taken_names_its_holder_once_written(tmp_path, monkeypatch):
+    """Between a run's flock and the write of its record the lock file is empty: a second run
+    arriving then waits for the record instead of naming "host ?, pid ?" (seen in CI)."""
+    import threading
+
+    holder = RunLock(tmp_path)
+    real_pwrite, locked, written = os.pwrite, threading.Event(), threading.Event()
+
+    def slow_pwrite(fd, data, offset):  # the winner holds the flock, slow to write its record
+        locked.set()
+        written.wait(5)
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", slow_pwrite)
+    winner = threading.Thread(target=holder.acquire)
+    winner.start()
+    assert locked.wait(5)
+    threading.Timer(0.2, written.set).start()
+    with pytest.raises(LockError, match=rf"host \S+, pid {os.getpid()}"):
+        RunLock(tmp_path).acquire()
+    winner.join()
+    holder.release()
+
+
 def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path, caplog):
     # A process that took the lock and was SIGKILLed: its record stays, the flock does not.
     code = "import sys, time; from mt.train.lock import RunLock; RunLock(sys.argv[1]).acquire(); " \

@@ -16,7 +16,7 @@ from mt.decode import translate as translate_mod
 from mt.decode.search import greedy_search
 from mt.decode.translate import Translator, translate_main, translate_stream
 from mt.model.transformer import build_model
-from mt.schema import Config, DecodeConfig, ModelConfig, TokenizerConfig
+from mt.schema import Config, DecodeConfig, ModelConfig, TokenizerConfig, TranslateConfig
 
 WORDS = "ein mann hund fährt rennt im schnee auf dem fahrrad eine frau kind spielt park".split()
 WORDS_EN = "a man dog rides runs in the snow on bike woman child plays park".split()
@@ -83,7 +83,11 @@ def test_translate_main_file_to_file_in_input_order(ckpt, translator, tmp_path, 
     monkeypatch.setattr(translate_mod, "CHUNK_LINES", 3)  # several chunks and batches
     texts = sentences(11) + [""]
     (tmp_path / "in.de").write_text("\n".join(texts) + "\n", encoding="utf-8")
-    cfg = Config(checkpoint=str(ckpt), input=str(tmp_path / "in.de"), output=str(tmp_path / "o"))
+    cfg = Config(
+        translate=TranslateConfig(
+            checkpoint=str(ckpt), input=str(tmp_path / "in.de"), output=str(tmp_path / "o")
+        )
+    )
     cfg.decode = DecodeConfig(**{**FAST, "batch_size": 2})
     cfg.train.device = "cpu"
     translate_main(cfg)
@@ -95,7 +99,7 @@ def test_translate_main_file_to_file_in_input_order(ckpt, translator, tmp_path, 
 
 def test_translate_main_stdin_to_stdout(ckpt, monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"ein hund\n\nfrau\n")))
-    cfg = Config(checkpoint=str(ckpt))
+    cfg = Config(translate=TranslateConfig(checkpoint=str(ckpt)))
     cfg.decode = DecodeConfig(**FAST)
     cfg.train.device = "cpu"
     translate_main(cfg)
@@ -133,7 +137,11 @@ def test_stream_never_reads_far_ahead(translator, monkeypatch):
 
 def test_nbest_output_format(ckpt, tmp_path):
     (tmp_path / "in").write_text("ein hund\nfrau\n", encoding="utf-8")
-    cfg = Config(checkpoint=str(ckpt), input=str(tmp_path / "in"), output=str(tmp_path / "o"))
+    cfg = Config(
+        translate=TranslateConfig(
+            checkpoint=str(ckpt), input=str(tmp_path / "in"), output=str(tmp_path / "o")
+        )
+    )
     cfg.decode = DecodeConfig(**{**FAST, "beam_size": 3, "nbest": 3})
     cfg.train.device = "cpu"
     translate_main(cfg)
@@ -149,7 +157,11 @@ def test_too_long_line_is_an_error_naming_it_or_truncated(tmp_path, caplog):
     path = write_checkpoint(tmp_path / "short.pt", tokenizer, max_positions=12)
     long_line = " ".join(["fahrrad"] * 30)
     (tmp_path / "in").write_text(f"hund\n\n{long_line}\nfrau\n", encoding="utf-8")
-    cfg = Config(checkpoint=str(path), input=str(tmp_path / "in"), output=str(tmp_path / "o"))
+    cfg = Config(
+        translate=TranslateConfig(
+            checkpoint=str(path), input=str(tmp_path / "in"), output=str(tmp_path / "o")
+        )
+    )
     cfg.decode = DecodeConfig(**FAST)
     cfg.train.device = "cpu"
     with pytest.raises(SystemExit, match=r"line 3 has \d+ tokens.*too_long=truncate"):
@@ -168,8 +180,12 @@ def test_attention_matrix_and_png(ckpt, translator, tmp_path):
     assert torch.allclose(torch.tensor(matrix).sum(-1), torch.ones(len(tgt_pieces)), atol=1e-4)
     (tmp_path / "in").write_text("\nein hund rennt\nfrau\n", encoding="utf-8")
     png = tmp_path / "attn.png"
-    cfg = Config(checkpoint=str(ckpt), input=str(tmp_path / "in"), output=str(tmp_path / "o"))
-    cfg.attention = str(png)
+    cfg = Config(
+        translate=TranslateConfig(
+            checkpoint=str(ckpt), input=str(tmp_path / "in"), output=str(tmp_path / "o")
+        )
+    )
+    cfg.translate.attention = str(png)
     cfg.decode = DecodeConfig(**FAST)
     cfg.train.device = "cpu"
     translate_main(cfg)
@@ -190,8 +206,8 @@ def test_not_a_checkpoint_truncated_or_other_vocabulary(ckpt, tmp_path):
     with pytest.raises(CheckpointError, match="different vocabularies"):
         Translator.from_checkpoint(other)
     # The command line says so in one line instead of a traceback.
-    cfg = Config(checkpoint=str(junk))
+    cfg = Config(translate=TranslateConfig(checkpoint=str(junk)))
     with pytest.raises(SystemExit, match="mt-translate: .*not a readable mt checkpoint"):
         translate_main(cfg)
     with pytest.raises(SystemExit, match="no checkpoint at"):
-        translate_main(Config(checkpoint=str(tmp_path / "missing.pt")))
+        translate_main(Config(translate=TranslateConfig(checkpoint=str(tmp_path / "missing.pt"))))

@@ -27,15 +27,16 @@ CHUNK_LINES = 2048  # sentence pairs read and scored at a time
 
 
 def score_main(cfg: Config) -> dict[str, float]:
-    """Score ``cfg.tgt`` given ``cfg.src``; returns the totals.
+    """Score ``args.tgt`` given ``args.src``; returns the totals.
 
     Raises:
         SystemExit: a one-line error for a missing setting or file, an unusable checkpoint,
             or files with different numbers of lines.
     """
-    if not cfg.src or not cfg.tgt:
+    args = cfg.score
+    if not args.src or not args.tgt:
         raise SystemExit("mt-score: set src=FILE and tgt=FILE (one sentence per line each)")
-    path = cfg.checkpoint or Path(cfg.run_dir) / "checkpoints/best.pt"
+    path = args.checkpoint or Path(cfg.run_dir) / "checkpoints/best.pt"
     try:
         translator = Translator.from_checkpoint(path, resolve_device(cfg.train.device), cfg.decode)
     except CheckpointError as err:
@@ -43,9 +44,10 @@ def score_main(cfg: Config) -> dict[str, float]:
     total, tokens, n = 0.0, 0, 0
     try:
         with contextlib.ExitStack() as stack:
-            src = read_lines(stack.enter_context(open(cfg.src, "rb")), cfg.src)
-            tgt = read_lines(stack.enter_context(open(cfg.tgt, "rb")), cfg.tgt)
-            dst = stack.enter_context(atomic_text_output(cfg.output)) if cfg.output else sys.stdout
+            src = read_lines(stack.enter_context(open(args.src, "rb")), args.src)
+            tgt = read_lines(stack.enter_context(open(args.tgt, "rb")), args.tgt)
+            out = args.output
+            dst = stack.enter_context(atomic_text_output(out)) if out else sys.stdout
             pairs = itertools.zip_longest(src, tgt)
             for chunk in chunks((f"{s}\t{t}" for s, t in _checked(pairs, cfg)), CHUNK_LINES):
                 sources, targets = zip(*(line.split("\t", 1) for line in chunk))
@@ -66,8 +68,9 @@ def score_main(cfg: Config) -> dict[str, float]:
 
 def _checked(pairs, cfg: Config):
     """(source, target) lines without newlines or tabs; an error when one file is shorter."""
+    args = cfg.score
     for n, (s, t) in enumerate(pairs, start=1):
         if s is None or t is None:
-            shorter = cfg.src if s is None else cfg.tgt
+            shorter = args.src if s is None else args.tgt
             raise ValueError(f"{shorter} ends at line {n - 1}, the other file goes on")
         yield s.rstrip("\r\n").replace("\t", " "), t.rstrip("\r\n").replace("\t", " ")

@@ -331,7 +331,8 @@ def translate_main(cfg: Config) -> None:
     Exits with a one-line error (no traceback) for an unusable checkpoint, a missing input file
     or a line too long for the model.
     """
-    path = cfg.checkpoint or Path(cfg.run_dir) / "checkpoints/best.pt"
+    args = cfg.translate
+    path = args.checkpoint or Path(cfg.run_dir) / "checkpoints/best.pt"
     device = resolve_device(cfg.train.device)
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
@@ -339,30 +340,31 @@ def translate_main(cfg: Config) -> None:
         translator = Translator.from_checkpoint(path, device, cfg.decode)
     except CheckpointError as err:
         raise SystemExit(f"mt-translate: {err}") from None
-    name = cfg.input or "stdin"
+    name = args.input or "stdin"
     try:
         with contextlib.ExitStack() as stack:
-            raw = stack.enter_context(open(cfg.input, "rb")) if cfg.input else sys.stdin.buffer
-            dst = stack.enter_context(atomic_text_output(cfg.output)) if cfg.output else sys.stdout
-            interactive = cfg.interactive if cfg.interactive is not None else _is_tty(raw)
+            raw = stack.enter_context(open(args.input, "rb")) if args.input else sys.stdin.buffer
+            out = args.output
+            dst = stack.enter_context(atomic_text_output(out)) if out else sys.stdout
+            interactive = args.interactive if args.interactive is not None else _is_tty(raw)
             prefixes = alignment = None
-            if cfg.prefix:
-                prefixes = read_lines(stack.enter_context(open(cfg.prefix, "rb")), cfg.prefix)
-            if cfg.alignment:
-                alignment = stack.enter_context(atomic_text_output(cfg.alignment))
+            if args.prefix:
+                prefixes = read_lines(stack.enter_context(open(args.prefix, "rb")), args.prefix)
+            if args.alignment:
+                alignment = stack.enter_context(atomic_text_output(args.alignment))
             first: list[str] = []
             lines = _remember_first(read_lines(raw, name), first, translator)
             n = translate_stream(
                 translator, lines, dst, cfg.decode, interactive, prefixes, alignment,
-                cfg.alignment_layer,
+                args.alignment_layer,
             )  # fmt: skip
-            if cfg.attention:
-                _draw_attention(translator, first, cfg.attention)
+            if args.attention:
+                _draw_attention(translator, first, args.attention)
     except TextError as err:  # names the file and line itself
         raise SystemExit(f"mt-translate: {err}") from None
     except (OSError, ValueError) as err:
         raise SystemExit(f"mt-translate: {name}: {err}") from None
-    log.info("%d lines translated to %s", n, cfg.output or "stdout")
+    log.info("%d lines translated to %s", n, args.output or "stdout")
 
 
 def _is_tty(stream) -> bool:

@@ -115,51 +115,53 @@ def evaluate_main(cfg: Config) -> dict[str, Any]:
     Returns:
         The results dict (what results.json / ``output=`` holds).
     """
-    if cfg.hyp is not None:
-        if cfg.ref is None:
+    args = cfg.eval
+    if args.hyp is not None:
+        if args.ref is None:
             raise ValueError("mt-evaluate hyp=FILE needs ref=FILE (or ref=[FILE1,FILE2])")
         langpair = f"{cfg.data.src_lang}-{cfg.data.tgt_lang}"
-        result = score_files(cfg.hyp, cfg.ref, langpair, **eval_kwargs(cfg))
+        result = score_files(args.hyp, args.ref, langpair, **eval_kwargs(cfg))
         _print_scores(result)
-        if cfg.output:
-            write_json(cfg.output, result)
-            log.info("scores written to %s", cfg.output)
+        if args.output:
+            write_json(args.output, result)
+            log.info("scores written to %s", args.output)
         return result
     return evaluate_run(cfg)
 
 
 def evaluate_run(cfg: Config) -> dict[str, Any]:
-    """Decode ``cfg.split`` with the run's checkpoint, score it and write the run's results."""
+    """Decode ``args.split`` with the run's checkpoint, score it and write the run's results."""
+    args = cfg.eval
     import torch
 
     from mt.checkpoint import CheckpointError, load_model
     from mt.data.build import prepare
     from mt.decode.driver import fit_to_model, translate_ids
 
-    if cfg.split not in ("valid", "test"):
-        raise ValueError(f"split must be valid or test, got {cfg.split!r}")
+    if args.split not in ("valid", "test"):
+        raise ValueError(f"split must be valid or test, got {args.split!r}")
     stage_start = time.perf_counter()
     run_dir = Path(cfg.run_dir)
-    ckpt_path = Path(cfg.checkpoint) if cfg.checkpoint else run_dir / "checkpoints" / "best.pt"
+    ckpt_path = Path(args.checkpoint) if args.checkpoint else run_dir / "checkpoints" / "best.pt"
     device = resolve_device(cfg.train.device)
     model, tokenizer, ckpt = load_model(ckpt_path, device)
     prepared = prepare(cfg)
-    refs = prepared.references(cfg.split)
+    refs = prepared.references(args.split)
     if tokenizer.to_bytes() == prepared.tokenizer.to_bytes():
-        split = prepared.split(cfg.split)
+        split = prepared.split(args.split)
         src_ids = [split.src[i].tolist() for i in range(len(split))]
     else:  # the checkpoint's own vocabulary decides; the data's encoding would not fit it
         log.warning("%s has its own tokenizer, not the prepared data's: re-encoding", ckpt_path)
         src_ids = tokenizer.encode(
-            [tokenizer.normalize(s) for s in prepared.sources(cfg.split)], side="src"
+            [tokenizer.normalize(s) for s in prepared.sources(args.split)], side="src"
         )
     if len(src_ids) != len(refs):
         raise CheckpointError(f"{len(src_ids)} sources but {len(refs)} references")
-    src_ids = fit_to_model(src_ids, model.max_positions, "truncate", what=f"{cfg.split} source")
+    src_ids = fit_to_model(src_ids, model.max_positions, "truncate", what=f"{args.split} source")
 
     log.info(
         "decoding %d %s sentences with %s (beam %d, alpha %.2f, %s)",
-        len(src_ids), cfg.split, ckpt_path, cfg.decode.beam_size, cfg.decode.alpha,
+        len(src_ids), args.split, ckpt_path, cfg.decode.beam_size, cfg.decode.alpha,
         cfg.decode.precision,
     )  # fmt: skip
     start = time.perf_counter()
@@ -167,10 +169,10 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     hyps = tokenizer.decode(out_ids, side="tgt")
 
-    write_lines(run_dir / "translations" / f"{cfg.split}.txt", hyps)
+    write_lines(run_dir / "translations" / f"{args.split}.txt", hyps)
     result = score(hyps, refs, **eval_kwargs(cfg))
     result.update(
-        split=cfg.split,
+        split=args.split,
         checkpoint=str(ckpt_path),
         step=int(ckpt.get("step", 0)),
         beam_size=cfg.decode.beam_size,
@@ -184,15 +186,15 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
         tgt_tok_per_s=round(sum(map(len, out_ids)) / max(seconds, 1e-9), 1),
         torch_threads=torch.get_num_threads(),
     )
-    write_json(run_dir / f"results.{cfg.split}.json", result)  # each split keeps its own
+    write_json(run_dir / f"results.{args.split}.json", result)  # each split keeps its own
     write_json(run_dir / "results.json", result)  # the latest evaluation (report, sweeps)
-    log.info("%s on %s: %s", ckpt_path.name, cfg.split,
+    log.info("%s on %s: %s", ckpt_path.name, args.split,
              " | ".join(f"{k} {v['score']:.2f}" for k, v in result["scores"].items()))  # fmt: skip
-    if cfg.report:
+    if args.report:
         from mt.evaluation.report import record_stage_time
 
         record_stage_time(run_dir, "evaluate", time.perf_counter() - stage_start)
-        _write_report(run_dir, prepared, cfg.split, hyps, model, tokenizer, cfg.decode, device)
+        _write_report(run_dir, prepared, args.split, hyps, model, tokenizer, cfg.decode, device)
     _print_scores(result)
     sys.stdout.write(f"{run_dir}\n")
     sys.stdout.flush()

@@ -50,10 +50,11 @@ def export(checkpoint: str | Path, fmt: str, output: str | Path) -> Path:
 
 def export_main(cfg: Config) -> None:
     """``mt-export``: exits with a one-line error for a missing setting or an unexportable model."""
-    if not cfg.checkpoint or not cfg.output or not cfg.format:
+    args = cfg.export
+    if not args.checkpoint or not args.output or not args.format:
         raise SystemExit("mt-export: checkpoint=PATH format=hf|ctranslate2 output=DIR are needed")
     try:
-        out = export(cfg.checkpoint, cfg.format, cfg.output)
+        out = export(args.checkpoint, args.format, args.output)
     except (ExportError, CheckpointError) as err:
         raise SystemExit(f"mt-export: {err}") from None
     print(out)

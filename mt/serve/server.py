@@ -298,7 +298,8 @@ def serve_main(cfg: Config) -> None:
 
     from mt.checkpoint import CheckpointError
 
-    path = Path(cfg.checkpoint) if cfg.checkpoint else Path(cfg.run_dir) / "checkpoints/best.pt"
+    args = cfg.serve
+    path = Path(args.checkpoint) if args.checkpoint else Path(cfg.run_dir) / "checkpoints/best.pt"
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
     device = cfg.train.device
@@ -309,7 +310,7 @@ def serve_main(cfg: Config) -> None:
     except CheckpointError as err:
         raise SystemExit(f"mt-serve: {err}") from None
     app = create_app(translator, cfg.serve, run_info(path, translator))
-    if cfg.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("mt-serve listens on %s: reachable from other machines", cfg.host)
-    log.info("serving %s on http://%s:%d/", path, cfg.host, cfg.port)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("mt-serve listens on %s: reachable from other machines", args.host)
+    log.info("serving %s on http://%s:%d/", path, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
