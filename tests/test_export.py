@@ -156,6 +156,19 @@ def test_random_weights_generate_equals_mt(beam, tmp_path):
     assert ec.agreement(expected, got).same >= 20
 
 
+def test_generation_config_caps_new_tokens_only(capfd):
+    """One output cap, as mt states it (new tokens): generate() with or without max_new_tokens
+    runs without transformers' warning that both max_length and max_new_tokens were set."""
+    model = build_model(ModelConfig(N=1, d_model=16, d_ff=32, h=2, max_positions=64), 20)
+    hf = build_marian(model.state_dict(), model.cfg, 20)
+    gen = hf.generation_config.to_diff_dict()
+    assert gen["max_new_tokens"] == 63 and "max_length" not in gen
+    src = torch.tensor([[5, 6, 7, 3]])
+    assert hf.generate(src, max_new_tokens=3).shape[1] <= 4  # start token + 3
+    hf.generate(src)
+    assert "max_length" not in capfd.readouterr().err
+
+
 def test_unexportable_settings_are_refused_naming_the_setting():
     with pytest.raises(ExportError, match="model.norm=pre"):
         check_exportable(ModelConfig(norm="pre"), True, "hf")

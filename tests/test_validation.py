@@ -89,3 +89,21 @@ def test_two_ranks_validate_like_one(real_data, tmp_path, monkeypatch):
         assert got["result"]["valid_bleu"] == single["valid_bleu"]
         for key in ("valid_loss", "valid_nll", "valid_ppl"):
             assert got["result"][key] == pytest.approx(single[key], rel=1e-12), key
+
+
+def test_valid_bleu_uses_the_configured_bleu_tokenizer(real_data, tmp_path, monkeypatch):
+    """train.eval_bleu scores as mt-evaluate would: with eval.bleu_tokenize (here 'char',
+    computed again by sacreBLEU itself), not always with 13a."""
+    import sacrebleu
+
+    from mt.train.validation import valid_bleu
+
+    monkeypatch.setenv("MT_DATA_DIR", str(real_data))
+    cfg = load_config([*OVERRIDES, f"run_dir={tmp_path / 'run'}", "eval.bleu_tokenize=char"])
+    prepared = prepare(cfg)
+    model = model_for(cfg, prepared.vocab_size)
+    hyps = valid_hypotheses(model, prepared, cfg, torch.device("cpu"))
+    refs = prepared.references("valid")[: len(hyps)]
+    got = valid_bleu(model, prepared, cfg, torch.device("cpu"))
+    assert got == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs], tokenize="char").score)
+    assert got != pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score)

@@ -207,7 +207,10 @@ def build_marian(state: dict[str, torch.Tensor], cfg: ModelConfig, vocab_size: i
         suppress_tokens=[PAD, BOS],  # mt's search never generates these
         early_stopping=True,  # mt's rule: stop when num_beams hypotheses have finished
         num_beams=4,
-        max_length=min(cfg.max_positions, 512),
+        # The output cap as mt states it (new tokens, the start token not counted), and only
+        # that: a max_length beside it makes transformers warn on every generate that passes
+        # max_new_tokens.
+        max_new_tokens=min(cfg.max_positions, 512) - 1,
     )
     return model
 
