@@ -200,7 +200,9 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
     torch.manual_seed(args.seed)
     mt_model = build_model(cfg, args.vocab)
     p_enc, p_dec = mt_stack_params(mt_model)
-    mt_forward = for_training(mt_model, device, args.cpu_kernels, args.precision)  # as mt.train
+    mt_forward = for_training(  # as mt.train
+        mt_model, device, args.cpu_kernels, args.precision, args.compile
+    )
     runners = [Runner("mt", mt_forward, args, cfg, device)]
     if args.baseline == "torch":
         torch_model = TorchTransformer(cfg, args.vocab)

@@ -291,3 +291,43 @@ def test_for_training_picks_the_copy_on_cpu_only():
     # bf16 keeps autocast's products: only the dropout is swapped.
     assert nn.Linear in {type(m) for m in bf16.modules()}
     assert Dropout in {type(m) for m in bf16.modules()}
+
+
+def test_packed_ffn_runs_on_the_real_rows_of_a_padded_batch_only():
+    """mt.fast.packing: a side is packed when at least MIN_PADDING of it is padding (decided
+    from sizes on the host); the FFN then runs on the real rows, zeros at the padded ones."""
+    import numpy as np
+
+    from mt.data.batches import collate
+    from mt.fast.packing import MIN_PADDING, InFlight, PackedFeedForward
+    from mt.model.transformer import FeedForward
+
+    rng = np.random.default_rng(4)
+    lengths = [(9, 2), (3, 8)]
+    padded = collate([(rng.integers(4, 40, n), rng.integers(4, 40, m)) for n, m in lengths])
+    even = collate([(rng.integers(4, 40, 20), rng.integers(4, 40, 20)) for _ in range(2)])
+    even_src = collate([(rng.integers(4, 40, n), rng.integers(4, 40, 5)) for n in (20, 19)])
+    flight = InFlight()
+    flight.set(padded.src, padded.tgt_in, padded.real)
+    assert flight.src is padded.real.src and flight.tgt is padded.real.tgt
+    flight.set(even.src, even.tgt_in, even.real)
+    assert flight.src is None and flight.tgt is None  # no padding at all
+    flight.set(even_src.src, even_src.tgt_in, even_src.real)
+    assert even_src.real.src is not None and flight.src is None  # 1 of 42: below MIN_PADDING
+    assert 1 / 42 < MIN_PADDING
+    flight.set(padded.src, padded.tgt_in, None)
+    assert flight.src is None and flight.tgt is None  # decoding: never packed
+
+    torch.manual_seed(11)
+    ffn = FeedForward(16, 32)
+    packed = PackedFeedForward(ffn, flight, "tgt")
+    x = torch.randn(*padded.tgt_in.shape, 16, requires_grad=True)
+    flight.set(padded.src, padded.tgt_in, padded.real)
+    y = packed(x)
+    real = padded.tgt_in.reshape(-1) != 0  # tgt_in: BOS + ids, PAD after
+    flat, want = y.reshape(-1, 16), ffn(x).reshape(-1, 16)
+    torch.testing.assert_close(flat[real], want[real])
+    assert torch.all(flat[~real] == 0)
+    flat[real].sum().backward()
+    grad = x.grad.reshape(-1, 16)
+    assert torch.all(grad[~real] == 0) and torch.all(grad[real].abs().sum(-1) > 0)

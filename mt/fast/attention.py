@@ -51,8 +51,8 @@ class ShortQueryAttention(ScaledDotProduct):
 
     def forward(self, q, k, v, mask=None, is_causal=False, dropout_p=0.0, need_weights=False):
         scope = contextlib.nullcontext()
-        if k.dtype == torch.float32 and torch.is_autocast_enabled(q.device.type):
-            q, scope = q.float(), torch.autocast(q.device.type, enabled=False)  # a float32 cache
+        if q.dtype != k.dtype:  # bf16 queries (autocast) against a float32 cache
+            q, scope = q.to(k.dtype), torch.autocast(q.device.type, enabled=False)
         with scope:
             if q.size(-2) > self.max_queries or torch.is_grad_enabled():
                 return super().forward(q, k, v, mask, is_causal, dropout_p, need_weights)

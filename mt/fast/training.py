@@ -11,6 +11,7 @@ validation see one model) and computes the model's math with four things done di
   part of an AMD CPU's float32 peak.
 * **Dropout masks from 16 random bits** per element (``mt.fast.dropout``).
 * **Attention written out** with those masks (``mt.fast.attention.CPUTrainingAttention``).
+* **The FFN on the real positions only** of a well-padded batch (``mt.fast.packing``).
 * **The projection and the loss in row blocks** (``mt.fast.loss.projected_cross_entropy``):
   the (n, V) logits and their gradient, 112 MB each in float32 for a 3,500-token batch at
   V = 8000, are never allocated. On a CPU each such allocation is fresh memory from the kernel
@@ -39,6 +40,7 @@ from mt.fast.loss import label_smoothed_cross_entropy, projected_cross_entropy
 from mt.fast.memory import hold_freed_memory
 from mt.fast.modules import replace_modules, shared_copy
 from mt.fast.onednn import Linear, linear, onednn_available
+from mt.fast.packing import InFlight, pack
 from mt.model.masks import RealPositions
 from mt.model.transformer import Transformer
 
@@ -54,13 +56,20 @@ class TrainingModel(nn.Module):
         blockwise: the projection and the loss in row blocks (:func:`projected_cross_entropy`);
             False: the logits, then the fused loss (:func:`label_smoothed_cross_entropy`).
         product: ``(x, w, bias) -> x w^T (+ bias)`` for the blockwise projection.
+        in_flight: where the model's packed FFNs find the real rows of each batch
+            (``mt.fast.packing.pack``); None: nothing is packed.
     """
 
     def __init__(
-        self, model: Transformer, blockwise: bool = False, product: Callable = F.linear
+        self,
+        model: Transformer,
+        blockwise: bool = False,
+        product: Callable = F.linear,
+        in_flight: InFlight | None = None,
     ) -> None:
         super().__init__()
         self.model, self.blockwise, self.product = model, blockwise, product
+        self.in_flight = in_flight
 
     def forward(
         self,
@@ -70,6 +79,8 @@ class TrainingModel(nn.Module):
         project: bool = True,
     ) -> torch.Tensor:
         """The model's teacher-forced pass (``Transformer.forward``)."""
+        if self.in_flight is not None:
+            self.in_flight.set(src, tgt_in, real)
         return self.model(src, tgt_in, real, project)
 
     def loss(
@@ -116,17 +127,25 @@ def training_copy(model: Transformer, products: bool = True) -> Transformer:
 
 
 def for_training(
-    model: Transformer, device: torch.device, cpu_kernels: bool = True, precision: str = "fp32"
+    model: Transformer,
+    device: torch.device,
+    cpu_kernels: bool = True,
+    precision: str = "fp32",
+    compiled: bool = False,
 ) -> TrainingModel:
     """What the training step runs (``mt.train`` and ``make bench``).
 
     On a CPU with ``train.cpu_kernels``: :func:`hold_freed_memory` and a :func:`training_copy`
-    (oneDNN products in fp32 only: bf16 keeps autocast's), its loss in row blocks. Elsewhere
-    the model itself with the fused loss over its logits. ``model`` is never modified.
+    (oneDNN products in fp32 only: bf16 keeps autocast's), its loss in row blocks and its FFN
+    packed on well-padded batches (not when the step is ``compiled``: the packed rows' count
+    would be one more dynamic shape per batch). Elsewhere the model itself with the fused loss
+    over its logits. ``model`` is never modified.
     """
     if device.type != "cpu" or not cpu_kernels:
         return TrainingModel(model)
     hold_freed_memory()
     products = precision == "fp32" and onednn_available()
     copy = training_copy(model, products=products)
-    return TrainingModel(copy, blockwise=True, product=linear if products else F.linear)
+    in_flight = None if compiled else pack(copy)
+    product = linear if products else F.linear
+    return TrainingModel(copy, blockwise=True, product=product, in_flight=in_flight)

@@ -48,7 +48,7 @@ class SelfAttentionCache:
         Returns:
             (B, H, length + T, d_k) views of the keys/values of every position so far.
         """
-        if self.dtype is not None:
+        if self.dtype is not None and k.dtype != self.dtype:
             k, v = k.to(self.dtype), v.to(self.dtype)
         past, end = self.length, self.length + k.size(2)
         if self.k is None or self.k.size(2) < end or self.k.dtype != k.dtype:
