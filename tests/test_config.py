@@ -158,3 +158,12 @@ def test_the_15_minute_experiment_is_the_default_recipe_in_a_third_of_the_time()
         "train.eval_every",
         "train.max_minutes",
     ]  # model, decode and data are the default's
+
+
+def test_the_default_recipe_is_stated_in_updates_with_time_as_a_cap():
+    """The same command gives the same model on any machine: the budget is updates; minutes
+    only cap it (and the cool-down spans whichever of the two comes first)."""
+    for experiment in ("multi30k_de_en", "multi30k_en_de", "multi30k_de_en_15min"):
+        tc = load_config([f"experiment={experiment}"]).train
+        assert tc.max_steps == 4000 and tc.cooldown == 0.3 and tc.max_minutes in (42, 15)
+        assert tc.eval_every * tc.patience < tc.max_steps  # patience can stop a run early

@@ -213,3 +213,21 @@ def test_time_to_levels_and_levels():
     values = np.array([9.0, 21.0, 19.0, 31.0])  # not monotone: the first crossing counts
     got = time_to_levels(minutes, values, [10, 20, 30, 40])
     assert got == [(10, 2.0), (20, 2.0), (30, 4.0), (40, None)]
+
+
+def test_training_summary_says_what_ended_the_run_and_where():
+    from mt.evaluation.report import _training_summary
+
+    base = [{"step": 1, "loss": 5.0, "wall": 1.0}, {"step": 2800, "loss": 2.0, "wall": 2520.0}]
+    machine = {"device": "cpu", "cpu": "AMD EPYC", "native_bf16": False, "threads": 2}
+    budget = {"max_steps": 4000, "max_minutes": 42, "max_epochs": 0, "patience": 4}
+    end = {"stage": "train", "seconds": 2520.0, "step": 2800, "stop": "max_minutes",
+           "budget": budget, "precision": "fp32", "machine": machine}  # fmt: skip
+    text = "\n".join(_training_summary([*base, end]))
+    assert "| ended by | the time cap (42 min) after 2,800 updates of 4,000 planned |" in text
+    assert "| machine | AMD EPYC (no native bf16, 2 threads), fp32 |" in text
+    text = "\n".join(_training_summary([*base, {**end, "stop": "max_steps"}]))
+    assert "| ended by | the update budget (4,000 updates) |" in text
+    text = "\n".join(_training_summary([*base, {**end, "stop": "patience"}]))
+    assert "| ended by | patience (4 validations without improvement) |" in text
+    assert "ended by" not in "\n".join(_training_summary(base))  # older runs: no such row

@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from mt.train.schedule import cooldown_factor, noam_factor, noam_lambda, noam_lr
+from mt.schema import TrainConfig
+from mt.train.schedule import (
+    cooldown_factor,
+    describe_budget,
+    noam_factor,
+    noam_lambda,
+    noam_lr,
+)
 
 
 def _paper(step, d_model, warmup, factor=1.0):
@@ -62,3 +69,13 @@ def test_cooldown_factor_is_linear_to_zero_over_the_last_share():
     assert cooldown_factor(0.99, 0.0) == 1.0  # off
     with pytest.raises(ValueError, match="train.cooldown"):
         cooldown_factor(0.5, 1.5)
+
+
+def test_the_budget_is_described_in_updates_with_time_as_a_cap():
+    tc = TrainConfig(max_steps=4000, max_minutes=42, cooldown=0.3, patience=4)
+    assert describe_budget(tc) == (
+        "4,000 updates, or 42 minutes (a cap), whichever comes first; the rate falls to 0 over "
+        "the last 30% of it; stops early after 4 validations without a better bleu"
+    )
+    assert describe_budget(TrainConfig(max_minutes=15)) == "15 minutes"
+    assert describe_budget(TrainConfig()) == "no limit"

@@ -4,6 +4,7 @@ averaging. Tiny model on a slice of real Multi30k, one thread, CPU."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -449,8 +450,27 @@ def test_max_epochs_is_one_pass_over_the_data(tmp_path):
     assert [r["step"] for r in _records(run) if "loss" in r] == [1]  # step 1 is always logged
 
 
-def test_max_minutes_stops_on_time(tmp_path):
+def test_max_minutes_stops_on_time(tmp_path, caplog):
     run = tmp_path / "run"
-    result = train(_cfg(run, "train.max_minutes=1e-5", "train.max_steps=1000"))
+    with caplog.at_level(logging.INFO, logger="mt.train.recipe"):
+        result = train(_cfg(run, "train.max_minutes=1e-5", "train.max_steps=1000"))
     assert result["stop"] == "max_minutes" and result["step"] == 1
     assert load_checkpoint(run / "checkpoints" / "last.pt")["step"] == 1
+    # The run says which budget ended it, what the budget was, and on what machine.
+    (end,) = [r for r in _records(run) if r.get("stage") == "train"]
+    assert end["stop"] == "max_minutes" and end["step"] == 1
+    assert end["budget"] == {"max_steps": 1000, "max_minutes": 1e-5, "max_epochs": 0,
+                             "patience": 0}  # fmt: skip
+    assert end["precision"] == "fp32" and end["machine"]["device"] == "cpu"
+    assert end["machine"]["cpu"] and isinstance(end["machine"]["native_bf16"], bool)
+    log = caplog.text
+    assert "budget: 1,000 updates, or 1e-05 minutes (a cap), whichever comes first" in log
+    assert "training stopped at step 1: the time cap (max_minutes)" in log
+
+
+def test_validation_records_resident_memory(tmp_path):
+    run = tmp_path / "run"
+    train(_cfg(run, "train.max_steps=2", "train.eval_every=1"))
+    valid = [r for r in _records(run) if "valid_loss" in r]
+    assert [r["step"] for r in valid] == [1, 2]
+    assert all(0 < r["rss_mb"] <= r["peak_rss_mb"] for r in valid)

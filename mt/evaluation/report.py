@@ -349,8 +349,33 @@ def _training_summary(records: Sequence[Mapping[str, Any]]) -> list[str]:
     _, tps = series(records, "tgt_tok_per_s")
     if len(tps):
         facts.append(("median target tokens/s", f"{np.median(tps):,.0f}"))
-    lines += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in facts]
+    end = next((r for r in reversed(records) if r.get("stage") == "train"), None)
+    if end is not None and end.get("stop"):
+        facts.append(("ended by", _ended_by(end)))
+    if end is not None and isinstance(end.get("machine"), Mapping):
+        m = end["machine"]
+        bf16 = "native bf16" if m.get("native_bf16") else "no native bf16"
+        where = f"{m.get('gpu') or m.get('cpu')} ({bf16}, {m.get('threads')} threads)"
+        facts.append(("machine", f"{where}, {end.get('precision')}"))
+    lines += ["| | |", "|---|---|"] + [f"| {k} | {_cell(v)} |" for k, v in facts]
     return lines + [""]
+
+
+def _ended_by(end: Mapping[str, Any]) -> str:
+    """Which budget ended training, in words: the update budget, the time cap, patience..."""
+    budget = end.get("budget") if isinstance(end.get("budget"), Mapping) else {}
+    stop, step = end.get("stop"), end.get("step")
+    if stop == "max_steps":
+        return f"the update budget ({budget.get('max_steps', step):,} updates)"
+    if stop == "max_minutes":
+        planned = budget.get("max_steps") or 0
+        of = f" of {planned:,} planned" if planned else ""
+        return f"the time cap ({budget.get('max_minutes'):g} min) after {step:,} updates{of}"
+    if stop == "patience":
+        return f"patience ({budget.get('patience')} validations without improvement)"
+    if stop == "max_epochs":
+        return f"the epoch budget ({budget.get('max_epochs')} epochs)"
+    return "a stop signal" if stop == "signal" else str(stop)
 
 
 def _examples_section(

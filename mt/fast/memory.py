@@ -1,4 +1,5 @@
-"""Memory that a CPU training step frees, kept in the process for the next step (glibc)."""
+"""Memory: what a CPU training step frees, kept in the process for the next step (glibc), and
+the process's resident memory for the log (:func:`resident_mb`)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,19 @@ def hold_freed_memory() -> bool:
     if _held:
         log.info("glibc malloc: freed memory kept for reuse (mmap threshold 32 MB, no trim)")
     return _held
+
+
+def resident_mb() -> tuple[float, float]:
+    """This process's resident memory now and at its peak, in MB (Linux; (0, peak) elsewhere)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KB on Linux
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        import os
+
+        rss = pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0, peak
+    return rss, max(peak, rss)  # the kernel updates its peak lazily

@@ -46,14 +46,21 @@ from mt.data.build import prepare
 from mt.data.prefetch import Prefetcher
 from mt.fast import for_training
 from mt.fast.compile import compile_model, compiled_graphs, pad_multiple
-from mt.fast.precision import resolve_precision, set_fp32_precision
+from mt.fast.memory import resident_mb
+from mt.fast.precision import machine, resolve_precision, set_fp32_precision
 from mt.files import remove_stale_temps, write_json
 from mt.model.transformer import build_model
 from mt.schema import Config
 from mt.train import preempt
 from mt.train.lock import LockError, RunLock
 from mt.train.progress import progress
-from mt.train.schedule import budget_progress, cooldown_factor, noam_lambda
+from mt.train.schedule import (
+    STOPS,
+    budget_progress,
+    cooldown_factor,
+    describe_budget,
+    noam_lambda,
+)
 from mt.train.state import (
     TrainState,
     agree_on_resume,
@@ -210,6 +217,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     n_params = sum(p.numel() for p in raw.parameters())
     log.info("model: %s parameters, vocabulary %d", f"{n_params:,}", prepared.vocab_size)
 
+    log.info("budget: %s", describe_budget(tc))
     optimizer = build_optimizer(raw.parameters(), tc, info.device)
     if tc.cooldown > 0 and tc.max_steps <= 0 and tc.max_minutes <= 0:
         raise ValueError("train.cooldown needs a budget: set train.max_steps or train.max_minutes")
@@ -299,7 +307,7 @@ def train_loop(run: Run) -> str:
                 stop = "max_epochs"
     run.close_batches()
     bar.close()
-    log.info("training stopped at step %d (%s)", state.step, stop)
+    log.info("training stopped at step %d: %s (%s)", state.step, STOPS.get(stop, stop), stop)
     return stop
 
 
@@ -375,7 +383,9 @@ def run_validation(run: Run) -> dict[str, float]:
     else:
         state.bad_evals += 1
     if info.is_main:
-        record = {"step": state.step, "epoch": state.epoch, "wall": round(state.wall, 3)}
+        rss, peak = resident_mb()
+        record = {"step": state.step, "epoch": state.epoch, "wall": round(state.wall, 3),
+                  "rss_mb": round(rss, 1), "peak_rss_mb": round(peak, 1)}  # fmt: skip
         run.metrics.write({**record, **result})
         shown = ", ".join(f"{k} {v:.4g}" for k, v in result.items())
         log.info("validation at step %d: %s%s", state.step, shown, " (best)" if improved else "")
@@ -415,7 +425,13 @@ def finish(run: Run, stop: str) -> dict[str, Any]:
         save(run, periodic=False)
         if run.info.is_main:  # for a requeue script that cannot see the exit status (torchrun)
             write_json(run.run_dir / PREEMPTED, {"step": state.step, "signal": run.stop.name})
-    run.metrics.write({"stage": "train", "seconds": round(state.wall, 3)})
+    tc = run.cfg.train
+    budget = {"max_steps": tc.max_steps, "max_minutes": tc.max_minutes,
+              "max_epochs": tc.max_epochs, "patience": tc.patience}  # fmt: skip
+    run.metrics.write({
+        "stage": "train", "seconds": round(state.wall, 3), "step": state.step, "stop": stop,
+        "budget": budget, "precision": tc.precision, "machine": machine(run.info.device),
+    })  # fmt: skip
     return {
         "step": state.step,
         "epoch": state.epoch,

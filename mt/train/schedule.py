@@ -99,3 +99,30 @@ def budget_progress(tc, state) -> float:
     if tc.max_minutes > 0:
         shares.append(state.wall / (tc.max_minutes * 60))
     return min(max(shares), 1.0)
+
+
+STOPS = {
+    "max_steps": "the update budget",
+    "max_minutes": "the time cap",
+    "max_epochs": "the epoch budget",
+    "patience": "patience",
+    "signal": "a stop signal",
+}
+
+
+def describe_budget(tc) -> str:
+    """The training budget in words, for the log: updates first, time only as a cap."""
+    parts = []
+    if tc.max_steps > 0:
+        parts.append(f"{tc.max_steps:,} updates")
+    if tc.max_epochs > 0:
+        parts.append(f"{tc.max_epochs} epochs")
+    if tc.max_minutes > 0:
+        parts.append(f"{tc.max_minutes:g} minutes" + (" (a cap)" if parts else ""))
+    text = ", or ".join(parts) + (", whichever comes first" if len(parts) > 1 else "")
+    text = text or "no limit"
+    if tc.cooldown > 0:
+        text += f"; the rate falls to 0 over the last {tc.cooldown:.0%} of it"
+    if tc.patience > 0:
+        text += f"; stops early after {tc.patience} validations without a better {tc.best_metric}"
+    return text
