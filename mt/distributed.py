@@ -218,17 +218,28 @@ def max_over_ranks(values: list[float]) -> list[float]:
 def wrap(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
     """Wrap the model in DistributedDataParallel when there are several ranks.
 
-    ``broadcast_buffers=False``: the model's only buffers are constants (the sinusoidal
-    positions), identical on every rank, so the per-forward broadcast would copy nothing new.
-    ``gradient_as_bucket_view=True``: gradients live in DDP's all-reduce buckets instead of
-    being copied into them and back after the all-reduce (less memory, no copies).
+    No buffer broadcast before each forward: the model's only buffers are constants (the
+    sinusoidal positions), identical on every rank, so it would copy nothing new
+    (``forward_sync_buffers=False`` since torch 2.13, ``broadcast_buffers=False`` before it,
+    which 2.13 deprecates). ``gradient_as_bucket_view=True``: gradients live in DDP's
+    all-reduce buckets instead of being copied into them and back after the all-reduce (less
+    memory, no copies).
     """
     if not info.distributed:
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ids = [info.device.index] if info.device.type == "cuda" else None
-    return DDP(model, device_ids=ids, broadcast_buffers=False, gradient_as_bucket_view=True)
+    return DDP(model, device_ids=ids, gradient_as_bucket_view=True, **_no_buffer_sync(DDP))
+
+
+def _no_buffer_sync(ddp: type) -> dict[str, bool]:
+    """DDP's keyword for "do not sync buffers before each forward" in this torch."""
+    import inspect
+
+    if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -250,3 +250,26 @@ def test_control_collectives_do_not_synchronise_the_gpu(tmp_path):
     finally:
         torch.cuda.set_sync_debug_mode(0)
         distributed.cleanup()
+
+
+def test_ddp_wrap_asks_for_no_buffer_sync_without_deprecation_warnings(tmp_path):
+    """torch 2.13 deprecates broadcast_buffers (a FutureWarning on every DDP run): the wrap uses
+    the keyword this torch has, and the model still trains through it."""
+    import warnings
+
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrapped = distributed.wrap(model, distributed.DistInfo(world_size=2))
+        assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
+        assert not [w for w in caught if issubclass(w.category, FutureWarning)], caught
+        assert not getattr(wrapped, "forward_sync_buffers", wrapped.broadcast_buffers)
+        wrapped(torch.randn(3, 4)).sum().backward()
+        assert model.weight.grad is not None
+    finally:
+        dist.destroy_process_group()
