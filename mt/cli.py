@@ -54,16 +54,39 @@ def _hydra_app(task: Callable[[Config], object], command: str) -> Callable[[], N
         held = _HeldStderr(tool)
 
         @hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)
-        def app(dcfg) -> None:
+        def app(dcfg) -> object:
             held.release()
             setup_logging()
             with user_errors(tool):
-                task(to_config(dcfg))
+                return task(trial_config(to_config(dcfg)))  # a sweeper's objective (train)
 
         with held:
             app()
 
     return main
+
+
+def trial_config(cfg: Config) -> Config:
+    """In a Hydra multirun (``-m``) each trial writes its own run directory, Hydra's output
+    directory of the job (``<hydra.sweep.dir>/<job number>``, the sweep directory under
+    ``run_dir``), so no trial resumes another; prepared data stays shared through
+    ``cache_dir``. A ``run_dir`` override that names the job itself (``${hydra:job.num}``)
+    is kept. Outside a multirun ``cfg`` is returned as it is."""
+    import dataclasses
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return cfg
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return cfg
+    for override in hc.overrides.task:
+        key, _, value = override.partition("=")
+        if key.lstrip("+~") == "run_dir" and "${hydra:" in value:
+            return cfg
+    return dataclasses.replace(cfg, run_dir=hc.runtime.output_dir)
 
 
 class _HeldStderr:
@@ -188,13 +211,17 @@ def _prepare(cfg: Config) -> None:
         record_stage_time(cfg.run_dir, "prepare", time.perf_counter() - start)
 
 
-def _train(cfg: Config) -> None:
+def _train(cfg: Config) -> float | None:
+    """Train; returns the best validation value (what a Hydra sweeper such as Optuna's
+    optimises: valid BLEU, or valid loss with ``train.best_metric=loss``)."""
     from mt.train.preempt import exit_status
     from mt.train.recipe import train
 
-    status = exit_status(train(cfg).get("signal"))
+    result = train(cfg)
+    status = exit_status(result.get("signal"))
     if status:  # stopped by a signal after saving: 75 = requeue me, 130 = Ctrl-C
         raise SystemExit(status)
+    return result["best"]
 
 
 def _translate(cfg: Config) -> None:

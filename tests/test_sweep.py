@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,3 +66,53 @@ def test_decoding_trials_use_valid_results_only(tmp_path):
 def test_empty_sweep_is_an_error(tmp_path):
     out = _run(tmp_path)
     assert out.returncode == 1 and "no trials" in out.stderr
+
+
+@pytest.mark.slow
+def test_a_two_trial_multirun_trains_two_runs_and_summarises_them(real_data, tmp_path):
+    """`mt-train -m` with no run_dir of its own per trial: each trial trains in its own run
+    directory under the sweep directory (none resumes another), and the sweep ends with a
+    summary table and plot naming both."""
+    env = dict(os.environ, MT_DATA_DIR=str(real_data), MT_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "mt", "train", "-m", "experiment=smoke", "train.max_steps=3",
+         "train.eval_every=3", "train.eval_max_sentences=10", "decode.max_len_b=5",
+         "model.dropout=0.0,0.2", f"run_dir={tmp_path / 'runs'}"],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "resuming" not in proc.stderr
+    (sweep,) = (tmp_path / "runs").glob("sweep-*")
+    for job, dropout in (("0", 0.0), ("1", 0.2)):
+        config = yaml.safe_load((sweep / job / "config.yaml").read_text())
+        assert config["run_dir"] == str(sweep / job) and config["model"]["dropout"] == dropout
+        steps = [json.loads(x).get("step") for x in (sweep / job / "metrics.jsonl").open()]
+        assert max(s for s in steps if s is not None) == 3  # each trial trained its own 3
+    summary = (sweep / "summary.md").read_text()
+    rows = [line for line in summary.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| run | model.dropout |") and rows[0].endswith("| best |")
+    assert len(rows) == 3 and sum("**best**" in r for r in rows) == 1
+    assert (sweep / "summary.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_optuna_sweeper_optimises_the_best_valid_metric(real_data, tmp_path):
+    """hydra/sweeper=optuna: mt-train returns its best valid BLEU as the objective; the trials
+    get their own run directories and the sweep its summary, as with the basic sweeper."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    env = dict(os.environ, MT_DATA_DIR=str(real_data), MT_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "mt", "train", "-m", "hydra/sweeper=optuna",
+         "hydra.sweeper.n_trials=2", "hydra.sweeper.direction=maximize",
+         "model.dropout=interval(0.0,0.3)", "experiment=smoke", "train.max_steps=2",
+         "train.eval_every=2", "train.eval_max_sentences=10", "decode.max_len_b=5",
+         f"run_dir={tmp_path / 'runs'}"],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (sweep,) = (tmp_path / "runs").glob("sweep-*")
+    result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert 0.0 <= result["best_params"]["model.dropout"] <= 0.3
+    assert isinstance(result["best_value"], float)
+    rows = [r for r in (sweep / "summary.md").read_text().splitlines() if r.startswith("| ")]
+    assert len(rows) == 3 and (sweep / "0" / "config.yaml").is_file()  # header, 2 trials
