@@ -167,7 +167,7 @@ class DecodeConfig:
     batch_size: int = 64  # sentences per decoding batch
     max_tokens: int = 0  # source tokens per decoding batch (0 = use batch_size)
     too_long: str = "error"  # error | truncate: inputs longer than model.max_positions
-    precision: str = "fp32"  # fp32 | bf16 (CPU or GPU autocast)
+    precision: str = "fp32"  # fp32 | bf16 | auto (whichever is faster here: measured, cached)
     quantize: str = "none"  # none | int8: dynamic int8 Linear layers (CPU decoding speed)
     onednn: bool = True  # CPU: Linear products through oneDNN (same precision; mt.fast.decoding)
     # Sampling (decode=sample): one draw per sentence instead of a search.

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 
 import numpy as np
 import pytest
 import torch
 
 import mt.fast.precision
+import mt.fast.probe
 import mt.train.recipe
 from mt.data.batches import collate
 from mt.fast.compile import compile_model, pad_multiple
@@ -87,7 +89,12 @@ def test_native_bf16_on_a_torch_without_the_feature_checks(monkeypatch):
 
 @pytest.mark.parametrize("native", [False, True])
 def test_resolve_precision(monkeypatch, caplog, native):
+    """auto follows the measured figures (here given: bf16 faster exactly where 'native'),
+    not the flag; an explicit bf16 warns where the flag says it is emulated."""
     monkeypatch.setattr(mt.fast.precision, "native_bf16", lambda device: native)
+    figures = {"fp32": 1.0, "bf16": 0.5 if native else 2.0}
+    monkeypatch.setattr(mt.fast.probe, "measure", lambda *a, **k: dict(figures))
+    monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})
     cpu = torch.device("cpu")
     assert resolve_precision("auto", cpu) == ("bf16" if native else "fp32")
     assert resolve_precision("fp32", cpu) == "fp32"
@@ -154,3 +161,58 @@ def test_compiled_training_runs_compile_then_ddp_wrap_and_logs_graphs(
     assert graphs[0] == 1 and graphs[-1] <= 2 and graphs == sorted(graphs)
     assert not torch._dynamo.utils.counters["graph_break"]
     assert json.dumps(logged)  # plain numbers
+
+
+def test_the_probe_picks_the_fastest_allowed_candidate():
+    from mt.fast.probe import fastest
+
+    assert fastest({"fp32": 0.2, "bf16": 0.1}, ["fp32", "bf16"]) == "bf16"
+    assert fastest({"fp32": 0.1, "bf16": 0.2}, ["fp32", "bf16"]) == "fp32"
+    assert fastest({"fp32": 0.1, "bf16": 0.1}, ["fp32", "bf16"]) == "fp32"  # tie: the exact one
+    assert fastest({"fp32": 0.3, "bf16": None}, ["fp32", "bf16"]) == "fp32"  # ruled out
+    assert fastest({"fp32": 0.3, "bf16": 0.1}, ["fp32"]) == "fp32"  # bf16 not allowed
+
+
+def test_the_probe_screens_out_a_slow_candidate_at_the_small_size():
+    """A candidate more than SCREEN_RATIO times the best at the small size is not timed at the
+    full size (emulated bf16 would take seconds there)."""
+    from mt.fast.probe import measure
+
+    calls = []
+
+    def make(candidate, size):
+        def run():
+            calls.append((candidate, size))
+            time.sleep({"fast": 0.001, "slow": 0.02}[candidate] * size / 10)
+
+        return run
+
+    figures = measure(make, ["fast", "slow"], size=20, screen_size=10)
+    assert figures["slow"] is None and figures["fast"] > 0
+    assert ("slow", 20) not in calls and calls.count(("fast", 20)) == 4  # warm-up + 3 timed
+
+
+def test_a_probe_is_cached_per_machine_and_reused(tmp_path, monkeypatch, caplog):
+    from mt.fast.probe import ProbeCache, choose
+
+    monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})
+    monkeypatch.setattr(mt.fast.probe, "measure", lambda *a, **k: {"a": 0.3, "b": 0.1})
+    cpu = torch.device("cpu")
+    with caplog.at_level("INFO", logger="mt.fast.probe"):
+        assert choose("x", cpu, "shape", None, ["a", "b"], 8, 2, tmp_path) == "b"
+    assert "x=auto: b (probe at shape on cpu" in caplog.text and "a 300.0 ms" in caplog.text
+    (key,) = ProbeCache(tmp_path)._read()  # keyed by machine and torch version
+    assert "threads=" in key and torch.__version__ in key
+    monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})  # a later process: the file answers
+    monkeypatch.setattr(mt.fast.probe, "measure", lambda *a, **k: pytest.fail("probed again"))
+    assert choose("x", cpu, "shape", None, ["a", "b"], 8, 2, tmp_path) == "b"
+
+
+def test_the_real_training_probe_runs_quickly_on_this_cpu(tmp_path, monkeypatch):
+    """The probe itself, at a small model's shapes: fp32 or bf16, well under a few seconds even
+    where bf16 is emulated (it is screened out at the small size), and cached."""
+    monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})
+    start = time.perf_counter()
+    choice = resolve_precision("auto", torch.device("cpu"), (512, 64, 256), True, tmp_path)
+    assert choice in ("fp32", "bf16") and time.perf_counter() - start < 10
+    assert (tmp_path / "probes.json").is_file()

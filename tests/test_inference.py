@@ -154,3 +154,38 @@ def test_bad_settings_are_named(model):
         for_decoding(model, "none", "fp16")
     with pytest.raises(ValueError, match="decode.quantize"):
         for_decoding(model, "int4")
+
+
+def test_auto_decode_precision_follows_the_probe(model, monkeypatch):
+    """decode.precision=auto: fp32 or bf16, whichever the probe measures faster for the
+    decoding copy's products at batch size x beam rows; decoding then runs in it."""
+    import mt.fast.probe
+    from mt.decode.driver import resolve_decode
+
+    monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})
+    monkeypatch.setattr(mt.fast.probe.ProbeCache, "get", lambda self, key: None)
+    shapes = []
+
+    def measure(make, candidates, size, screen_size, sync=None):
+        shapes.append(size)
+        return {"fp32": 1.0, "bf16": 0.5}
+
+    monkeypatch.setattr(mt.fast.probe, "measure", measure)
+    cfg = DecodeConfig(beam_size=3, batch_size=8, precision="auto")
+    assert resolve_decode(cfg, model).precision == "bf16" and shapes == [24]
+    assert resolve_decode(DecodeConfig(precision="fp32"), model).precision == "fp32"
+    assert resolve_decode(DecodeConfig(precision="auto", quantize="int8"), model).precision == (
+        "fp32"
+    )
+    out = translate_nbest(model, sources(6, [4, 2]), DecodeConfig(beam_size=2, max_len_b=3,
+                                                                   max_len_a=0, precision="auto"))
+    assert len(out) == 2
+
+
+def test_the_real_decoding_probe_measures_both_candidates(model, monkeypatch):
+    import mt.fast.probe
+    from mt.fast.decoding import resolve_precision
+
+    monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})
+    monkeypatch.setattr(mt.fast.probe.ProbeCache, "get", lambda self, key: None)
+    assert resolve_precision(model, "auto", "none", True, 32) in ("fp32", "bf16")

@@ -365,9 +365,14 @@ def test_mixed_precision_trains(tmp_path, precision):
 
 @pytest.mark.parametrize("native", [False, True])
 def test_auto_precision_is_bf16_only_where_the_hardware_has_it(tmp_path, monkeypatch, native):
-    """train.precision=auto (the Multi30k experiments') becomes bf16 on hardware with native
-    bfloat16 and fp32 elsewhere: every forward pass, training and validation, runs in it."""
-    monkeypatch.setattr(mt.fast.precision, "native_bf16", lambda device: native)
+    """train.precision=auto (the Multi30k experiments') becomes bf16 where the probe measures
+    it faster and fp32 elsewhere: every forward pass, training and validation, runs in it."""
+    import mt.fast.probe
+
+    figures = {"fp32": 1.0, "bf16": 0.5 if native else 2.0}
+    monkeypatch.setattr(mt.fast.probe, "measure", lambda *a, **k: dict(figures))
+    monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})
+    monkeypatch.setattr(mt.fast.probe.ProbeCache, "get", lambda self, key: None)
     seen = []
     autocast = mt.train.update.autocast
 

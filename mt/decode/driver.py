@@ -10,6 +10,7 @@ batches (:func:`make_batches`), and searched with the decoding copy of the model
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -19,7 +20,7 @@ from mt.data.batches import make_src
 from mt.decode.ensemble import Ensemble
 from mt.decode.search import Hypothesis, IncrementalDecoder, search
 from mt.fast import for_decoding
-from mt.fast.decoding import needs_autocast
+from mt.fast.decoding import DecodingModel, needs_autocast, resolve_precision
 from mt.fast.precision import autocast
 from mt.schema import DecodeConfig
 from mt.vocab import BOS, EOS
@@ -104,6 +105,7 @@ def decoding_model(model: Any, cfg: DecodeConfig) -> tuple[IncrementalDecoder, s
     """
     from mt.model.transformer import Transformer
 
+    cfg = resolve_decode(cfg, model)
     settings = (cfg.quantize, cfg.precision, cfg.onednn)
 
     def one(member: Any) -> tuple[Any, str]:
@@ -115,6 +117,24 @@ def decoding_model(model: Any, cfg: DecodeConfig) -> tuple[IncrementalDecoder, s
     if isinstance(model, Ensemble):
         return model.map(lambda m: one(m)[0]), one(model.members[0])[1]
     return one(model)
+
+
+def resolve_decode(cfg: DecodeConfig, model: Any) -> DecodeConfig:
+    """``cfg`` with ``decode.precision=auto`` resolved for ``model`` (an mt Transformer, or an
+    ensemble: its first member decides) by measuring (``mt.fast.decoding.resolve_precision``);
+    anything else is returned as it is."""
+    if cfg.precision != "auto":
+        return cfg
+    from mt.model.transformer import Transformer
+
+    member = model.members[0] if isinstance(model, Ensemble) else model
+    if isinstance(member, DecodingModel):
+        member = member.module
+    if not isinstance(member, Transformer):
+        return dataclasses.replace(cfg, precision="fp32")
+    rows = max(1, cfg.batch_size) * (1 if cfg.sample else max(1, cfg.beam_size))
+    precision = resolve_precision(member, "auto", cfg.quantize, cfg.onednn, rows)
+    return dataclasses.replace(cfg, precision=precision)
 
 
 def sample_seed(seed: int, index: int) -> int:

@@ -136,7 +136,7 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
 
     from mt.checkpoint import CheckpointError, load_model
     from mt.data.build import prepare
-    from mt.decode.driver import fit_to_model, translate_ids
+    from mt.decode.driver import fit_to_model, resolve_decode, translate_ids
 
     if args.split not in ("valid", "test"):
         raise ValueError(f"split must be valid or test, got {args.split!r}")
@@ -145,6 +145,7 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
     ckpt_path = Path(args.checkpoint) if args.checkpoint else run_dir / "checkpoints" / "best.pt"
     device = resolve_device(cfg.train.device)
     model, tokenizer, ckpt = load_model(ckpt_path, device)
+    decode = resolve_decode(cfg.decode, model)  # decode.precision=auto: measured here
     prepared = prepare(cfg)
     refs = prepared.references(args.split)
     if tokenizer.to_bytes() == prepared.tokenizer.to_bytes():
@@ -161,11 +162,11 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
 
     log.info(
         "decoding %d %s sentences with %s (beam %d, alpha %.2f, %s)",
-        len(src_ids), args.split, ckpt_path, cfg.decode.beam_size, cfg.decode.alpha,
-        cfg.decode.precision,
+        len(src_ids), args.split, ckpt_path, decode.beam_size, decode.alpha,
+        decode.precision,
     )  # fmt: skip
     start = time.perf_counter()
-    out_ids = translate_ids(model, src_ids, cfg.decode, device)
+    out_ids = translate_ids(model, src_ids, decode, device)
     seconds = time.perf_counter() - start
     hyps = tokenizer.decode(out_ids, side="tgt")
 
@@ -175,11 +176,11 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
         split=args.split,
         checkpoint=str(ckpt_path),
         step=int(ckpt.get("step", 0)),
-        beam_size=cfg.decode.beam_size,
-        alpha=cfg.decode.alpha,
-        max_len_a=cfg.decode.max_len_a,
-        max_len_b=cfg.decode.max_len_b,
-        precision=cfg.decode.precision,
+        beam_size=decode.beam_size,
+        alpha=decode.alpha,
+        max_len_a=decode.max_len_a,
+        max_len_b=decode.max_len_b,
+        precision=decode.precision,
         device=str(device),
         decode_seconds=round(seconds, 3),
         sent_per_s=round(len(src_ids) / max(seconds, 1e-9), 2),
@@ -194,7 +195,7 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
         from mt.evaluation.report import record_stage_time
 
         record_stage_time(run_dir, "evaluate", time.perf_counter() - stage_start)
-        _write_report(run_dir, prepared, args.split, hyps, model, tokenizer, cfg.decode, device)
+        _write_report(run_dir, prepared, args.split, hyps, model, tokenizer, decode, device)
     _print_scores(result)
     sys.stdout.write(f"{run_dir}\n")
     sys.stdout.flush()

@@ -27,12 +27,14 @@ them), so validation during training decodes with the current weights.
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from functools import cache
 
 import torch
 from torch import nn
 
+from mt.fast import probe
 from mt.fast.attention import ShortQueryAttention, install
 from mt.fast.modules import replace_modules, shared_copy
 from mt.fast.onednn import (
@@ -197,3 +199,52 @@ def for_decoding(
 def needs_autocast(model: nn.Module, quantize: str, precision: str, onednn: bool) -> bool:
     """Whether decoding must run under bf16 autocast (False where the copy casts itself)."""
     return precision == "bf16" and _kind(model, quantize, precision, onednn) != "onednn-bf16"
+
+
+def resolve_precision(
+    model: nn.Module, precision: str, quantize: str, onednn: bool, rows: int,
+    cache_dir: str | None = None,
+) -> str:  # fmt: skip
+    """``decode.precision``: ``auto`` becomes fp32 or bf16, whichever runs the decoding copy's
+    products (the FFN's, forward, over ``rows`` decoder rows: batch size x beam) faster here
+    (``mt.fast.probe``; cached in ``cache_dir`` or, without one, ``$MT_CACHE_DIR``, and for the
+    life of the process). int8 decoding and a GPU keep their own precision: fp32 there."""
+    if precision != "auto":
+        return precision
+    device = _device(model)
+    if quantize == "int8" or device.type != "cpu":
+        return "fp32"
+    d, f = model.cfg.d_model, model.cfg.d_ff
+    use_onednn = onednn and onednn_available()
+
+    def make(candidate: str, n: int):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(n, d, generator=g)
+        w1, w2 = torch.randn(f, d, generator=g), torch.randn(d, f, generator=g)
+        if use_onednn and (candidate == "fp32" or onednn_bf16_available()):
+            dtype = torch.bfloat16 if candidate == "bf16" else torch.float32
+            ffn = FusedFeedForward(_Pair(w1, w2), dtype)
+            return lambda: ffn(x)
+        from mt.fast.precision import autocast
+
+        def step():
+            with torch.inference_mode(), autocast("cpu", candidate):
+                return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w1)), w2)
+
+        return step
+
+    cache_dir = cache_dir or os.environ.get("MT_CACHE_DIR")
+    return probe.choose(
+        "decode.precision", device, f"ffn {rows}x{d}x{f}", make, ["fp32", "bf16"], rows,
+        min(rows, 16), cache_dir,
+    )  # fmt: skip
+
+
+class _Pair(nn.Module):
+    """Two weights shaped as an FFN's (w1: (d_ff, d), w2: (d, d_ff)), no biases: a probe's."""
+
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(1, 1), nn.Linear(1, 1)
+        self.w1.weight, self.w1.bias = nn.Parameter(w1, requires_grad=False), None
+        self.w2.weight, self.w2.bias = nn.Parameter(w2, requires_grad=False), None

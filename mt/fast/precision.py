@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from mt.fast import probe
+
 log = logging.getLogger(__name__)
 
 
@@ -35,30 +37,63 @@ def native_bf16(device: torch.device) -> bool:
 _CPU_BF16_CHECKS = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
+def resolve_precision(
+    precision: str,
+    device: torch.device,
+    shape: tuple[int, int, int] = (2048, 512, 2048),
+    cpu_kernels: bool = True,
+    cache_dir: str | Path | None = None,
+) -> str:
     """The training precision for ``train.precision`` on ``device``.
 
-    ``auto`` becomes ``bf16`` where :func:`native_bf16` holds and ``fp32`` elsewhere; an
+    ``auto`` measures (``mt.fast.probe``): fp32 and bf16 each run the FFN's products forward
+    and backward at the run's ``shape`` (tokens per batch, d_model, d_ff), as the training step
+    runs them (fp32 on oneDNN with ``cpu_kernels``, bf16 under autocast), and the faster wins.
+    The only thing ruled out beforehand is what cannot run: bf16 on a GPU without it. An
     explicit choice is kept, with a warning when it is ``bf16`` on hardware that only emulates
     it. Returns ``fp32``, ``bf16`` or ``fp16``.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"train.precision must be one of {PRECISIONS}, got {precision!r}")
-    native = native_bf16(device)
     if precision == "auto":
-        chosen = "bf16" if native else "fp32"
-        log.info(
-            "train.precision=auto: %s (%s has %s bfloat16 arithmetic)",
-            chosen, device.type, "native" if native else "no native",
+        candidates = ["fp32", "bf16"]
+        if device.type == "cuda" and not native_bf16(device):
+            candidates = ["fp32"]
+        if len(candidates) == 1:
+            log.info("train.precision=auto: fp32 (%s has no bfloat16)", device)
+            return "fp32"
+        n, d, f = shape
+        return probe.choose(
+            "train.precision", device, f"ffn {n}x{d}x{f}",
+            lambda c, rows: _ffn_step(c, rows, d, f, device, cpu_kernels),
+            candidates, n, min(n, 128), cache_dir,
         )  # fmt: skip
-        return chosen
-    if precision == "bf16" and not native:
+    if precision == "bf16" and not native_bf16(device):
         log.warning(
             "train.precision=bf16 on a %s without native bfloat16 arithmetic: it is emulated "
             "and many times slower than fp32 here (train.precision=auto picks fp32)",
             device.type,
         )
     return precision
+
+
+def _ffn_step(precision: str, n: int, d: int, f: int, device: torch.device, cpu_kernels: bool):
+    """One FFN forward and backward over ``n`` rows in ``precision``, as training runs it."""
+    import torch.nn.functional as F
+
+    from mt.fast.onednn import linear
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x, w1, w2 = (torch.randn(*s, generator=g).to(device).requires_grad_()
+                 for s in ((n, d), (f, d), (d, f)))  # fmt: skip
+    product = linear if device.type == "cpu" and cpu_kernels else F.linear
+
+    def step() -> None:
+        with autocast(device, precision):
+            y = product(F.relu(product(x, w1)), w2)
+        y.float().sum().backward()
+
+    return step
 
 
 def set_fp32_precision(device: torch.device, tf32: bool) -> None:

@@ -193,7 +193,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
         record_config(run_dir, cfg, resuming=has_checkpoints(ckpt_dir))
     prepared = _prepared(cfg, info)
     cfg = _resolve_batch(cfg, info.world_size)
-    precision = resolve_precision(cfg.train.precision, info.device)
+    precision = _precision(cfg, info)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
     tc = cfg.train
 
@@ -352,6 +352,16 @@ def _prepared(cfg: Config, info: distributed.DistInfo):
         error = err
     distributed.check_all(error, "loading the prepared data")
     return prepared
+
+
+def _precision(cfg: Config, info: distributed.DistInfo) -> str:
+    """``train.precision`` resolved (``auto``: measured at the run's shapes and cached beside
+    the prepared data, ``mt.fast.precision``); rank 0 decides for every rank."""
+    tc, choice = cfg.train, None
+    if info.is_main:
+        shape = (tc.max_tokens, cfg.model.d_model, cfg.model.d_ff)
+        choice = resolve_precision(tc.precision, info.device, shape, tc.cpu_kernels, cfg.cache_dir)
+    return distributed.broadcast_object(choice)
 
 
 def _resolve_batch(cfg: Config, world_size: int) -> Config:

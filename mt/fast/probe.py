@@ -1,0 +1,155 @@
+"""Speed settings chosen by measuring on the device in hand, not by a CPU flag.
+
+The same AVX512-BF16 flag has meant bf16 at 2x fp32 on an AMD Zen 5 and at 0.6x on an Intel
+Xeon, and a CPU without it still runs bf16 (emulated, 20x slower). So ``auto`` settings run a
+short probe at the run's shapes: each candidate (e.g. fp32 and bf16) times the work that
+dominates the run (for training, the FFN's products forward and backward at the batch's token
+count), the fastest candidate that is numerically allowed wins, and the figures are logged.
+
+A probe costs well under a second: a candidate is first screened at a small size, where one
+that is more than :data:`SCREEN_RATIO` times the best is ruled out at once (emulated bf16 takes
+seconds at full size); the rest are timed at the run's size, median of a few calls. Results are
+cached per machine (CPU model, GPU, threads) and torch version in ``<cache_dir>/probes.json``,
+beside the prepared data, so later runs reuse them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from mt.files import write_json
+
+log = logging.getLogger(__name__)
+
+_DECIDED: dict[str, str] = {}  # key -> choice, for the life of the process
+
+SCREEN_RATIO = 2.0  # at the small size, a candidate this much slower than the best is out
+REPEATS = 3  # timed calls per candidate at the run's size (after one warm-up call)
+
+
+def time_call(fn: Callable[[], object], repeats: int = REPEATS, sync=None) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if sync:
+            sync()
+        start = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def fastest(figures: dict[str, float], allowed: list[str]) -> str:
+    """The allowed candidate with the smallest time (ties: the first allowed, the exact one
+    listed first). Candidates without a figure (ruled out) are never chosen."""
+    timed = [c for c in allowed if figures.get(c) is not None]
+    if not timed:
+        return allowed[0]
+    return min(timed, key=lambda c: (figures[c], allowed.index(c)))
+
+
+def measure(
+    make: Callable[[str, int], Callable[[], object]],
+    candidates: list[str],
+    size: int,
+    screen_size: int,
+    sync=None,
+) -> dict[str, float | None]:
+    """Seconds per call of each candidate at ``size`` (None: ruled out at ``screen_size``).
+
+    ``make(candidate, size)`` returns the call to time (inputs built once, outside the timing).
+    """
+    screen = {c: time_call(make(c, screen_size), 1, sync) for c in candidates}
+    best = min(screen.values())
+    figures: dict[str, float | None] = {}
+    for c in candidates:
+        if screen[c] > SCREEN_RATIO * best:
+            figures[c] = None
+            continue
+        figures[c] = time_call(make(c, size), REPEATS, sync)
+    return figures
+
+
+def _machine_key(device: torch.device) -> str:
+    from mt.fast.precision import cpu_model
+
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
+    return f"{device.type}|{where}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+
+
+class ProbeCache:
+    """``<cache_dir>/probes.json``: ``{key: {"choice", "figures"}}`` (None: no cache)."""
+
+    def __init__(self, cache_dir: str | Path | None) -> None:
+        self.path = Path(cache_dir) / "probes.json" if cache_dir else None
+
+    def _read(self) -> dict:
+        if self.path is None or not self.path.is_file():
+            return {}
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def get(self, key: str) -> dict | None:
+        entry = self._read().get(key)
+        return entry if isinstance(entry, dict) and "choice" in entry else None
+
+    def put(self, key: str, entry: dict) -> None:
+        if self.path is None:
+            return
+        data = self._read()
+        data[key] = entry
+        try:
+            write_json(self.path, data)
+        except OSError as err:  # a read-only cache: the probe runs again next time
+            log.warning("probe results not cached in %s: %s", self.path, err)
+
+
+def choose(
+    what: str,
+    device: torch.device,
+    shape: str,
+    make: Callable[[str, int], Callable[[], object]],
+    candidates: list[str],
+    size: int,
+    screen_size: int,
+    cache_dir: str | Path | None = None,
+) -> str:
+    """The fastest of ``candidates`` for ``what`` on ``device`` at ``shape`` (cached); logs
+    the figures it chose by."""
+    key = f"{what}|{shape}|{_machine_key(device)}"
+    if key in _DECIDED:  # this process decided it already
+        return _DECIDED[key]
+    cache = ProbeCache(cache_dir)
+    hit = cache.get(key)
+    if hit is not None and hit["choice"] in candidates:
+        log.info("%s=auto: %s (cached probe, %s)", what, hit["choice"], _shown(hit["figures"]))
+        _DECIDED[key] = hit["choice"]
+        return hit["choice"]
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    start = time.perf_counter()
+    figures = measure(make, candidates, size, screen_size, sync)
+    choice = fastest(figures, candidates)
+    log.info("%s=auto: %s (probe at %s on %s, %.2f s: %s)", what, choice, shape, device,
+             time.perf_counter() - start, _shown(figures))  # fmt: skip
+    cache.put(key, {"choice": choice, "figures": figures})
+    _DECIDED[key] = choice
+    return choice
+
+
+def _shown(figures: dict) -> str:
+    return ", ".join(
+        f"{c} {'ruled out' if t is None else f'{t * 1000:.1f} ms'}" for c, t in figures.items()
+    )
