@@ -169,7 +169,9 @@ class DecodeConfig:
     too_long: str = "error"  # error | truncate: inputs longer than model.max_positions
     precision: str = "fp32"  # fp32 | bf16 | auto (whichever is faster here: measured, cached)
     quantize: str = "none"  # none | int8: dynamic int8 Linear layers (CPU decoding speed)
-    onednn: bool = True  # CPU: Linear products through oneDNN (same precision; mt.fast.decoding)
+    # CPU: Linear products through oneDNN (true), torch's own (false: the model as written), or
+    # whichever measures faster here (null: auto, mt.fast.decoding.onednn_decodes)
+    onednn: Optional[bool] = None
     # Sampling (decode=sample): one draw per sentence instead of a search.
     sample: bool = False  # sample translations (beam_size is then ignored)
     temperature: float = 1.0  # p ~ exp(log p / temperature); 0 = greedy

@@ -331,3 +331,20 @@ def test_packed_ffn_runs_on_the_real_rows_of_a_padded_batch_only():
     flat[real].sum().backward()
     grad = x.grad.reshape(-1, 16)
     assert torch.all(grad[~real] == 0) and torch.all(grad[real].abs().sum(-1) > 0)
+
+
+def test_training_products_follow_the_probe(monkeypatch):
+    """fp32 training on a CPU runs its products on oneDNN only where that measures faster than
+    torch's at the run's shapes (on an AMD Zen 3 it is slower)."""
+    import mt.fast.probe
+
+    model = build_model(CFG, vocab_size=40)
+    monkeypatch.setattr(mt.fast.probe.ProbeCache, "get", lambda self, key: None)
+    for faster in ("torch", "onednn"):
+        figures = {"torch": 1.0, "onednn": 2.0} if faster == "torch" else {"torch": 2.0,
+                                                                           "onednn": 1.0}
+        monkeypatch.setattr(mt.fast.probe, "measure", lambda *a, f=figures, **k: dict(f))
+        monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})
+        kinds = {type(m) for m in for_training(model, torch.device("cpu"), True, "fp32").modules()}
+        assert (Linear in kinds) == (faster == "onednn" and onednn_available())
+        assert Dropout in kinds  # the rest of the copy either way

@@ -189,3 +189,47 @@ def test_the_real_decoding_probe_measures_both_candidates(model, monkeypatch):
     monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})
     monkeypatch.setattr(mt.fast.probe.ProbeCache, "get", lambda self, key: None)
     assert resolve_precision(model, "auto", "none", True, 32) in ("fp32", "bf16")
+
+
+def test_onednn_rows_are_bucketed_to_few_sizes():
+    """oneDNN keeps a kernel per input shape (about 1 MB each, never freed: 1.5 GB after 1,500
+    row counts); products pad their rows to few sizes, at most 6.25% (or 7 rows) more."""
+    from mt.fast.onednn import bucket_rows
+
+    sizes = {bucket_rows(r) for r in range(400, 2601)}
+    assert len(sizes) <= 48  # 16 per doubling
+    for r in range(1, 5000):
+        b = bucket_rows(r)
+        assert r <= b <= max(r * 1.0625, r + 7)
+        assert bucket_rows(b) == b
+
+
+@needs_onednn
+def test_a_bucketed_product_equals_the_plain_one():
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(24, 16, generator=g), torch.randn(24, generator=g)
+    x = torch.randn(5, 3, 16, generator=g)  # 15 rows: padded to 16 inside
+    torch.testing.assert_close(OneDNNLinear(w, b)(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+def test_auto_onednn_decodes_with_whichever_products_measure_faster(model, monkeypatch):
+    """decode.onednn=null: oneDNN's products where the probe measures them faster, else the
+    model's own in a copy that keeps the short-query attention (not the model as written)."""
+    import mt.fast.probe
+    from mt.fast.attention import ShortQueryAttention
+
+    monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})
+    monkeypatch.setattr(mt.fast.probe.ProbeCache, "get", lambda self, key: None)
+    for faster, product in (("torch", nn.Linear), ("onednn", OneDNNLinear)):
+        if product is OneDNNLinear and not onednn_available():
+            continue
+        figures = {"torch": 1.0, "onednn": 2.0} if faster == "torch" else {"torch": 2.0,
+                                                                           "onednn": 1.0}
+        monkeypatch.setattr(mt.fast.probe, "measure", lambda *a, f=figures, **k: dict(f))
+        monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})
+        with torch.no_grad():
+            model.decoder[0].ffn.w1.bias.add_(0.0)  # a new weights' identity: a new copy
+        fast = for_decoding(model, "none", "fp32", None, rows=64)
+        assert fast.module is not model
+        assert type(fast.module.decoder[0].self_attn.qkv) is product
+        assert type(fast.module.decoder[0].self_attn.core) is ShortQueryAttention

@@ -106,13 +106,14 @@ def decoding_model(model: Any, cfg: DecodeConfig) -> tuple[IncrementalDecoder, s
     from mt.model.transformer import Transformer
 
     cfg = resolve_decode(cfg, model)
-    settings = (cfg.quantize, cfg.precision, cfg.onednn)
+    rows = max(1, cfg.batch_size) * (1 if cfg.sample else max(1, cfg.beam_size))
+    settings = (cfg.quantize, cfg.precision, cfg.onednn, rows)
 
     def one(member: Any) -> tuple[Any, str]:
         if not isinstance(member, Transformer):
             return member, cfg.precision
         precision = cfg.precision if needs_autocast(member, *settings) else "fp32"
-        return for_decoding(member, *settings), precision
+        return for_decoding(member, *settings[:3], rows=rows), precision
 
     if isinstance(model, Ensemble):
         return model.map(lambda m: one(m)[0]), one(model.members[0])[1]

@@ -120,21 +120,57 @@ def _identity(model: nn.Module) -> tuple:
     return tuple((p.data_ptr(), p._version) for p in model.parameters())
 
 
-def _kind(model: nn.Module, quantize: str, precision: str, onednn: bool) -> str | None:
-    """Which products the decoding copy has: int8, onednn-fp32, onednn-bf16, or None (the
-    model's own)."""
+def _kind(
+    model: nn.Module, quantize: str, precision: str, onednn: bool | None, rows: int = 256
+) -> str | None:
+    """Which products the decoding copy has: int8, onednn-fp32, onednn-bf16, torch (the
+    model's own, with the copy's attention), or None (the model itself, as written).
+    ``onednn=None`` (auto) measures oneDNN against torch at ``rows`` (:func:`onednn_decodes`)."""
     if quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"decode.quantize must be one of {QUANTIZE_CHOICES}, got {quantize!r}")
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"decode.precision must be fp32 or bf16, got {precision!r}")
     if quantize == "int8":
         return "int8"
-    if not (onednn and _device(model).type == "cpu" and onednn_available()):
+    if onednn is False or _device(model).type != "cpu":
         return None
-    if precision == "bf16" and not onednn_bf16_available():
+    if not onednn_available():
+        return None if onednn else "torch"
+    if precision == "bf16":
+        if onednn_bf16_available():
+            return "onednn-bf16"
         _warn_emulated_bf16()
         return None  # the model under bf16 autocast
-    return f"onednn-{precision}"
+    if onednn is None and not onednn_decodes(model, rows):
+        return "torch"
+    return "onednn-fp32"
+
+
+def onednn_decodes(model: nn.Module, rows: int, cache_dir: str | None = None) -> bool:
+    """Whether oneDNN's float32 products decode faster than torch's here: measured on the
+    FFN's products, forward, over ``rows`` decoder rows (``mt.fast.probe``; cached in
+    ``cache_dir`` or ``$MT_CACHE_DIR``). oneDNN reached 340-400 GFLOP/s where MKL reached 160
+    on an AMD Zen 4; on a Zen 3 (AVX2) some of these shapes run several times slower on it."""
+    d, f = model.cfg.d_model, model.cfg.d_ff
+
+    def make(candidate: str, n: int):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(n, d, generator=g)
+        w1, w2 = torch.randn(f, d, generator=g), torch.randn(d, f, generator=g)
+        if candidate == "onednn":
+            ffn = FusedFeedForward(_Pair(w1, w2), torch.float32)
+            return lambda: ffn(x)
+
+        def step():
+            with torch.inference_mode():
+                return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w1)), w2)
+
+        return step
+
+    choice = probe.choose("decode.onednn", _device(model), f"ffn {rows}x{d}x{f}", make,
+                          ["torch", "onednn"], rows, min(rows, 16),
+                          cache_dir or os.environ.get("MT_CACHE_DIR"))  # fmt: skip
+    return choice == "onednn"
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -154,8 +190,9 @@ def for_decoding(
     model: Transformer,
     quantize: str = "none",
     precision: str = "fp32",
-    onednn: bool = True,
+    onednn: bool | None = True,
     fast_attention: bool = True,
+    rows: int = 256,
 ) -> DecodingModel:
     """The model to decode with for the ``decode.*`` settings (see the module docstring).
 
@@ -164,7 +201,8 @@ def for_decoding(
         quantize: ``decode.quantize``: none | int8.
         precision: ``decode.precision``: fp32 | bf16. On CPU with oneDNN the bf16 copy does its
             own casting (see :func:`needs_autocast`); elsewhere callers autocast.
-        onednn: ``decode.onednn``: use oneDNN's kernels on CPU when this torch has them.
+        onednn: ``decode.onednn``: oneDNN's products on CPU (when this torch has them);
+            None (auto): where they measure faster than torch's at ``rows`` decoder rows.
         fast_attention: the copy's attention through the short-query cores (False: the
             model's SDPA).
 
@@ -176,8 +214,8 @@ def for_decoding(
     Raises:
         ValueError: for an unknown ``quantize`` or ``precision``.
     """
-    kind = _kind(model, quantize, precision, onednn)
-    if kind is None:  # the model's own products: the model as written decodes
+    kind = _kind(model, quantize, precision, onednn, rows)
+    if kind is None:  # the model as written decodes
         return DecodingModel(model)
     copies = _CACHE.setdefault(model, {})  # the copies never refer to `model` itself
     identity = _identity(model)
@@ -187,6 +225,8 @@ def for_decoding(
     if kind == "int8":
         clone, head = quantize_int8(model)
         log.info("decoding with an int8 dynamically quantized copy of the model")
+    elif kind == "torch":
+        clone, head = shared_copy(model).eval(), None
     else:
         clone, head = onednn_copy(model, torch.bfloat16 if kind == "onednn-bf16" else torch.float32)
     if fast_attention:
@@ -196,9 +236,13 @@ def for_decoding(
     return decoder
 
 
-def needs_autocast(model: nn.Module, quantize: str, precision: str, onednn: bool) -> bool:
+def needs_autocast(
+    model: nn.Module, quantize: str, precision: str, onednn: bool | None, rows: int = 256
+) -> bool:
     """Whether decoding must run under bf16 autocast (False where the copy casts itself)."""
-    return precision == "bf16" and _kind(model, quantize, precision, onednn) != "onednn-bf16"
+    if precision != "bf16":
+        return False
+    return _kind(model, quantize, precision, onednn, rows) != "onednn-bf16"
 
 
 def resolve_precision(

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mt.fast import probe
 from mt.fast.attention import CPUTrainingAttention, install
 from mt.fast.dropout import Dropout
 from mt.fast.loss import label_smoothed_cross_entropy, projected_cross_entropy
@@ -132,20 +134,50 @@ def for_training(
     cpu_kernels: bool = True,
     precision: str = "fp32",
     compiled: bool = False,
+    tokens: int = 2048,
+    cache_dir: str | Path | None = None,
 ) -> TrainingModel:
     """What the training step runs (``mt.train`` and ``make bench``).
 
-    On a CPU with ``train.cpu_kernels``: :func:`hold_freed_memory` and a :func:`training_copy`
-    (oneDNN products in fp32 only: bf16 keeps autocast's), its loss in row blocks and its FFN
-    packed on well-padded batches (not when the step is ``compiled``: the packed rows' count
-    would be one more dynamic shape per batch). Elsewhere the model itself with the fused loss
-    over its logits. ``model`` is never modified.
+    On a CPU with ``train.cpu_kernels``: :func:`hold_freed_memory` and a :func:`training_copy`,
+    its loss in row blocks and its FFN packed on well-padded batches (not when the step is
+    ``compiled``: the packed rows' count would be one more dynamic shape per batch). Its float32
+    products run on oneDNN where that measures faster than torch's own at the run's shapes
+    (:func:`onednn_products`: ``tokens`` per batch; bf16 keeps autocast's). Elsewhere the model
+    itself with the fused loss over its logits. ``model`` is never modified.
     """
     if device.type != "cpu" or not cpu_kernels:
         return TrainingModel(model)
     hold_freed_memory()
-    products = precision == "fp32" and onednn_available()
+    products = precision == "fp32" and onednn_products(model, device, tokens, cache_dir)
     copy = training_copy(model, products=products)
     in_flight = None if compiled else pack(copy)
     product = linear if products else F.linear
     return TrainingModel(copy, blockwise=True, product=product, in_flight=in_flight)
+
+
+def onednn_products(
+    model: Transformer, device: torch.device, tokens: int, cache_dir: str | Path | None = None
+) -> bool:
+    """Whether oneDNN's float32 products train faster than torch's (MKL's) here: measured on the
+    FFN's products forward and backward at ``tokens`` rows (``mt.fast.probe``, cached). oneDNN
+    reached 85% of an AMD Zen 4's float32 peak where MKL reached half; on a Zen 3 (AVX2) it is
+    the slower of the two."""
+    if not onednn_available():
+        return False
+    d, f = model.cfg.d_model, model.cfg.d_ff
+
+    def make(candidate: str, rows: int):
+        g = torch.Generator().manual_seed(0)
+        x, w1, w2 = (torch.randn(*s, generator=g).requires_grad_()
+                     for s in ((rows, d), (f, d), (d, f)))  # fmt: skip
+        product = linear if candidate == "onednn" else F.linear
+
+        def step() -> None:
+            product(F.relu(product(x, w1)), w2).sum().backward()
+
+        return step
+
+    choice = probe.choose("train.products", device, f"ffn {tokens}x{d}x{f}", make,
+                          ["torch", "onednn"], tokens, min(tokens, 128), cache_dir)  # fmt: skip
+    return choice == "onednn"

@@ -235,7 +235,9 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
 
     # The module the training step runs: on a CPU, a copy with faster kernels sharing raw's
     # parameters (mt.fast.for_training); compiled, then wrapped in DDP.
-    forward = for_training(raw, info.device, tc.cpu_kernels, tc.precision, tc.compile)
+    forward = for_training(
+        raw, info.device, tc.cpu_kernels, tc.precision, tc.compile, tc.max_tokens, cfg.cache_dir
+    )
     model = compile_model(forward, tc)
     model = distributed.wrap(model, info)
     split = prepared.split("train")
