@@ -34,7 +34,7 @@ from functools import cache
 import torch
 from torch import nn
 
-from mt.fast import probe
+import mt.fast.probe as probe
 from mt.fast.attention import ShortQueryAttention, install
 from mt.fast.modules import replace_modules, shared_copy
 from mt.fast.onednn import (

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from mt.fast import probe
+import mt.fast.probe as probe
 
 log = logging.getLogger(__name__)
 
@@ -116,23 +116,10 @@ def autocast(device: torch.device | str, precision: str):
     return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 
 
-def cpu_model() -> str:
-    """The CPU's model name (``lscpu``'s), from /proc/cpuinfo; the platform's otherwise."""
-    import platform
-
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine(device: torch.device) -> dict:
     """What a figure was measured on: the device, the CPU model, whether the device has native
     bfloat16 arithmetic, and torch's intra-op threads (records, reports, README tables)."""
-    out = {"device": str(device), "cpu": cpu_model(), "native_bf16": native_bf16(device),
+    out = {"device": str(device), "cpu": probe.cpu_model(), "native_bf16": native_bf16(device),
            "threads": torch.get_num_threads()}  # fmt: skip
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(device)

@@ -80,9 +80,20 @@ def measure(
     return figures
 
 
-def _machine_key(device: torch.device) -> str:
-    from mt.fast.precision import cpu_model
+def cpu_model() -> str:
+    """The CPU's model name (``lscpu``'s), from /proc/cpuinfo; the platform's otherwise."""
+    import platform
 
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _machine_key(device: torch.device) -> str:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
     return f"{device.type}|{where}|threads={torch.get_num_threads()}|torch={torch.__version__}"
 

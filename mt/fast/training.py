@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mt.fast import probe
+import mt.fast.probe as probe
 from mt.fast.attention import CPUTrainingAttention, install
 from mt.fast.dropout import Dropout
 from mt.fast.loss import label_smoothed_cross_entropy, projected_cross_entropy
