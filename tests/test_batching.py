@@ -198,3 +198,33 @@ def test_packed_sort_key_equals_lexsort():
         snake = np.where(src % 2 == 0, tgt, -tgt)
         tie = rng.permutation(n)
         assert _sort_keys(src, snake, tie).tolist() == np.lexsort((tie, snake, src)).tolist()
+
+
+@pytest.mark.parametrize("world_size,accum", [(2, 1), (3, 1), (2, 2)])
+def test_the_batches_of_one_update_have_similar_lengths(world_size, accum):
+    """group = ranks x accumulation steps: the batches of one update are neighbours in length
+    order (so no rank waits long for the slowest), updates are shuffled, every pair still
+    counts exactly once, and one rank with accumulation sees the same updates as several."""
+    src, tgt = random_lengths(2000, seed=5)
+    G = world_size * accum
+    samplers = [BatchSampler(src, tgt, 300, seed=3, rank=r, world_size=world_size, group=G)
+                for r in range(world_size)]  # fmt: skip
+    every = samplers[0].global_batches(1)
+    plain = BatchSampler(src, tgt, 300, seed=3).global_batches(1)
+    assert sorted(map(tuple, every)) == sorted(map(tuple, plain))  # the same batches, regrouped
+    full = len(every) // G
+
+    def spread(order):  # mean range of the longest source in the batches of one update
+        longest = [int(src[b].max()) for b in order]
+        return np.mean([np.ptp(longest[k * G : (k + 1) * G]) for k in range(full)])
+
+    assert spread(every) < 0.25 * spread(plain)  # plain: the batches of an update at random
+    # rank r's j-th batch of update k is batch k*G + r + W*j of that order
+    per_rank = [s.batches(1) for s in samplers]
+    for k in range(full):
+        for r in range(world_size):
+            for j in range(accum):
+                assert np.array_equal(per_rank[r][k * accum + j], every[k * G + r + world_size * j])
+    one = BatchSampler(src, tgt, 300, seed=3, group=G).global_batches(1)
+    assert all(np.array_equal(a, b) for a, b in zip(one, every))  # 1 rank x G accumulation
+    assert any(not np.array_equal(a, b) for a, b in zip(every, plain))  # a new order

@@ -180,6 +180,9 @@ class BatchSampler:
         rank, world_size: this process's shard of the batch list.
         max_len: skip pairs with a side longer than this (ids, without EOS/BOS); pass
             ``model.max_positions - 1``. None: no length limit.
+        group: batches per update (ranks x accumulation steps): that many batches adjacent
+            in length order stay together when the order is shuffled, so the ranks of one
+            update get batches of similar lengths and none waits long for the slowest.
     """
 
     def __init__(
@@ -191,6 +194,7 @@ class BatchSampler:
         rank: int = 0,
         world_size: int = 1,
         max_len: int | None = None,
+        group: int = 1,
     ) -> None:
         self.src_len = np.asarray(src_lengths, dtype=np.int64)
         self.tgt_len = np.asarray(tgt_lengths, dtype=np.int64)
@@ -202,6 +206,9 @@ class BatchSampler:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
         self.max_tokens, self.seed = max_tokens, seed
         self.rank, self.world_size, self.max_len = rank, world_size, max_len
+        if group < 1:
+            raise ValueError(f"group must be positive, got {group}")
+        self.group = group
         # A pair's tensors are one longer than its ids (EOS on src/tgt_out, BOS on tgt_in).
         keep = (self.src_len + 1 <= max_tokens) & (self.tgt_len + 1 <= max_tokens)
         if max_len is not None:
@@ -232,7 +239,14 @@ class BatchSampler:
         snake = np.where(src % 2 == 0, tgt, -tgt)
         order = idx[_sort_keys(src, snake, tie)]
         batches = _chunk(order, self.src_len[order] + 1, self.tgt_len[order] + 1, self.max_tokens)
-        return [batches[i] for i in rng.permutation(len(batches))]
+        if self.group == 1:
+            return [batches[i] for i in rng.permutation(len(batches))]
+        # Groups of `group` batches adjacent in length, shuffled whole; a short last group goes
+        # last, so that every full update is one group (the fillers complete the last).
+        G = self.group
+        full = len(batches) // G
+        order = [g for i in rng.permutation(full) for g in range(i * G, i * G + G)]
+        return [batches[i] for i in order] + batches[full * G :]
 
     def _plan_for(self, epoch: int) -> tuple[list[np.ndarray], list[float]]:
         """This rank's (batches, weights) for ``epoch``, cached for the latest epoch."""

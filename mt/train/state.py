@@ -64,8 +64,11 @@ def data_plan(cfg: Config, world_size: int) -> dict[str, Any]:
     position in an epoch (``data.batch``) only means something under the same plan."""
     tc = cfg.train
     max_len = cfg.model.max_positions - 1 if tc.skip_long else None
-    return {"world_size": world_size, "max_tokens": tc.max_tokens, "seed": tc.seed,
+    plan = {"world_size": world_size, "max_tokens": tc.max_tokens, "seed": tc.seed,
             "max_len": max_len}  # fmt: skip
+    if world_size * tc.accum_steps > 1:  # batches grouped per update (absent before: 1)
+        plan["group"] = world_size * tc.accum_steps
+    return plan
 
 
 def check_data_plan(ckpt: dict, cfg: Config, world_size: int, path: Path) -> None:
@@ -84,14 +87,18 @@ def check_data_plan(ckpt: dict, cfg: Config, world_size: int, path: Path) -> Non
     now = data_plan(cfg, world_size)
     if stored is None or dict(stored) == now:
         return
-    diff = {k: (stored.get(k), v) for k, v in now.items() if stored.get(k) != v}
+    diff = {k: (stored.get(k), now.get(k)) for k in sorted(set(now) | set(stored))
+            if stored.get(k) != now.get(k)}  # fmt: skip
     if int(data.get("batch", 0)) == 0:
         log.info("batch plan changed at an epoch boundary (stored, now): %s", diff)
         return
     names = {"world_size": "number of ranks (torchrun --nproc_per_node x nodes)",
              "max_tokens": "train.max_tokens", "seed": "train.seed",
-             "max_len": "model.max_positions / train.skip_long"}  # fmt: skip
-    shown = "; ".join(f"{names[k]}: {a} in the checkpoint, {b} now" for k, (a, b) in diff.items())
+             "max_len": "model.max_positions / train.skip_long",
+             "group": "batches per update (ranks x train.accum_steps)"}  # fmt: skip
+    shown = "; ".join(
+        f"{names.get(k, k)}: {a} in the checkpoint, {b} now" for k, (a, b) in diff.items()
+    )
     raise CheckpointError(
         f"{path} stopped in the middle of epoch {data.get('epoch')} (batch {data.get('batch')}) "
         f"under another batch plan ({shown}). Resuming would skip or repeat pairs: resume with "
@@ -101,8 +108,9 @@ def check_data_plan(ckpt: dict, cfg: Config, world_size: int, path: Path) -> Non
 
 
 def train_sampler(split, cfg: Config, rank: int = 0, world_size: int = 1) -> BatchSampler:
-    """The training batches of ``split`` for this rank: ``train.max_tokens``, the run's seed, and
-    pairs beyond the positional range skipped when ``train.skip_long``."""
+    """The training batches of ``split`` for this rank: ``train.max_tokens``, the run's seed,
+    pairs beyond the positional range skipped when ``train.skip_long``, and the batches of one
+    update (ranks x ``train.accum_steps``) of similar lengths."""
     tc = cfg.train
     return BatchSampler(
         split.src.lengths,
@@ -112,6 +120,7 @@ def train_sampler(split, cfg: Config, rank: int = 0, world_size: int = 1) -> Bat
         rank=rank,
         world_size=world_size,
         max_len=cfg.model.max_positions - 1 if tc.skip_long else None,
+        group=world_size * tc.accum_steps,
     )
 
 
