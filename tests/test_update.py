@@ -154,6 +154,22 @@ def test_the_update_figures_stay_on_the_device_until_read(monkeypatch):
     assert result.ntokens == 2 + 1 + 6 + 1 + 4 + 1  # each target + EOS (the filler: weight 0)
 
 
+def test_one_collective_after_the_backward_passes(monkeypatch):
+    """No barrier before the forward: the update's only all-reduce carries the loss, NLL and
+    target tokens, after every backward pass (the gradients exist when it runs)."""
+    update = _update()
+    seen = []
+    real = mt.train.update.distributed.all_reduce_sum
+
+    def spy(t):
+        seen.append((tuple(t.shape), all(p.grad is not None for p in update.params)))
+        return real(t)
+
+    monkeypatch.setattr(mt.train.update.distributed, "all_reduce_sum", spy)
+    result = update(_batches(), TrainState())
+    assert seen == [((3,), True)] and result.ntokens == 15
+
+
 @pytest.mark.gpu
 def test_update_on_a_gpu_makes_no_synchronising_call(monkeypatch):
     """torch's own check: ``set_sync_debug_mode("error")`` raises on any synchronising CUDA

@@ -122,25 +122,30 @@ class Updater:
 
         On a GPU nothing here waits for the device but one read: whether the loss and the
         gradient norm are finite (:func:`_all_finite`), which decides between step and skip.
-        The token count comes from the host (``collate``); the figures stay on the device.
+        No collective runs before the backward passes: the loss of a batch is scaled by a
+        constant every rank shares, ``c = 1 / (batches x max_tokens)`` (it keeps the gradients
+        at a mean loss's magnitude), and the update's target tokens ride in the one all-reduce
+        of the figures after them, from which the gradients are rescaled on the device to
+        ``sum over ranks / tokens`` (fairseq's order: normalise after the all-reduce).
         """
         device = batches[0].src.device
-        local_tokens = float(sum(b.ntokens * b.weight for b in batches))
-        total = distributed.all_reduce_sum(
-            torch.full((1,), local_tokens, dtype=torch.float64, device=device)
-        ).clamp_min_(1.0)  # (1,) target tokens of the update, all ranks
-        # DDP averages gradients over ranks; scaling by W / tokens gives sum-over-ranks / tokens.
-        scale = (self.world_size / total).to(torch.float32).squeeze(0)
-        sums = torch.zeros(2, dtype=torch.float64, device=device)
+        c = 1.0 / (len(batches) * max(self.tc.max_tokens, 1))  # the same on every rank
+        local_tokens = float(sum(b.ntokens * b.weight for b in batches))  # from the host
+        sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, NLL, tokens
         self.optimizer.zero_grad(set_to_none=True)
         for i, batch in enumerate(batches):
             with distributed.no_sync(self.model, skip=i < len(batches) - 1):
                 loss, nll = self.loss_fn(
                     self.model, batch, self.tc.label_smoothing, self.tc.precision
                 )
-                self.scaler.scale(loss * scale).backward()
-            sums += torch.stack([loss.detach(), nll.detach()]).double()
-        distributed.all_reduce_sum(sums)
+                self.scaler.scale(loss * c).backward()
+            sums[:2] += torch.stack([loss.detach(), nll.detach()]).double()
+        sums[2] = local_tokens
+        distributed.all_reduce_sum(sums)  # the update's figures over all ranks
+        total = sums[2:].clamp_min(1.0)  # (1,) target tokens of the update, all ranks
+        grads = [p.grad for p in self.params if p.grad is not None]
+        # DDP averaged c * (sum of losses) over the ranks: x W / (c x tokens) gives sum / tokens.
+        torch._foreach_mul_(grads, (self.world_size / (c * total)).to(torch.float32).squeeze(0))
 
         self.scaler.unscale_(self.optimizer)
         if self.tc.clip_norm > 0:
@@ -149,7 +154,7 @@ class Updater:
             gnorm = torch.nn.utils.get_total_norm(
                 [p.grad for p in self.params if p.grad is not None]
             )
-        figures = torch.cat([sums / total, total, gnorm.detach().double().reshape(1)])
+        figures = torch.cat([sums[:2] / total, total, gnorm.detach().double().reshape(1)])
         if not _all_finite(torch.isfinite(figures).all()):
             return self._skip(state, loss_finite=bool(torch.isfinite(figures[0])))
         self.scaler.step(self.optimizer)
