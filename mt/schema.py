@@ -138,7 +138,7 @@ class TrainConfig:
     # bfloat16: CUDA Ampere+, CPUs with AVX512-BF16 or AMX; fp32 elsewhere, e.g. AVX2 CPUs)
     precision: str = "fp32"
     compile: bool = False  # torch.compile the model
-    pad_multiple: int = 0  # pad batch lengths to a multiple of this (0: 8 with compile, else 1)
+    pad_multiple: int = 0  # pad batch lengths to a multiple of this (0 or 1: none)
     tf32: bool = True  # CUDA: float32 matrix products on TF32 tensor cores
     cpu_kernels: bool = True  # CPU: oneDNN float32 products, 16-bit dropout masks (mt.fast)
     # Logging, validation, checkpoints.

@@ -293,3 +293,37 @@ def test_projected_shape_errors():
 
     with pytest.raises(ValueError, match="expected h"):
         projected_cross_entropy(torch.zeros(2, 3), torch.zeros(5, 4), torch.zeros(2).long(), 0.1)
+
+
+def test_gpu_sized_blocks_give_the_reference_loss_and_gradient():
+    """The GPU's blockwise loss: blocks of thousands of rows (here 1,024 of 2,500, so three
+    blocks), equal to the formula of mt.model.loss in values and gradients (float32, 1e-5)."""
+    from mt.fast.loss import projected_block_rows, projected_cross_entropy
+
+    assert projected_block_rows(37000, "cuda") == (1 << 29) // (4 * 37000)  # 3,627 rows
+    assert projected_block_rows(8000, "cpu") == 524
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(2500, 16, generator=g, dtype=torch.float64).requires_grad_()
+    w = torch.randn(48, 16, generator=g, dtype=torch.float64).requires_grad_()
+    target = torch.randint(1, 40, (2500,), generator=g)
+    loss, nll = projected_cross_entropy(h, w, target, 0.1, vocab=40, rows=1024)
+    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    lprobs = F.log_softmax(h2 @ w2[:40].t(), dim=-1)
+    ref_loss, ref_nll = label_smoothed_nll_loss(lprobs, target, 0.1)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(nll, ref_nll, rtol=1e-5, atol=0)
+    loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(h.grad, h2.grad, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-5, atol=1e-9)
+    assert torch.all(w.grad[40:] == 0)  # padded rows are never scored
+
+
+def test_the_gpu_training_model_scores_in_blocks():
+    from mt.fast import for_training
+    from mt.model import build_model
+    from mt.schema import ModelConfig
+
+    model = build_model(ModelConfig(N=1, d_model=16, d_ff=32, h=2), 40)
+    on_gpu = for_training(model, torch.device("cuda"), True, "bf16")
+    assert on_gpu.model is model and on_gpu.blockwise and on_gpu.in_flight is None

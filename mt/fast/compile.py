@@ -1,6 +1,6 @@
-"""``torch.compile`` for training: compiled in the order torch documents for DDP, padded
-lengths rounded up so that the compiler sees few shapes, and the count of compiled graphs for
-the log."""
+"""``torch.compile`` for training: dynamic shapes (one graph for every batch length, instead of
+padding lengths to multiples, which added positions and a key mask to nearly every batch), the
+order torch documents for DDP, and the count of compiled graphs for the log."""
 
 from __future__ import annotations
 
@@ -14,19 +14,23 @@ log = logging.getLogger(__name__)
 
 
 def pad_multiple(tc: TrainConfig) -> int:
-    """What training batches' lengths are padded up to a multiple of: ``train.pad_multiple``,
-    or when it is 0, 8 with ``train.compile`` (fewer shapes, fewer recompiles) and 1 without."""
+    """What training batches' lengths are padded up to a multiple of: ``train.pad_multiple``
+    (0 or 1: no padding beyond the longest sentence; compiled steps take dynamic shapes)."""
     if tc.pad_multiple < 0:
         raise ValueError(f"train.pad_multiple must be >= 0, got {tc.pad_multiple}")
-    return tc.pad_multiple or (8 if tc.compile else 1)
+    return max(1, tc.pad_multiple)
 
 
 def compile_model(raw: torch.nn.Module, tc: TrainConfig) -> torch.nn.Module:
-    """``torch.compile(raw)`` with ``train.compile``, else ``raw``; wrap the result in DDP after.
+    """``torch.compile(raw, dynamic=True)`` with ``train.compile``, else ``raw``; wrap the
+    result in DDP after.
 
-    That is the order torch documents for DDP ("Where to apply torch.compile?": compile the
-    module, then wrap it). Dynamo then compiles inside DDP's forward, sees the DDP module and,
-    with ``torch._dynamo.config.optimize_ddp`` (on by default), splits the graph at DDP's
+    Dynamic shapes: batch and sequence lengths are symbols in one graph, so batches of every
+    length run it without a recompile (a batch without source padding, which passes no key
+    mask, makes at most one more graph). The order is the one torch documents for DDP
+    ("Where to apply torch.compile?": compile the inner module, then wrap it). Dynamo then
+    compiles inside DDP's forward, sees the DDP module and, with
+    ``torch._dynamo.config.optimize_ddp`` (on by default), splits the graph at DDP's
     gradient-bucket boundaries, so each bucket's all-reduce overlaps the rest of the backward.
     ``raw`` itself stays uncompiled: validation and checkpoints use it.
     """
@@ -36,7 +40,7 @@ def compile_model(raw: torch.nn.Module, tc: TrainConfig) -> torch.nn.Module:
 
     if not torch._dynamo.config.optimize_ddp:
         log.warning("torch._dynamo.config.optimize_ddp is off: DDP cannot overlap all-reduces")
-    return torch.compile(raw)
+    return torch.compile(raw, dynamic=True)
 
 
 def compiled_graphs() -> int:

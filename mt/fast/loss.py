@@ -175,6 +175,16 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
 
 BLOCKWISE_BLOCK_BYTES = 1 << 24  # 16 MB of float32 scores per block (512 rows at V = 8000)
 BLOCKWISE_MIN_ROWS = 256  # fewer rows make G^T h a thin, slow product
+# A GPU wants few, large kernels: 512 MB of float32 scores per block (3,600 rows at V = 37k),
+# so a 25k-token batch takes 7 blocks and its (n, V) logits never exist whole.
+GPU_BLOCKWISE_BLOCK_BYTES = 1 << 29
+
+
+def projected_block_rows(vocab: int, device: torch.device | str) -> int:
+    """Rows per block of :func:`projected_cross_entropy` on ``device``."""
+    if torch.device(device).type == "cuda":
+        return max(1024, GPU_BLOCKWISE_BLOCK_BYTES // (4 * max(vocab, 1)))
+    return max(BLOCKWISE_MIN_ROWS, BLOCKWISE_BLOCK_BYTES // (4 * max(vocab, 1)))
 
 
 def projected_cross_entropy(
@@ -199,7 +209,8 @@ def projected_cross_entropy(
         eps: smoothing mass in [0, 1).
         vocab: the number of rows of ``weight`` to score (default: all).
         product: ``(x, w, bias) -> x w^T (+ bias)``, e.g. oneDNN's (``mt.fast.training``).
-        rows: rows per block (default: ~16 MB of float32 scores, at least 256).
+        rows: rows per block (default: :func:`projected_block_rows`: ~16 MB of float32 scores
+            on a CPU, at least 256; ~512 MB on a GPU, at least 1024).
 
     Returns:
         ``(loss_sum, nll_sum)`` as :func:`label_smoothed_cross_entropy` returns them.
@@ -216,7 +227,7 @@ def projected_cross_entropy(
         )
     vocab = weight.size(0) if vocab is None else vocab
     if rows is None:
-        rows = max(BLOCKWISE_MIN_ROWS, BLOCKWISE_BLOCK_BYTES // (4 * max(vocab, 1)))
+        rows = projected_block_rows(vocab, h.device)
     device = h.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
     with torch.autocast(device, enabled=False):

@@ -21,8 +21,8 @@ validation see one model) and computes the model's math with four things done di
 Training on a CPU also calls ``mt.fast.memory.hold_freed_memory`` (glibc keeps freed memory for
 the next step instead of handing it back to the kernel and faulting it in again).
 
-Elsewhere (a GPU, or ``train.cpu_kernels=false``) the model itself runs, and the loss is the
-fused one of ``mt.fast.loss`` over its logits.
+On a GPU the model itself runs, its projection and loss in row blocks of ~512 MB of scores;
+with ``train.cpu_kernels=false`` the model itself with the fused loss over its logits.
 """
 
 from __future__ import annotations
@@ -143,9 +143,13 @@ def for_training(
     its loss in row blocks and its FFN packed on well-padded batches (not when the step is
     ``compiled``: the packed rows' count would be one more dynamic shape per batch). Its float32
     products run on oneDNN where that measures faster than torch's own at the run's shapes
-    (:func:`onednn_products`: ``tokens`` per batch; bf16 keeps autocast's). Elsewhere the model
-    itself with the fused loss over its logits. ``model`` is never modified.
+    (:func:`onednn_products`: ``tokens`` per batch; bf16 keeps autocast's). On a GPU the model
+    itself with the projection and the loss in blocks of thousands of rows (the logits of a
+    25k-token batch never exist whole); elsewhere the model with the fused loss over its
+    logits. ``model`` is never modified.
     """
+    if device.type == "cuda":  # the projection and the loss in blocks of thousands of rows
+        return TrainingModel(model, blockwise=True)
     if device.type != "cpu" or not cpu_kernels:
         return TrainingModel(model)
     hold_freed_memory()
