@@ -22,10 +22,10 @@ LAUNCH := $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(GPUS) -
 endif
 STAMP := $(if $(VENV),$(VENV),.)/.mt-installed
 
-.PHONY: help install test lint smoke train prepare evaluate bench clean serve export browser
+.PHONY: help install test lint smoke train prepare evaluate bench clean serve export browser gpu-check
 
 help:  ## list the targets
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 	@echo "  Variables: ARGS=\"key=value ...\" (Hydra overrides), GPUS=N (torchrun), VENV= (use PYTHON"
 	@echo "  as it is), WHEELS=DIR (install offline from downloaded wheels), TORCH=torch==X"
 
@@ -78,6 +78,9 @@ export: install  ## export a checkpoint: ARGS="checkpoint=PATH format=hf|ctransl
 
 serve: install  ## translation server and web page: ARGS="checkpoint=PATH [host=127.0.0.1 port=8000]"
 	$(PY) -m mt serve $(ARGS)
+
+gpu-check:  ## on a GPU machine: GPU tests, benches, Multi30k, a profile -> gpu-check/summary.md
+	$(PYTHON) scripts/gpu_check.py $(ARGS)
 
 clean:  ## remove caches and build outputs (not runs/ nor .venv)
 	rm -rf .cache .pytest_cache .ruff_cache dist build

@@ -80,6 +80,10 @@ def setup(device: str = "auto", timeout_minutes: float = 30.0) -> DistInfo:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    # Batches of varying lengths make the caching allocator's fixed segments fragment; growable
+    # ones ("expandable segments") keep the reserved memory near the peak that is used. Read
+    # when the allocator starts, so set before the first CUDA allocation; a user's setting wins.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     dev = resolve_device(device, local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

@@ -126,6 +126,19 @@ def batch_flops(batch, p_enc: int, p_dec: int, cfg: ModelConfig, vocab: int) -> 
     return float(dense + attn)
 
 
+# Dense bf16 tensor-core peaks from NVIDIA's datasheets (TFLOP/s, no sparsity): what MFU is
+# quoted against by MLPerf and the papers (the measured matmul peak is reported beside it).
+DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0}
+
+
+def datasheet_tflops(device: torch.device, precision: str) -> float | None:
+    """The datasheet's dense bf16 peak of this GPU (None: a CPU, fp32, or a GPU not listed)."""
+    if device.type != "cuda" or precision != "bf16":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in DATASHEET_BF16_TFLOPS.items() if k in name), None)
+
+
 def textbook_loss(model, batch, eps: float, precision: str):
     """The loss as fairseq and most PyTorch code compute it: logits at every position,
     ``log_softmax`` in float32, then the label-smoothed NLL with padding masked out."""
@@ -223,6 +236,7 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
         peak_source = "measured bf16 matmul 8192^3"
         rec.emit({"bench": "peak", "size": 8192, "peak_tflops": peak_tflops, **environment(device)})
 
+    datasheet = datasheet_tflops(device, args.precision)
     log.info("train: %d warm-up + %d timed steps, %s", args.warmup_steps, args.steps, source)
     for i, batch in enumerate(batches):
         batch = batch.to(device)
@@ -275,6 +289,8 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
             "peak_tflops": peak_tflops,
             "peak_source": peak_source,
             "mfu": tok_s * flops_per_tok / (peak_tflops * 1e12) if peak_tflops else None,
+            "datasheet_tflops": datasheet,
+            "mfu_datasheet": tok_s * flops_per_tok / (datasheet * 1e12) if datasheet else None,
             **environment(device),
         }
         if device.type == "cpu" and len(runners) > 1:

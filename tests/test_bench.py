@@ -187,3 +187,22 @@ def test_data_and_train_from_prepared_split(prepared_dir, tmp_path):
     assert r["vocab"] == Prepared(prepared_dir).vocab_size != 64
     # Each batch holds at most max_tokens padded target tokens.
     assert 0 < r["tgt_tokens_per_step"] <= 200
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_its_steps_in_miniature_on_a_cpu(real_data, tmp_path):
+    """`make gpu-check` stays ready for the day a GPU is lent: the same steps (benchmark,
+    Multi30k prepare/train/evaluate, a profiled update) run on a CPU with --quick, and the
+    summary table holds each of them."""
+    env = dict(os.environ, MT_DATA_DIR=str(real_data))
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--device", "cpu", "--quick",
+         "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = (tmp_path / "out" / "summary.md").read_text()
+    for step in ("bench_small_eager", "multi30k_train", "multi30k_evaluate", "profile"):
+        assert f"| {step} | 0 |" in text
+    assert "Multi30k de->en test BLEU" in text and "tgt tok/s" in text
+    assert (tmp_path / "out" / "profile.txt").read_text().strip()

@@ -1,0 +1,255 @@
+"""``make gpu-check``: everything this project wants measured on a GPU, in one command.
+
+Whoever is lent a GPU runs this once; it fits in about 25 minutes of an H100 and writes one
+folder (``--out``, default ``$OUT`` or ``gpu-check/``) with a summary table (summary.md) and
+the raw records beside it:
+
+1. ``environment``: nvidia-smi, torch, CUDA, the GPU.
+2. ``tests``: ``pytest -m gpu`` (every GPU test carries the marker).
+3. ``bench``: training steps of ``base`` and ``big`` in bf16 on real sentence lengths (the news
+   corpus, prepared), eager and compiled: target tokens/s, MFU against the datasheet peak and
+   against a measured matmul, peak memory.
+4. ``multi30k``: ``make train``'s pipeline (prepare, train, evaluate) on Multi30k de->en on the
+   GPU: test BLEU with its signature, wall time per stage.
+5. ``profile``: one update of ``base`` under torch.profiler: the top kernels, the number of
+   kernel launches, and the GPU's busy share of the step.
+
+Offline machines: the few packages the device image lacks travel as wheels (``.whl``, see
+README "When a GPU is lent") and the corpora as a folder (``--data-dir``); this script installs
+the wheels into a folder on ``PYTHONPATH`` first. ``--device cpu --quick`` runs the same steps
+in miniature on a CPU (what the tests do, so that the command stays ready).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(cmd: list[str], out: Path, name: str, env: dict, timeout: float) -> dict:
+    """Run ``cmd``, its output in ``out/<name>.log``; returns status and seconds."""
+    start = time.time()
+    with open(out / f"{name}.log", "w") as log:
+        try:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                  timeout=timeout, check=False)  # fmt: skip
+            status = proc.returncode
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+    return {"step": name, "status": status, "seconds": round(time.time() - start, 1)}
+
+
+def install_wheels(wheels: Path, target: Path) -> str | None:
+    """The carried wheels unpacked into ``target`` (returned, for PYTHONPATH); None: none."""
+    found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
+    if not found:
+        return None
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                    "--no-compile", "--upgrade", "--target", str(target), *map(str, found)],
+                   check=True)  # fmt: skip
+    return str(target)
+
+
+def environment(out: Path, env: dict) -> dict:
+    info = {"python": sys.version.split()[0]}
+    code = ("import json, torch; d = torch.cuda.is_available(); print(json.dumps({'torch': "
+            "torch.__version__, 'cuda': torch.version.cuda, 'gpu': torch.cuda.get_device_name(0) "
+            "if d else None}))")  # fmt: skip
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    if probe.returncode == 0:
+        info.update(json.loads(probe.stdout.strip().splitlines()[-1]))
+    if shutil.which("nvidia-smi"):
+        smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True)
+        (out / "nvidia-smi.txt").write_text(smi.stdout)
+    (out / "environment.json").write_text(json.dumps(info, indent=2))
+    return info
+
+
+def bench(args, out: Path, env: dict, data: Path | None) -> list[dict]:
+    """Training steps of base and big, bf16 (fp32 on a CPU), eager and compiled."""
+    steps = []
+    records = out / "bench.jsonl"
+    precision = "bf16" if args.device == "cuda" else "fp32"
+    presets = [("base", 25000), ("big", 25000)] if not args.quick else [("small", 2048)]
+    for preset, tokens in presets:
+        for compiled in (False,) if args.quick else (False, True):
+            cmd = [sys.executable, "scripts/bench.py", "train", "--preset", preset,
+                   "--device", args.device, "--precision", precision, "--output", str(records),
+                   "--steps", "3" if args.quick else "30", "--warmup-steps",
+                   "1" if args.quick else "5"]  # fmt: skip
+            if data is not None:
+                cmd += ["--data", str(data), "--max-tokens", str(tokens)]
+            if compiled:
+                cmd.append("--compile")
+            name = f"bench_{preset}_{'compiled' if compiled else 'eager'}"
+            steps.append(run(cmd, out, name, env, args.step_timeout))
+    return steps
+
+
+def prepared_news(args, out: Path, env: dict) -> Path | None:
+    """The news corpus prepared (real WMT sentence lengths for the benchmark), or None."""
+    if args.quick or not args.data_dir or not (Path(args.data_dir) / "wmt_newstest_de-en").is_dir():
+        return None
+    cache = out / "cache"
+    step = run([sys.executable, "-m", "mt", "prepare", "experiment=news_de_en",
+                f"cache_dir={cache}", f"run_dir={out / 'news'}"], out, "prepare_news", env,
+               args.step_timeout)  # fmt: skip
+    found = sorted(cache.glob("news_de_en-*/train.src.ids"))
+    return found[0].parent / "train" if step["status"] == 0 and found else None
+
+
+def multi30k(args, out: Path, env: dict) -> list[dict]:
+    """prepare -> train -> evaluate on Multi30k de->en, as `make train` runs them."""
+    common = [f"run_dir={out / 'multi30k'}", f"cache_dir={out / 'cache'}",
+              f"train.device={args.device}"]  # fmt: skip
+    if args.quick:
+        common += ["experiment=smoke", "train.max_steps=20", "train.eval_every=20"]
+    steps = []
+    for stage in ("prepare", "train", "evaluate"):
+        cmd = [sys.executable, "-m", "mt", stage, *common]
+        steps.append(run(cmd, out, f"multi30k_{stage}", env, args.step_timeout))
+        if steps[-1]["status"] != 0:
+            break
+    return steps
+
+
+PROFILE = r"""
+import json, sys, torch
+import numpy as np
+from torch.profiler import ProfilerActivity, profile
+from mt.config import load_config
+from mt.data.batches import collate
+from mt.fast import for_training
+from mt.model import build_model
+from mt.train.state import TrainState
+from mt.train.update import Updater, build_optimizer
+
+device, preset, tokens, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+dev = torch.device(device)
+precision = "bf16" if dev.type == "cuda" else "fp32"
+cfg = load_config([f"model={preset}", f"train.precision={precision}", "train.clip_norm=1.0"])
+torch.manual_seed(0)
+raw = build_model(cfg.model, 37000 if preset != "small" else 8000).to(dev)
+step_model = for_training(raw, dev, precision=precision)
+opt = build_optimizer(raw.parameters(), cfg.train, dev)
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1e-4)
+update = Updater(step_model, raw.parameters(), opt, sched,
+                 torch.amp.GradScaler(dev.type, enabled=False), cfg, 1)
+rng = np.random.default_rng(0)
+n = max(1, tokens // 28)
+batch = collate([(rng.integers(4, 8000, rng.integers(20, 30)),
+                  rng.integers(4, 8000, rng.integers(20, 30))) for _ in range(n)]).to(dev)
+for _ in range(3):
+    update([batch], TrainState())
+if dev.type == "cuda":
+    torch.cuda.synchronize()
+acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+with profile(activities=acts) as prof:
+    update([batch], TrainState())
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+averages = prof.key_averages()
+table = None
+for key in (("self_device_time_total", "self_cuda_time_total") if dev.type == "cuda" else ()) + (
+        "self_cpu_time_total",):
+    try:
+        table = averages.table(sort_by=key, row_limit=15)
+        break
+    except (AttributeError, KeyError, ValueError):
+        continue
+events = prof.events()
+kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
+busy = sum(getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0) for e in kernels)
+span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events))
+with open(out + "/profile.txt", "w") as f:
+    f.write(table)
+summary = {"kernel_launches": len(kernels), "gpu_busy_us": busy, "step_us": span,
+           "gpu_busy_share": busy / span if kernels and span else None,
+           "batch_tokens": int(batch.ntokens)}
+with open(out + "/profile.json", "w") as f:
+    json.dump(summary, f, indent=2)
+"""
+
+
+def profile(args, out: Path, env: dict) -> dict:
+    preset, tokens = ("small", 2048) if args.quick else ("base", 25000)
+    script = out / "profile_step.py"
+    script.write_text(PROFILE)
+    cmd = [sys.executable, str(script), args.device, preset, str(tokens), str(out)]
+    return run(cmd, out, "profile", env, args.step_timeout)
+
+
+def summary(out: Path, steps: list[dict], info: dict) -> str:
+    lines = ["# gpu-check", "", f"machine: {json.dumps(info)}", "", "| step | status | seconds |",
+             "|---|---|---|"]  # fmt: skip
+    lines += [f"| {s['step']} | {s['status']} | {s['seconds']} |" for s in steps]
+    bench_file = out / "bench.jsonl"
+    if bench_file.is_file():
+        lines += ["", "| bench | compiled | tgt tok/s | MFU (datasheet) | MFU (measured peak) | "
+                  "peak memory MB |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for line in bench_file.read_text().splitlines():
+            r = json.loads(line)
+            if r.get("bench") != "train":
+                continue
+            mfu = r.get("mfu_datasheet")
+            lines.append(
+                f"| {r.get('d_model')}x{r.get('layers')} {r.get('precision')} | "
+                f"{r.get('compile')} | {r['tgt_tok_per_s']:,.0f} | "
+                f"{'-' if mfu is None else f'{mfu:.1%}'} | "
+                f"{'-' if r.get('mfu') is None else format(r['mfu'], '.1%')} | "
+                f"{r.get('peak_mem_mb', 0):,.0f} |"
+            )
+    results = out / "multi30k" / "results.json"
+    if results.is_file():
+        r = json.loads(results.read_text())
+        lines += ["", f"Multi30k de->en test BLEU {r['bleu']:.2f} ({r['signature']})"]
+    prof = out / "profile.json"
+    if prof.is_file():
+        lines += ["", f"profile of one update: {prof.read_text()}"]
+    text = "\n".join(lines) + "\n"
+    (out / "summary.md").write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT") or "gpu-check")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--data-dir", default=os.environ.get("MT_DATA_DIR") or str(ROOT / ".gpu-data"))
+    p.add_argument("--wheels", default=str(ROOT / ".whl"))
+    p.add_argument("--quick", action="store_true", help="miniature steps (a CPU check)")
+    p.add_argument("--step-timeout", type=float, default=900)
+    args = p.parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    paths = [str(ROOT)]
+    site = install_wheels(Path(args.wheels), Path("/tmp/mt-site"))
+    if site:
+        paths.insert(0, site)
+    env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    if Path(args.data_dir).is_dir():
+        env["MT_DATA_DIR"] = str(Path(args.data_dir).resolve())
+    info = environment(out, env)
+    steps = []
+    if not args.quick:
+        steps.append(run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs"], out, "tests",
+                         env, args.step_timeout))  # fmt: skip
+    data = prepared_news(args, out, env)
+    steps += bench(args, out, env, data)
+    steps += multi30k(args, out, env)
+    steps.append(profile(args, out, env))
+    print(summary(out, steps, info))
+    return 0 if all(s["status"] == 0 for s in steps) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

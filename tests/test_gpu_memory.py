@@ -1,0 +1,45 @@
+"""GPU memory planning computed on a CPU: the peak of one training step of the paper's models
+at the WMT recipes' batch, from fake tensors under torch's memory tracker (nothing allocated),
+and what the recipes' per-GPU ceilings make of it."""
+
+from __future__ import annotations
+
+import pytest
+
+from mt.config import load_config
+from mt.data.batches import batch_plan
+from mt.fast.memory import estimate_step_gb
+
+
+@pytest.mark.slow
+def test_base_and_big_take_the_25k_batch_in_one_micro_batch_on_an_80_gb_gpu():
+    peaks = {}
+    for experiment in ("wmt14_en_de_base", "wmt14_en_de_big"):
+        cfg = load_config([f"experiment={experiment}"])
+        tc = cfg.train
+        max_tokens, accum = batch_plan(tc.batch_tokens, tc.max_tokens, world_size=1)
+        assert accum == 1 and max_tokens == tc.batch_tokens == 25000  # one micro-batch
+        peak = estimate_step_gb(cfg.model, cfg.tokenizer.vocab_size, max_tokens, tc.precision)
+        assert peak["activation"] > peak["parameter"] > 0
+        peaks[experiment] = peak["total"]
+    base, big = peaks["wmt14_en_de_base"], peaks["wmt14_en_de_big"]
+    assert 4 < base < big < 40, peaks  # an 80 GB GPU holds either with room to spare
+
+
+def test_the_estimate_grows_with_the_batch():
+    cfg = load_config(["model=small"]).model
+    small, large = (estimate_step_gb(cfg, 8000, n, "fp32")["total"] for n in (500, 2000))
+    assert 0 < small < large
+
+
+def test_setup_asks_for_expandable_segments_unless_the_user_chose(monkeypatch):
+    from mt import distributed
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    distributed.setup("cpu")
+    import os
+
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    distributed.setup("cpu")
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
