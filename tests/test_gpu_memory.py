@@ -8,7 +8,7 @@ import pytest
 
 from mt.config import load_config
 from mt.data.batches import batch_plan
-from mt.fast.memory import estimate_step_gb
+from mt.fast.footprint import estimate_step_gb
 
 
 @pytest.mark.slow
