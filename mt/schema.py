@@ -152,6 +152,9 @@ class TrainConfig:
     patience: int = 0  # stop after N validations without improvement (0 = off)
     average_last: int = 0  # at the end, average the last N periodic checkpoints (0 = off)
     init_from: Optional[str] = None  # fine-tune: start from these weights, fresh optimiser
+    # On resume, start these afresh: optimizer (Adam's moments), schedule (the lr schedule from
+    # its first step: warm-up again), meters (best value, patience), data (a new epoch order)
+    reset: list = field(default_factory=list)
     max_nonfinite: int = 10  # stop after this many consecutive non-finite updates
 
 

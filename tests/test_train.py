@@ -479,3 +479,49 @@ def test_validation_records_resident_memory(tmp_path):
     valid = [r for r in _records(run) if "valid_loss" in r]
     assert [r["step"] for r in valid] == [1, 2]
     assert all(0 < r["rss_mb"] <= r["peak_rss_mb"] for r in valid)
+
+
+def test_resuming_with_a_new_learning_rate_applies_it_and_says_so(tmp_path, caplog):
+    """OpenNMT-py #1911's trap: a resumed optimiser state carries the old settings. Here a
+    changed peak lr, weight decay and Adam betas are applied to the resumed run, each logged."""
+    import mt.train.recipe as recipe
+    from mt import distributed
+    from mt.train.schedule import noam_factor, noam_lr
+
+    run = tmp_path / "run"
+    train(_cfg(run, "train.max_steps=4", "train.lr=1e-3", "train.warmup=2"))
+    cfg = _cfg(run, "train.max_steps=8", "train.lr=4e-3", "train.warmup=2",
+               "train.weight_decay=0.01", "train.beta2=0.99")  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="mt.train.recipe"):
+        r = recipe.setup(cfg, distributed.setup("cpu"))
+    group = r.update.optimizer.param_groups[0]
+    assert group["weight_decay"] == 0.01 and group["betas"] == (0.9, 0.99)
+    noam = noam_lr(5, cfg.model.d_model, 2, noam_factor(cfg.model.d_model, 2, 1.0, 4e-3))
+    assert group["lr"] == pytest.approx(noam)  # the new schedule's rate for update 5
+    for text in ("train.lr 0.001 -> 0.004: applied", "train.weight_decay 0.0 -> 0.01: applied",
+                 "train.beta2 0.98 -> 0.99: applied"):
+        assert text in caplog.text
+    assert r.state.step == 4 and r.update.optimizer.state  # Adam's moments came back
+    r.metrics.close()
+
+
+def test_train_reset_starts_the_named_parts_afresh(tmp_path, caplog):
+    import mt.train.recipe as recipe
+    from mt import distributed
+
+    run = tmp_path / "run"
+    train(_cfg(run, "train.max_steps=4", "train.eval_every=2", "train.lr=1e-3",
+               "train.warmup=2"))  # fmt: skip
+    cfg = _cfg(run, "train.max_steps=8", "train.lr=1e-3", "train.warmup=2",
+               "train.reset=[optimizer,schedule,meters,data]")  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="mt.train.recipe"):
+        r = recipe.setup(cfg, distributed.setup("cpu"))
+    assert not r.update.optimizer.state  # fresh moments
+    assert r.update.scheduler.last_epoch == 0  # warm-up again
+    assert r.state.best is None and r.state.bad_evals == 0 and r.state.step == 4
+    assert r.state.batch == 0
+    for part in ("optimizer", "schedule", "meters", "data"):
+        assert f"train.reset: {part}:" in caplog.text
+    r.metrics.close()
+    with pytest.raises(ValueError, match=r"train.reset: unknown \['optimiser'\]"):
+        recipe.setup(_cfg(run, "train.reset=[optimiser]"), distributed.setup("cpu"))

@@ -62,11 +62,15 @@ from mt.train.schedule import (
     noam_lambda,
 )
 from mt.train.state import (
+    OPTIMIZER_KEYS,
+    SCHEDULE_KEYS,
     TrainState,
     agree_on_resume,
     better,
+    changed_settings,
     check_compatible,
     check_data_plan,
+    check_resets,
     has_checkpoints,
     keep_best_of_best_pt,
     metric_key,
@@ -199,11 +203,13 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
 
     resume, resume_path = agree_on_resume(ckpt_dir, info.is_main)
     raw = build_model(cfg.model, prepared.vocab_size)  # same init on every rank (same seed)
+    resets = check_resets(tc.reset)
     if resume is not None:
         check_compatible(
             resume, cfg, prepared.vocab_size, resume_path, prepared.tokenizer.to_bytes()
         )
-        check_data_plan(resume, cfg, info.world_size, resume_path)
+        if "data" not in resets:
+            check_data_plan(resume, cfg, info.world_size, resume_path)
         raw.load_state_dict(resume["model"])
         log.info("resuming %s from %s (step %d)", run_dir, resume_path.name, resume["step"])
     elif tc.init_from:
@@ -226,12 +232,9 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     scaler = torch.amp.GradScaler(info.device.type, enabled=tc.precision == "fp16")
     state = TrainState()
     if resume is not None:
-        optimizer.load_state_dict(resume["optimizer"])
-        scheduler.load_state_dict(resume["scheduler"])
-        if resume.get("scaler"):
-            scaler.load_state_dict(resume["scaler"])
-        state = TrainState(**resume["state"])
-        keep_best_of_best_pt(state, ckpt_dir / "best.pt", metric_key(cfg))
+        state = _restore(resume, cfg, resets, optimizer, scheduler, scaler)
+        if "meters" not in resets:
+            keep_best_of_best_pt(state, ckpt_dir / "best.pt", metric_key(cfg))
 
     # The module the training step runs: on a CPU, a copy with faster kernels sharing raw's
     # parameters (mt.fast.for_training); compiled, then wrapped in DDP.
@@ -256,6 +259,43 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
         seed_everything(tc.seed + info.rank)  # different dropout masks on each rank
     key = metric_key(cfg)
     return Run(cfg, info, run_dir, prepared, raw, forward, update, sampler, state, metrics, key)
+
+
+def _restore(resume: dict, cfg: Config, resets: list[str], optimizer, scheduler, scaler):
+    """The training state of a resumed run, with ``train.reset``'s parts started afresh and
+    changed optimiser and schedule settings applied (each change logged, never ignored)."""
+    tc, stored = cfg.train, dict(resume.get("train_cfg") or {})
+    if "optimizer" in resets:
+        log.info("train.reset: optimizer: Adam's moments start afresh")
+    else:
+        optimizer.load_state_dict(resume["optimizer"])
+        changes = changed_settings(stored, cfg, OPTIMIZER_KEYS)
+        for group in optimizer.param_groups:  # the checkpoint's groups hold the old values
+            group.update(betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay)
+        for key, (old, new) in changes.items():
+            log.warning("resuming with train.%s %s -> %s: applied", key, old, new)
+    if "schedule" in resets:
+        log.info("train.reset: schedule: the learning rate starts from its first step")
+    else:
+        scheduler.load_state_dict(resume["scheduler"])
+        for key, (old, new) in changed_settings(stored, cfg, SCHEDULE_KEYS).items():
+            log.warning("resuming with train.%s %s -> %s: applied from the next update",
+                        key, old, new)  # fmt: skip
+        rates = [base * f(scheduler.last_epoch)  # the schedule's rate now, not the stored one
+                 for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]  # fmt: skip
+        for group, lr in zip(optimizer.param_groups, rates):
+            group["lr"] = lr
+        scheduler._last_lr = rates
+    if resume.get("scaler"):
+        scaler.load_state_dict(resume["scaler"])
+    state = TrainState(**resume["state"])
+    if "meters" in resets:
+        log.info("train.reset: meters: best value and patience start afresh")
+        state.best, state.best_step, state.bad_evals, state.last_eval_step = None, 0, 0, -1
+    if "data" in resets:
+        log.info("train.reset: data: a new epoch starts (epoch %d)", state.epoch + 1)
+        state.epoch, state.batch = state.epoch + (1 if state.batch else 0), 0
+    return state
 
 
 def train_loop(run: Run) -> str:

@@ -382,3 +382,23 @@ def training_state(
             state=dataclasses.asdict(state),
         )
     return ckpt
+
+
+RESETS = ("optimizer", "schedule", "meters", "data")
+OPTIMIZER_KEYS = ("beta1", "beta2", "eps", "weight_decay")  # what Adam's param groups hold
+SCHEDULE_KEYS = ("lr", "factor", "warmup", "cooldown", "max_steps", "max_minutes")
+
+
+def check_resets(names) -> list[str]:
+    """``train.reset`` checked: a list of names from :data:`RESETS`."""
+    names = [str(n) for n in (names or [])]
+    unknown = [n for n in names if n not in RESETS]
+    if unknown:
+        raise ValueError(f"train.reset: unknown {unknown}; choose from {list(RESETS)}")
+    return names
+
+
+def changed_settings(stored: dict, cfg: Config, keys: tuple[str, ...]) -> dict[str, tuple]:
+    """``{key: (in the checkpoint, now)}`` for the train settings ``keys`` that differ."""
+    now = dataclasses.asdict(cfg.train)
+    return {k: (stored.get(k), now[k]) for k in keys if k in stored and stored[k] != now[k]}
