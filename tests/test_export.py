@@ -257,3 +257,32 @@ def test_trained_model_hf_and_ct2_agree_with_mt(trained):
     # The tokenizer turns the ids back into mt's text.
     out = ec.mt_ids(model, src_ids[:5], DecodeConfig(beam_size=1))
     assert hf_tok.batch_decode(out, skip_special_tokens=True) == tok.decode(out)
+
+
+@pytest.mark.slow
+def test_the_hf_export_carries_a_model_card(trained):
+    """README.md beside the weights: the hub's header (languages, pipeline), parameters, data,
+    the command that trained it, scores with signatures once evaluated, limits."""
+    import json
+
+    ckpt, hf_dir, _, _ = trained
+    card = (hf_dir / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers\npipeline_tag: translation")
+    assert "language:\n- de\n- en\n---" in card
+    from mt.checkpoint import load_checkpoint
+
+    params = sum(v.numel() for v in load_checkpoint(ckpt)["model"].values())
+    assert f"| parameters | {params:,} |" in card
+    assert "mt-train experiment=smoke" in card and "train.max_steps=30" in card
+    assert "not evaluated" in card and "## Limits" in card
+    # evaluated: the scores and their signatures come along
+    run_dir = ckpt.parent.parent
+    (run_dir / "results.json").write_text(json.dumps({
+        "split": "test", "beam_size": 5, "alpha": 1.5, "step": 30,
+        "scores": {"bleu": {"score": 12.3456, "signature": "nrefs:1|tok:13a"}}}))  # fmt: skip
+    try:
+        again = export(ckpt, "hf", hf_dir.parent / "hf-again")
+        card = (again / "README.md").read_text()
+        assert "| bleu | 12.35 | `nrefs:1|tok:13a` |" in card
+    finally:
+        (run_dir / "results.json").unlink()

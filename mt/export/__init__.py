@@ -2,7 +2,9 @@
 
 * ``hf``: a directory that Hugging Face ``transformers`` loads offline as a ``MarianMTModel``
   and a ``MarianTokenizer`` (``AutoModelForSeq2SeqLM`` / ``AutoTokenizer``), computing mt's
-  function exactly (see :mod:`mt.export.hf`).
+  function exactly (see :mod:`mt.export.hf`), with a model card (``README.md``: languages,
+  parameters, data, the training command, test scores with signatures, limits;
+  :mod:`mt.export.card`), ready to publish as it is.
 * ``ctranslate2``: a CTranslate2 model directory built through CTranslate2's own converter API,
   with the SentencePiece model beside it (see :mod:`mt.export.ct2`).
 
@@ -16,8 +18,10 @@ import logging
 from pathlib import Path
 
 from mt.checkpoint import CheckpointError, load_checkpoint, model_cfg_from, tokenizer_blobs
+from mt.export.card import model_card
 from mt.export.ct2 import export_ct2
 from mt.export.hf import ExportError, export_hf
+from mt.files import write_text
 from mt.schema import Config
 
 log = logging.getLogger(__name__)
@@ -42,6 +46,7 @@ def export(checkpoint: str | Path, fmt: str, output: str | Path) -> Path:
         raise ExportError(f"output={out} exists and is not empty; choose a new directory")
     if fmt == "hf":
         export_hf(ckpt, cfg, blobs, out)
+        write_text(out / "README.md", model_card(ckpt, cfg, checkpoint))  # ready to publish
     else:
         export_ct2(ckpt, cfg, blobs, out)
     log.info("%s (step %s) exported as %s to %s", checkpoint, ckpt.get("step"), fmt, out)
