@@ -56,8 +56,9 @@ def _unit(module: str) -> str:
     return ".".join(module.split(".")[:2])
 
 
-def _imports(module: str) -> set[str]:
-    """Every mt module a module imports, at any depth of its code (lazy imports too)."""
+def _all_imports(module: str) -> set[str]:
+    """Every name a module imports, at any depth of its code (lazy imports too): modules and
+    ``module.name`` for each ``from module import name``."""
     path = MT.parent / (module.replace(".", "/") + ".py")
     if not path.is_file():
         path = MT.parent / module.replace(".", "/") / "__init__.py"
@@ -68,7 +69,12 @@ def _imports(module: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {name for name in found if name.split(".")[0] == "mt"}
+    return found
+
+
+def _imports(module: str) -> set[str]:
+    """The mt modules (and names) a module imports."""
+    return {name for name in _all_imports(module) if name.split(".")[0] == "mt"}
 
 
 def test_every_unit_has_a_tier():
@@ -113,15 +119,7 @@ def test_no_import_cycles_inside_a_folder():
 
 @pytest.mark.parametrize("module", [m for m in _modules() if _unit(m) == "mt.model"])
 def test_model_has_no_io_and_no_speed_code(module):
-    path = MT.parent / (module.replace(".", "/") + ".py")
-    if not path.is_file():
-        path = MT.parent / module.replace(".", "/") / "__init__.py"
-    roots = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            roots.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            roots.add(node.module.split(".")[0])
+    roots = {name.split(".")[0] for name in _all_imports(module)}
     assert not roots & MODEL_FORBIDDEN, f"{module} imports {roots & MODEL_FORBIDDEN}"
     assert not any(_unit(n) == "mt.fast" for n in _imports(module)), f"{module} imports mt.fast"
 
