@@ -457,7 +457,7 @@ def test_max_epochs_is_one_pass_over_the_data(tmp_path):
 
 def test_max_minutes_stops_on_time(tmp_path, caplog):
     run = tmp_path / "run"
-    with caplog.at_level(logging.INFO, logger="mt.train.recipe"):
+    with caplog.at_level(logging.INFO, logger="mt.train"):
         result = train(_cfg(run, "train.max_minutes=1e-5", "train.max_steps=1000"))
     assert result["stop"] == "max_minutes" and result["step"] == 1
     assert load_checkpoint(run / "checkpoints" / "last.pt")["step"] == 1
@@ -492,7 +492,7 @@ def test_resuming_with_a_new_learning_rate_applies_it_and_says_so(tmp_path, capl
     train(_cfg(run, "train.max_steps=4", "train.lr=1e-3", "train.warmup=2"))
     cfg = _cfg(run, "train.max_steps=8", "train.lr=4e-3", "train.warmup=2",
                "train.weight_decay=0.01", "train.beta2=0.99")  # fmt: skip
-    with caplog.at_level(logging.INFO, logger="mt.train.recipe"):
+    with caplog.at_level(logging.INFO, logger="mt.train"):
         r = recipe.setup(cfg, distributed.setup("cpu"))
     group = r.update.optimizer.param_groups[0]
     assert group["weight_decay"] == 0.01 and group["betas"] == (0.9, 0.99)
@@ -514,7 +514,7 @@ def test_train_reset_starts_the_named_parts_afresh(tmp_path, caplog):
                "train.warmup=2"))  # fmt: skip
     cfg = _cfg(run, "train.max_steps=8", "train.lr=1e-3", "train.warmup=2",
                "train.reset=[optimizer,schedule,meters,data]")  # fmt: skip
-    with caplog.at_level(logging.INFO, logger="mt.train.recipe"):
+    with caplog.at_level(logging.INFO, logger="mt.train"):
         r = recipe.setup(cfg, distributed.setup("cpu"))
     assert not r.update.optimizer.state  # fresh moments
     assert r.update.scheduler.last_epoch == 0  # warm-up again

@@ -33,12 +33,7 @@ import torch
 
 from mt import distributed
 from mt.checkpoint import (
-    average_checkpoints,
-    link_checkpoint,
     load_checkpoint,
-    model_cfg_from,
-    periodic_checkpoints,
-    rotate_checkpoints,
     save_checkpoint,
 )
 from mt.data.batches import BatchSampler, batch_plan, iterate_batches
@@ -61,13 +56,11 @@ from mt.train.schedule import (
     describe_budget,
     noam_lambda,
 )
+from mt.train.snapshots import average_into_best, checkpoint_of, restore, save
 from mt.train.state import (
-    OPTIMIZER_KEYS,
-    SCHEDULE_KEYS,
     TrainState,
     agree_on_resume,
     better,
-    changed_settings,
     check_compatible,
     check_data_plan,
     check_resets,
@@ -78,7 +71,6 @@ from mt.train.state import (
     seed_everything,
     set_rng_state,
     train_sampler,
-    training_state,
 )
 from mt.train.tracking import MetricsLog
 from mt.train.update import Updater, UpdateResult, build_optimizer
@@ -232,7 +224,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     scaler = torch.amp.GradScaler(info.device.type, enabled=tc.precision == "fp16")
     state = TrainState()
     if resume is not None:
-        state = _restore(resume, cfg, resets, optimizer, scheduler, scaler)
+        state = restore(resume, cfg, resets, optimizer, scheduler, scaler)
         if "meters" not in resets:
             keep_best_of_best_pt(state, ckpt_dir / "best.pt", metric_key(cfg))
 
@@ -259,43 +251,6 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
         seed_everything(tc.seed + info.rank)  # different dropout masks on each rank
     key = metric_key(cfg)
     return Run(cfg, info, run_dir, prepared, raw, forward, update, sampler, state, metrics, key)
-
-
-def _restore(resume: dict, cfg: Config, resets: list[str], optimizer, scheduler, scaler):
-    """The training state of a resumed run, with ``train.reset``'s parts started afresh and
-    changed optimiser and schedule settings applied (each change logged, never ignored)."""
-    tc, stored = cfg.train, dict(resume.get("train_cfg") or {})
-    if "optimizer" in resets:
-        log.info("train.reset: optimizer: Adam's moments start afresh")
-    else:
-        optimizer.load_state_dict(resume["optimizer"])
-        changes = changed_settings(stored, cfg, OPTIMIZER_KEYS)
-        for group in optimizer.param_groups:  # the checkpoint's groups hold the old values
-            group.update(betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay)
-        for key, (old, new) in changes.items():
-            log.warning("resuming with train.%s %s -> %s: applied", key, old, new)
-    if "schedule" in resets:
-        log.info("train.reset: schedule: the learning rate starts from its first step")
-    else:
-        scheduler.load_state_dict(resume["scheduler"])
-        for key, (old, new) in changed_settings(stored, cfg, SCHEDULE_KEYS).items():
-            log.warning("resuming with train.%s %s -> %s: applied from the next update",
-                        key, old, new)  # fmt: skip
-        rates = [base * f(scheduler.last_epoch)  # the schedule's rate now, not the stored one
-                 for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]  # fmt: skip
-        for group, lr in zip(optimizer.param_groups, rates):
-            group["lr"] = lr
-        scheduler._last_lr = rates
-    if resume.get("scaler"):
-        scaler.load_state_dict(resume["scaler"])
-    state = TrainState(**resume["state"])
-    if "meters" in resets:
-        log.info("train.reset: meters: best value and patience start afresh")
-        state.best, state.best_step, state.bad_evals, state.last_eval_step = None, 0, 0, -1
-    if "data" in resets:
-        log.info("train.reset: data: a new epoch starts (epoch %d)", state.epoch + 1)
-        state.epoch, state.batch = state.epoch + (1 if state.batch else 0), 0
-    return state
 
 
 def train_loop(run: Run) -> str:
@@ -442,25 +397,8 @@ def run_validation(run: Run) -> dict[str, float]:
         shown = ", ".join(f"{k} {v:.4g}" for k, v in result.items())
         log.info("validation at step %d: %s%s", state.step, shown, " (best)" if improved else "")
         if improved:
-            save_checkpoint(run.ckpt_dir / "best.pt", _checkpoint(run, full=False))
+            save_checkpoint(run.ckpt_dir / "best.pt", checkpoint_of(run, full=False))
     return result
-
-
-def save(run: Run, periodic: bool) -> None:
-    """``last.pt`` (full state, all ranks take part) and optionally ``checkpoint_<step>.pt``.
-
-    A periodic checkpoint holds the full training state too (any of them can resume the run
-    when ``last.pt`` is unreadable): a hard link to ``last.pt``, not a second write.
-    """
-    ckpt = _checkpoint(run, full=True)
-    if run.info.is_main:
-        last = run.ckpt_dir / "last.pt"
-        save_checkpoint(last, ckpt)
-        if periodic:
-            link_checkpoint(last, run.ckpt_dir / f"checkpoint_{run.state.step}.pt")
-            rotate_checkpoints(run.ckpt_dir, run.cfg.train.keep_last)
-        log.info("saved checkpoints at step %d", run.state.step)
-    distributed.barrier()
 
 
 def finish(run: Run, stop: str) -> dict[str, Any]:
@@ -471,13 +409,12 @@ def finish(run: Run, stop: str) -> dict[str, Any]:
             run_validation(run)
         save(run, periodic=not (run.ckpt_dir / f"checkpoint_{state.step}.pt").is_file())
         if tc.average_last > 1 and run.info.is_main:
-            _average(run)
+            average_into_best(run)
         distributed.barrier()
     else:
         save(run, periodic=False)
         if run.info.is_main:  # for a requeue script that cannot see the exit status (torchrun)
             write_json(run.run_dir / PREEMPTED, {"step": state.step, "signal": run.stop.name})
-    tc = run.cfg.train
     budget = {"max_steps": tc.max_steps, "max_minutes": tc.max_minutes,
               "max_epochs": tc.max_epochs, "patience": tc.patience}  # fmt: skip
     run.metrics.write({
@@ -493,49 +430,6 @@ def finish(run: Run, stop: str) -> dict[str, Any]:
         "metric": run.key,
         "run_dir": str(run.run_dir),
     }
-
-
-def _average(run: Run) -> None:
-    """Average the last N periodic checkpoints into averaged.pt; it becomes best.pt when it
-    validates at least as well as the best single checkpoint (the paper always uses it)."""
-    paths = periodic_checkpoints(run.ckpt_dir)[-run.cfg.train.average_last :]
-    if len(paths) < 2:
-        log.warning("average_last: only %d periodic checkpoint(s), nothing to average", len(paths))
-        return
-    avg = average_checkpoints(paths)
-    save_checkpoint(run.ckpt_dir / "averaged.pt", avg)
-    model = build_model(model_cfg_from(avg), int(avg["vocab_size"]))
-    model.load_state_dict(avg["model"])
-    result = validate(model.to(run.info.device), run.prepared, run.cfg, run.info.device)
-    value = result[run.key]
-    use = (
-        run.state.best is None or value == run.state.best or better(run.key, value, run.state.best)
-    )
-    run.metrics.write(
-        {
-            "step": run.state.step,
-            "averaged": len(paths),
-            **{f"avg_{k}": v for k, v in result.items()},
-        }
-    )
-    log.info(
-        "average of %d checkpoints: %s %.4g%s",
-        len(paths),
-        run.key,
-        value,
-        " -> best.pt" if use else "",
-    )
-    if use:
-        avg.update(best=value, best_metric=run.key)
-        save_checkpoint(run.ckpt_dir / "best.pt", avg)
-
-
-def _checkpoint(run: Run, full: bool) -> dict[str, Any]:
-    update = run.update
-    return training_state(
-        run.raw_model, run.prepared, run.cfg, run.state,
-        update.optimizer, update.scheduler, update.scaler, full, run.info.world_size,
-    )  # fmt: skip
 
 
 def _apply_cooldown(run: Run) -> float:

@@ -1,0 +1,129 @@
+"""Snapshots of a training run: what its checkpoints hold and when they are written
+(``last.pt``, the periodic ones, the average of the last N), and how a resumed run takes its
+state back (with ``train.reset``'s parts afresh and changed settings applied)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from mt import distributed
+from mt.checkpoint import (
+    average_checkpoints,
+    link_checkpoint,
+    model_cfg_from,
+    periodic_checkpoints,
+    rotate_checkpoints,
+    save_checkpoint,
+)
+from mt.model.transformer import build_model
+from mt.schema import Config
+from mt.train.state import (
+    OPTIMIZER_KEYS,
+    SCHEDULE_KEYS,
+    TrainState,
+    better,
+    changed_settings,
+    training_state,
+)
+from mt.train.validation import validate
+
+log = logging.getLogger(__name__)
+
+
+def save(run, periodic: bool) -> None:
+    """``last.pt`` (full state, all ranks take part) and optionally ``checkpoint_<step>.pt``.
+
+    A periodic checkpoint holds the full training state too (any of them can resume the run
+    when ``last.pt`` is unreadable): a hard link to ``last.pt``, not a second write.
+    """
+    ckpt = checkpoint_of(run, full=True)
+    if run.info.is_main:
+        last = run.ckpt_dir / "last.pt"
+        save_checkpoint(last, ckpt)
+        if periodic:
+            link_checkpoint(last, run.ckpt_dir / f"checkpoint_{run.state.step}.pt")
+            rotate_checkpoints(run.ckpt_dir, run.cfg.train.keep_last)
+        log.info("saved checkpoints at step %d", run.state.step)
+    distributed.barrier()
+
+
+def average_into_best(run) -> None:
+    """Average the last N periodic checkpoints into averaged.pt; it becomes best.pt when it
+    validates at least as well as the best single checkpoint (the paper always uses it)."""
+    paths = periodic_checkpoints(run.ckpt_dir)[-run.cfg.train.average_last :]
+    if len(paths) < 2:
+        log.warning("average_last: only %d periodic checkpoint(s), nothing to average", len(paths))
+        return
+    avg = average_checkpoints(paths)
+    save_checkpoint(run.ckpt_dir / "averaged.pt", avg)
+    model = build_model(model_cfg_from(avg), int(avg["vocab_size"]))
+    model.load_state_dict(avg["model"])
+    result = validate(model.to(run.info.device), run.prepared, run.cfg, run.info.device)
+    value = result[run.key]
+    use = (
+        run.state.best is None or value == run.state.best or better(run.key, value, run.state.best)
+    )
+    run.metrics.write(
+        {
+            "step": run.state.step,
+            "averaged": len(paths),
+            **{f"avg_{k}": v for k, v in result.items()},
+        }
+    )
+    log.info(
+        "average of %d checkpoints: %s %.4g%s",
+        len(paths),
+        run.key,
+        value,
+        " -> best.pt" if use else "",
+    )
+    if use:
+        avg.update(best=value, best_metric=run.key)
+        save_checkpoint(run.ckpt_dir / "best.pt", avg)
+
+
+def checkpoint_of(run, full: bool) -> dict[str, Any]:
+    """The checkpoint dict of ``run`` now (``full``: with the training state; every rank)."""
+    update = run.update
+    return training_state(
+        run.raw_model, run.prepared, run.cfg, run.state,
+        update.optimizer, update.scheduler, update.scaler, full, run.info.world_size,
+    )  # fmt: skip
+
+
+def restore(resume: dict, cfg: Config, resets: list[str], optimizer, scheduler, scaler):
+    """The training state of a resumed run, with ``train.reset``'s parts started afresh and
+    changed optimiser and schedule settings applied (each change logged, never ignored)."""
+    tc, stored = cfg.train, dict(resume.get("train_cfg") or {})
+    if "optimizer" in resets:
+        log.info("train.reset: optimizer: Adam's moments start afresh")
+    else:
+        optimizer.load_state_dict(resume["optimizer"])
+        changes = changed_settings(stored, cfg, OPTIMIZER_KEYS)
+        for group in optimizer.param_groups:  # the checkpoint's groups hold the old values
+            group.update(betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay)
+        for key, (old, new) in changes.items():
+            log.warning("resuming with train.%s %s -> %s: applied", key, old, new)
+    if "schedule" in resets:
+        log.info("train.reset: schedule: the learning rate starts from its first step")
+    else:
+        scheduler.load_state_dict(resume["scheduler"])
+        for key, (old, new) in changed_settings(stored, cfg, SCHEDULE_KEYS).items():
+            log.warning("resuming with train.%s %s -> %s: applied from the next update",
+                        key, old, new)  # fmt: skip
+        rates = [base * f(scheduler.last_epoch)  # the schedule's rate now, not the stored one
+                 for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]  # fmt: skip
+        for group, lr in zip(optimizer.param_groups, rates):
+            group["lr"] = lr
+        scheduler._last_lr = rates
+    if resume.get("scaler"):
+        scaler.load_state_dict(resume["scaler"])
+    state = TrainState(**resume["state"])
+    if "meters" in resets:
+        log.info("train.reset: meters: best value and patience start afresh")
+        state.best, state.best_step, state.bad_evals, state.last_eval_step = None, 0, 0, -1
+    if "data" in resets:
+        log.info("train.reset: data: a new epoch starts (epoch %d)", state.epoch + 1)
+        state.epoch, state.batch = state.epoch + (1 if state.batch else 0), 0
+    return state
