@@ -140,7 +140,8 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model
     pad_multiple: int = 0  # pad batch lengths to a multiple of this (0 or 1: none)
     tf32: bool = True  # CUDA: float32 matrix products on TF32 tensor cores
-    cpu_kernels: bool = True  # CPU training copy (mt.fast): products on oneDNN or torch, measured; 16-bit dropout
+    # CPU training copy (mt.fast): products on oneDNN or torch (measured), 16-bit dropout masks
+    cpu_kernels: bool = True
     # Logging, validation, checkpoints.
     log_every: int = 50
     eval_every: int = 1000  # validate every N updates (0 = only at the end)

@@ -1,4 +1,5 @@
-"""The update step waits for the device only once: the step-or-skip read of ``_all_finite``.
+"""The update step waits for the device at most once: on a CPU the step-or-skip read of
+``_all_finite``; with the check kept on the device (a GPU's default), not at all.
 
 Method (CPU): a ``TorchFunctionMode`` sees every torch function and Tensor method called from
 Python during one ``Updater`` call (forward, loss, backward of the fused loss, clipping, Adam,
@@ -61,7 +62,7 @@ class SyncRecorder(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _update(precision="fp32", clip=1.0, loss_fn=None, device="cpu"):
+def _update(precision="fp32", clip=1.0, loss_fn=None, device="cpu", defer_check=None):
     cfg = load_config(
         [
             "model.N=1", "model.d_model=16", "model.d_ff=32", "model.h=2", "model.dropout=0.1",
@@ -73,7 +74,7 @@ def _update(precision="fp32", clip=1.0, loss_fn=None, device="cpu"):
     opt = build_optimizer(model.parameters(), cfg.train, torch.device(device))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1e-3)
     scaler = torch.amp.GradScaler(torch.device(device).type, enabled=precision == "fp16")
-    return Updater(model, model.parameters(), opt, sched, scaler, cfg, 1, loss_fn)
+    return Updater(model, model.parameters(), opt, sched, scaler, cfg, 1, loss_fn, defer_check)
 
 
 def _batches(device="cpu"):
@@ -170,23 +171,59 @@ def test_one_collective_after_the_backward_passes(monkeypatch):
     assert seen == [((3,), True)] and result.ntokens == 15
 
 
+def test_the_check_on_the_device_reads_nothing(monkeypatch):
+    """With the finite check kept on the device, an update makes no synchronising call at all
+    (the recorder, with ``_all_finite`` counted as a read)."""
+    update = _update(defer_check=True)
+    calls, reads = syncs_in_update(update, _batches(), monkeypatch)
+    assert calls == [] and reads == 0
+
+
+def _nan_loss(model, batch, eps, precision):
+    loss, nll = batch_loss(model, batch, eps, precision)
+    return loss * float("nan"), nll
+
+
+def test_a_non_finite_update_is_skipped_on_the_device(caplog):
+    """A non-finite update leaves the weights and Adam's moments and step count as they were
+    (the fused kernel's ``found_inf``), a finite one steps; ``check`` logs the skips when it
+    reads them and stops after ``train.max_nonfinite`` in a row, as the host check does."""
+    update = _update(defer_check=True)
+    state = TrainState()
+    update(_batches(), state)  # one good update: Adam has moments now
+    before = [p.detach().clone() for p in update.params]
+    moments = [update.optimizer.state[p]["exp_avg"].clone() for p in update.params]
+    steps = [float(update.optimizer.state[p]["step"]) for p in update.params]
+    update.loss_fn = _nan_loss
+    update(_batches(), state)
+    assert all(torch.equal(a, p) for a, p in zip(before, update.params))
+    assert all(torch.equal(m, update.optimizer.state[p]["exp_avg"])
+               for m, p in zip(moments, update.params))  # fmt: skip
+    assert [float(update.optimizer.state[p]["step"]) for p in update.params] == steps
+    assert update.scheduler.last_epoch == 2  # the schedule moves on
+    with caplog.at_level("WARNING", logger="mt.train.update"):
+        update.check(state)
+    assert "1 update(s) skipped" in caplog.text and state.nonfinite == 1
+    update.loss_fn = batch_loss
+    update(_batches(), state)  # finite again: it steps, and the streak ends
+    assert not all(torch.equal(a, p) for a, p in zip(before, update.params))
+    update.check(state)
+    assert state.nonfinite == 0
+    update.loss_fn = _nan_loss
+    for _ in range(update.tc.max_nonfinite):
+        update(_batches(), state)
+    with pytest.raises(mt.train.update.NonFiniteError, match="train.max_nonfinite=10"):
+        update.check(state)
+
+
 @pytest.mark.gpu
-def test_update_on_a_gpu_makes_no_synchronising_call(monkeypatch):
+def test_update_on_a_gpu_makes_no_synchronising_call():
     """torch's own check: ``set_sync_debug_mode("error")`` raises on any synchronising CUDA
-    call; only the step-or-skip read is let through."""
+    call; on a GPU the step-or-skip decision stays on the device, so nothing is let through."""
     update = _update("bf16", device="cuda")
     update(_batches("cuda"), TrainState())  # warm-up: lazy initialisation may synchronise
     torch.cuda.synchronize()
     batches = [b.pin_memory().to("cuda") for b in _batches()]
-
-    def allowed_read(flag):
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return bool(flag)
-        finally:
-            torch.cuda.set_sync_debug_mode("error")
-
-    monkeypatch.setattr(mt.train.update, "_all_finite", allowed_read)
     torch.cuda.set_sync_debug_mode("error")
     try:
         result = update(batches, TrainState())

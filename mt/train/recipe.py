@@ -303,6 +303,7 @@ def train_loop(run: Run) -> str:
             if tc.max_epochs > 0 and state.epoch >= tc.max_epochs:
                 stop = "max_epochs"
     run.close_batches()
+    run.update.check(state)
     bar.close()
     log.info("training stopped at step %d: %s (%s)", state.step, STOPS.get(stop, stop), stop)
     return stop
@@ -317,6 +318,7 @@ def _log_updates(
     training time since ``since``, less ``paused`` seconds of validation and saving)."""
     state = run.state
     figures = torch.stack([r.figures for r in results]).tolist()  # (k, 4): waits for the device
+    run.update.check(state)  # the device's finite checks (GPU), read with the figures
     loss, nll, _, gnorm = figures[-1]
     tok_s = sum(f[2] for f in figures) / max(time.perf_counter() - since - paused, 1e-9)
     bar.set_postfix_str(f"loss {loss:.3f} lr {lr:.2e} tok/s {tok_s:,.0f}")

@@ -106,7 +106,7 @@ class Updater:
 
     def __init__(
         self, model, params, optimizer, scheduler, scaler, cfg: Config, world_size: int,
-        loss_fn=None,
+        loss_fn=None, defer_check: Optional[bool] = None,
     ):  # fmt: skip
         self.model = model
         self.loss_fn = loss_fn or batch_loss
@@ -116,12 +116,24 @@ class Updater:
         self.scaler = scaler
         self.tc = cfg.train
         self.world_size = world_size
+        # Whether the finite check stays on the device (see __call__); None: on a GPU, where
+        # a read of the device would stall the queue of kernels.
+        self.defer_check = defer_check
+        self._streak: Optional[torch.Tensor] = None  # consecutive skipped updates (device)
+        self._skipped: Optional[torch.Tensor] = None  # skipped updates in all (device)
+        self._reported = 0  # of those, how many the log has told
 
     def __call__(self, batches: list[Batch], state: TrainState) -> Optional[UpdateResult]:
         """Forward/backward every batch, then step; None when the update was skipped.
 
-        On a GPU nothing here waits for the device but one read: whether the loss and the
-        gradient norm are finite (:func:`_all_finite`), which decides between step and skip.
+        Nothing here waits for the device. Whether the loss and the gradient norm are finite
+        decides between step and skip: on a GPU the decision stays on the device (the fused
+        Adam's ``found_inf``, as torch's GradScaler passes it: a non-finite update leaves
+        weights and moments as they were, the schedule still moves on) and is read when the
+        training loop logs (:meth:`check`); on a CPU, where a read costs nothing, and with
+        fp16's loss scale, it is read here (:func:`_all_finite`) and the update is skipped
+        whole (None).
+
         No collective runs before the backward passes: the loss of a batch is scaled by a
         constant every rank shares, ``c = 1 / (batches x max_tokens)`` (it keeps the gradients
         at a mean loss's magnitude), and the update's target tokens ride in the one all-reduce
@@ -155,6 +167,8 @@ class Updater:
                 [p.grad for p in self.params if p.grad is not None]
             )
         figures = torch.cat([sums[:2] / total, total, gnorm.detach().double().reshape(1)])
+        if self._deferred(device):
+            return self._step_on_device(figures)
         if not _all_finite(torch.isfinite(figures).all()):
             return self._skip(state, loss_finite=bool(torch.isfinite(figures[0])))
         self.scaler.step(self.optimizer)
@@ -162,6 +176,48 @@ class Updater:
         self.scheduler.step()
         state.nonfinite = 0
         return UpdateResult(figures)
+
+    def _deferred(self, device: torch.device) -> bool:
+        if self.defer_check is None:
+            self.defer_check = device.type == "cuda"
+        return (
+            self.defer_check
+            and self.tc.precision != "fp16"
+            and getattr(self.optimizer, "_step_supports_amp_scaling", False)  # fused Adam
+        )
+
+    def _step_on_device(self, figures: torch.Tensor) -> UpdateResult:
+        """Step unless ``figures`` hold a non-finite value, decided on the device."""
+        bad = (~torch.isfinite(figures).all()).to(torch.float32)  # () 1.0: skip this update
+        if self._streak is None:
+            self._streak, self._skipped = torch.zeros_like(bad), torch.zeros_like(bad)
+        self.optimizer.found_inf = bad  # read by the fused kernel: 1.0 leaves everything
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
+        self.scheduler.step()
+        self._streak.add_(bad).mul_(bad)  # +1 on a skip, 0 after a step
+        self._skipped.add_(bad)
+        return UpdateResult(figures)
+
+    def check(self, state: TrainState) -> None:
+        """The device-side finite checks since the last call, read (one read): log the skipped
+        updates, and stop after ``train.max_nonfinite`` consecutive ones. Nothing to do when
+        the checks were made on the host."""
+        if self._streak is None:
+            return
+        streak, skipped = (int(v) for v in torch.stack([self._streak, self._skipped]).tolist())
+        state.nonfinite = streak
+        if skipped > self._reported:
+            log.warning(
+                "non-finite loss or gradient: %d update(s) skipped by update %d (%d skipped in "
+                "all, %d consecutive now; the learning-rate schedule moved on over them)",
+                skipped - self._reported, state.step, skipped, streak,
+            )  # fmt: skip
+            self._reported = skipped
+        if streak >= self.tc.max_nonfinite:
+            raise NonFiniteError(_too_many(streak, self.tc.max_nonfinite))
 
     def _skip(self, state: TrainState, loss_finite: bool) -> None:
         """Drop a non-finite update (fp16: lower the loss scale); stop after too many."""
@@ -180,12 +236,16 @@ class Updater:
             state.nonfinite,
         )
         if state.nonfinite >= self.tc.max_nonfinite:
-            raise NonFiniteError(
-                f"{state.nonfinite} consecutive updates had a non-finite loss or gradient "
-                f"(train.max_nonfinite={self.tc.max_nonfinite}); stopping. Try a lower "
-                "learning rate (train.lr / train.factor), train.clip_norm, or precision=fp32."
-            )
+            raise NonFiniteError(_too_many(state.nonfinite, self.tc.max_nonfinite))
         return None
+
+
+def _too_many(streak: int, limit: int) -> str:
+    return (
+        f"{streak} consecutive updates had a non-finite loss or gradient "
+        f"(train.max_nonfinite={limit}); stopping. Try a lower learning rate "
+        "(train.lr / train.factor), train.clip_norm, or precision=fp32."
+    )
 
 
 def _all_finite(flag: torch.Tensor) -> bool:
