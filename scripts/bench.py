@@ -7,6 +7,8 @@ Run through make (options pass through ARGS):
         --batch-size 25 --min-len 20 --max-len 40 --steps 20 --threads 2"
     make bench ARGS="train --preset small --baseline torch --steps 20 --threads 2"
     make bench ARGS="train --preset base --data .cache/mt/<hash>/train --max-tokens 4096"
+    make bench ARGS="train --preset base --data .cache/mt/<hash>/train --max-tokens 3125 \\
+        --precision bf16 --ddp 8"                 # DDP over the 8 local GPUs, torchrun
     make bench ARGS="data --data .cache/mt/<hash>/train --max-tokens 4096"
     make bench ARGS="decode --model small --vocab 8000 --beam 4 --batch-size 32 --src-len 26 \\
         --gen-len 30 --threads 2"
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -51,8 +55,9 @@ def _shape(p: argparse.ArgumentParser, default_preset: str | None) -> None:
     g.add_argument("--d-ff", type=int)
     g.add_argument("--dropout", type=float, help="default: the preset's (0.1)")
     g.add_argument(
-        "--attention-dropout", type=float, help="on attention weights (default: = --dropout; "
-        "the paper and ../shared/peers use 0)",
+        "--attention-dropout",
+        type=float,
+        help="on attention weights (default: = --dropout; the paper and ../shared/peers use 0)",
     )
     g.add_argument("--norm", choices=("post", "pre"))
     g.add_argument("--vocab", type=int, default=8000, help="V (random-weight models)")
@@ -80,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, default=20, help="timed steps")
     train.add_argument("--compile", action="store_true", help="torch.compile the model")
     train.add_argument(
-        "--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
+        "--cpu-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="CPU: mt's training copy (train.cpu_kernels: oneDNN products, 16-bit dropout masks)",
     )
     train.add_argument(
@@ -89,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         help="torch: alternate with torch.nn.Transformer on the same batches",
     )
+    train.add_argument(
+        "--ddp", type=int, default=0, metavar="N",
+        help="N ranks on this machine under torchrun (one GPU each; gloo on a CPU); the "
+        "figures are the whole job's, each rank timing its own batches",
+    )  # fmt: skip
     train.add_argument("--smoothing", type=float, default=0.1, help="label smoothing eps")
     train.add_argument("--noam-warmup", type=int, default=4000, help="Noam schedule warm-up")
     train.add_argument("--peak-tflops", type=float, help="peak for MFU (GPU default: measured)")
@@ -185,6 +197,14 @@ def run(args: argparse.Namespace, rec: Recorder) -> None:
         run_serve(args, rec)
 
 
+def _under_torchrun(ranks: int, argv: list[str]) -> int:
+    """This benchmark again, as ``ranks`` local processes of one torchrun job."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={ranks}", __file__, *argv]  # fmt: skip
+    logging.getLogger("bench").info("%s", " ".join(command))
+    return subprocess.call(command)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s | %(levelname)s | %(message)s",
@@ -194,11 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["all", *argv]
     args = build_parser().parse_args(argv)
+    if getattr(args, "ddp", 0) > 1 and "WORLD_SIZE" not in os.environ:
+        return _under_torchrun(args.ddp, argv)
     set_threads(args.threads)
     rec = Recorder(args.output)
     for one in _defaults_for_all(args) if args.command == "all" else [args]:
         run(one, rec)
-    print(rec.table(), flush=True)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 reports
+        print(rec.table(), flush=True)
     return 0
 
 

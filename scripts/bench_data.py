@@ -50,9 +50,16 @@ def synthetic_split(n: int, min_len: int, max_len: int, vocab: int, seed: int) -
     return EncodedSplit(array(), array())
 
 
-def real_batches(split: EncodedSplit, spec: str, max_tokens: int, count: int, seed: int) -> list:
-    """The first ``count`` batches of a prepared split (epochs repeat if needed)."""
-    sampler = BatchSampler(split.src.lengths, split.tgt.lengths, max_tokens, seed)
+def real_batches(
+    split: EncodedSplit, spec: str, max_tokens: int, count: int, seed: int, rank: int = 0,
+    world_size: int = 1,
+) -> list:  # fmt: skip
+    """The first ``count`` batches of a prepared split (epochs repeat if needed): this rank's
+    shard, the ranks of one step given batches of similar lengths, as in training."""
+    sampler = BatchSampler(
+        split.src.lengths, split.tgt.lengths, max_tokens, seed, rank, world_size,
+        group=world_size,
+    )  # fmt: skip
     out, epoch = [], 1
     while len(out) < count:
         before = len(out)

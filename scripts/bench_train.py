@@ -21,6 +21,7 @@ discounted), divided by the step time and by the peak (a measured bf16 matmul or
 
 from __future__ import annotations
 
+import argparse
 import logging
 import math
 import time
@@ -43,6 +44,7 @@ from bench_common import (
 )
 from torch import nn
 
+from mt import distributed
 from mt.fast.training import for_training
 from mt.model.loss import label_smoothed_nll_loss
 from mt.model.transformer import build_model, sinusoidal_positions
@@ -157,8 +159,9 @@ class Runner:
     ``mt.train.recipe.setup`` does."""
 
     def __init__(
-        self, name: str, model: nn.Module, args, cfg: ModelConfig, device, textbook: bool = False
-    ) -> None:
+        self, name: str, model: nn.Module, args, cfg: ModelConfig, device, textbook: bool = False,
+        info: distributed.DistInfo | None = None,
+    ) -> None:  # fmt: skip
         self.name, self.device = name, device
         self.model = model.to(device).train()
         self.n_params = sum(p.numel() for p in self.model.parameters())
@@ -177,8 +180,11 @@ class Runner:
         )
         scaler = torch.amp.GradScaler(device.type, enabled=tc.precision == "fp16")
         forward = torch.compile(self.model) if args.compile else self.model
+        world = 1
+        if info is not None and info.distributed:  # as mt.train.recipe: compiled, then DDP
+            forward, world = distributed.wrap(forward, info), info.world_size
         self.update = Updater(
-            forward, self.model.parameters(), opt, sched, scaler, run_cfg, 1,
+            forward, self.model.parameters(), opt, sched, scaler, run_cfg, world,
             textbook_loss if textbook else None,
         )  # fmt: skip
         self.state = TrainState()
@@ -200,8 +206,18 @@ class Runner:
 
 
 def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
-    """Benchmark training steps; emits one record per implementation."""
+    """Benchmark training steps; emits one record per implementation.
+
+    Under torchrun (``--ddp N``) every rank steps its own batches through DDP; a step's figure
+    is the tokens of all ranks over the slowest rank's time, and rank 0 emits the records."""
+    info = None
+    if args.ddp > 1:
+        if args.baseline != "none":
+            raise SystemExit("--ddp measures mt alone: leave out --baseline")
+        info = distributed.setup(args.device)
+        args.device_obj = info.device
     device = args.device_obj
+    rank, world = (info.rank, info.world_size) if info else (0, 1)
     if args.data:
         from bench_data import load_prepared, real_batches
 
@@ -216,17 +232,19 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
     mt_forward = for_training(  # as mt.train
         mt_model, device, args.cpu_kernels, args.precision, args.compile
     )
-    runners = [Runner("mt", mt_forward, args, cfg, device)]
+    runners = [Runner("mt", mt_forward, args, cfg, device, info=info)]
     if args.baseline == "torch":
         torch_model = TorchTransformer(cfg, args.vocab)
         runners.append(Runner("torch", torch_model, args, cfg, device, textbook=True))
 
     n = args.warmup_steps + args.steps
     if args.data:
-        batches = real_batches(split, args.data, args.max_tokens, n, args.seed)
+        batches = real_batches(split, args.data, args.max_tokens, n, args.seed, rank, world)
         source = args.data
-    else:
-        batches = random_batches(args, n)
+    else:  # each rank its own batches (seeds rank x 1000 on)
+        batches = random_batches(
+            argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * rank}), n
+        )
         source = f"random B={args.batch_size} len=[{args.min_len},{args.max_len}]"
 
     peak_tflops = args.peak_tflops
@@ -256,6 +274,12 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
                 r.tokens += batch.ntokens
                 r.flops += flops
 
+    if world > 1:
+        _whole_job(runners[0], device)
+        distributed.barrier()
+        if rank != 0:
+            distributed.cleanup()
+            return []
     records = []
     for r in runners:
         tok_s = median(r.tok_per_s)
@@ -288,9 +312,13 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
             "achieved_tflops": tok_s * flops_per_tok / 1e12,
             "peak_tflops": peak_tflops,
             "peak_source": peak_source,
-            "mfu": tok_s * flops_per_tok / (peak_tflops * 1e12) if peak_tflops else None,
+            "mfu": tok_s * flops_per_tok / (world * peak_tflops * 1e12) if peak_tflops else None,
             "datasheet_tflops": datasheet,
-            "mfu_datasheet": tok_s * flops_per_tok / (datasheet * 1e12) if datasheet else None,
+            "mfu_datasheet": (
+                tok_s * flops_per_tok / (world * datasheet * 1e12) if datasheet else None
+            ),
+            "ranks": world,
+            "tgt_tok_per_s_per_rank": tok_s / world,
             **environment(device),
         }
         if device.type == "cpu" and len(runners) > 1:
@@ -303,4 +331,21 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
             record["ratio_mt_over_torch"] = ratio
     for record in records:
         rec.emit(record)
+    if world > 1:
+        distributed.cleanup()
     return records
+
+
+def _whole_job(r: Runner, device: torch.device) -> None:
+    """Turn rank-local step figures into the whole job's: per step, the tokens of all ranks
+    over the slowest rank's seconds; tokens and FLOPs summed, peak memory the largest rank's."""
+    dist = torch.distributed
+    seconds = torch.tensor(r.seconds, dtype=torch.float64)
+    tokens = torch.tensor([t * s for t, s in zip(r.tok_per_s, r.seconds)], dtype=torch.float64)
+    totals = torch.tensor([r.tokens, r.flops], dtype=torch.float64)
+    peak = torch.tensor([r.peak_mem], dtype=torch.float64)
+    for t, op in ((seconds, dist.ReduceOp.MAX), (tokens, dist.ReduceOp.SUM),
+                  (totals, dist.ReduceOp.SUM), (peak, dist.ReduceOp.MAX)):  # fmt: skip
+        dist.all_reduce(t, op=op)
+    r.seconds, r.tok_per_s = seconds.tolist(), (tokens / seconds).tolist()
+    r.tokens, r.flops, r.peak_mem = int(totals[0]), float(totals[1]), float(peak)

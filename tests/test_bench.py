@@ -206,3 +206,18 @@ def test_gpu_check_runs_its_steps_in_miniature_on_a_cpu(real_data, tmp_path):
         assert f"| {step} | 0 |" in text
     assert "Multi30k de->en test BLEU" in text and "tgt tok/s" in text
     assert (tmp_path / "out" / "profile.txt").read_text().strip()
+
+
+def test_train_under_ddp_reports_the_whole_job(tmp_path):
+    """``--ddp 2`` runs the step as two gloo ranks under torchrun; rank 0 alone reports, with
+    the tokens of both ranks (each its own batches) in the job's figures."""
+    args = ["train", *TINY, "--batch-size", "3", "--min-len", "2", "--max-len", "5"]
+    args += ["--steps", "2", "--warmup-steps", "1", "--ddp", "2"]
+    records, stdout = run_bench(args, tmp_path)
+    assert len(records) == 1 and stdout.count("tgt tok/s") == 1
+    r = records[0]
+    assert r["impl"] == "mt" and r["ranks"] == 2
+    assert r["tgt_tok_per_s_per_rank"] == pytest.approx(r["tgt_tok_per_s"] / 2)
+    # Two ranks x 3 pairs of 2..5 tokens, +EOS each, per step.
+    assert 2 * 3 * 3 <= r["tgt_tokens_per_step"] <= 2 * 3 * 6
+    assert math.isfinite(r["first_loss"]) and math.isfinite(r["last_loss"])
