@@ -231,3 +231,14 @@ def test_training_summary_says_what_ended_the_run_and_where():
     text = "\n".join(_training_summary([*base, {**end, "stop": "patience"}]))
     assert "| ended by | patience (4 validations without improvement) |" in text
     assert "ended by" not in "\n".join(_training_summary(base))  # older runs: no such row
+
+
+def test_updates_count_the_last_record_not_the_last_log():
+    """A run stopped between two log records: its last validation's step is the update count,
+    and the last logged loss says which step it is from."""
+    from mt.evaluation.report import _training_summary
+
+    records = [{"step": 50, "loss": 3.0}, {"step": 100, "loss": 2.5},
+               {"step": 110, "valid_loss": 2.7, "valid_bleu": 12.0}]  # fmt: skip
+    text = "\n".join(_training_summary(records))
+    assert "| updates | 110 |" in text and "| last training loss | 2.5 (step 100) |" in text

@@ -329,7 +329,9 @@ def _training_summary(records: Sequence[Mapping[str, Any]]) -> list[str]:
     if not len(steps):
         return []
     lines = ["## Training", ""]
-    facts = [("updates", int(steps[-1]))]
+    # The last update is the last record's step (a validation after the last logged update).
+    last = max(int(r["step"]) for r in records if _is_number(r.get("step")))
+    facts = [("updates", last)]
     _, epochs = series(records, "epoch")
     if len(epochs):
         facts.append(("epochs", _fmt(epochs[-1])))
@@ -337,7 +339,7 @@ def _training_summary(records: Sequence[Mapping[str, Any]]) -> list[str]:
     if len(wall):
         facts.append(("training wall time", _duration(wall[-1])))
     _, loss = series(records, "loss")
-    facts.append(("last training loss", _fmt(loss[-1])))
+    facts.append(("last training loss", f"{_fmt(loss[-1])} (step {int(steps[-1])})"))
     vsteps, vloss = series(records, "valid_loss")
     if len(vloss):
         i = int(np.argmin(vloss))
