@@ -193,6 +193,31 @@ def test_the_probe_screens_out_a_slow_candidate_at_the_small_size():
     assert ("slow", 20) not in calls and calls.count(("fast", 20)) == 4  # warm-up + 3 timed
 
 
+def test_the_probe_times_the_candidates_in_turns_and_keeps_medians():
+    """A busy moment slows both candidates alike: the calls alternate (a, b, a, b, ...), and
+    one slow call of the faster candidate (its median ignores it) neither rules it out nor
+    makes it lose."""
+    from mt.fast.probe import measure
+
+    calls, slowed = [], {"n": 0}
+
+    def make(candidate, size):
+        def run():
+            calls.append(candidate)
+            seconds = {"a": 0.002, "b": 0.003}[candidate]
+            if candidate == "a" and size == 10 and len(calls) == 3:  # the first timed call
+                seconds *= 10  # a busy moment
+                slowed["n"] += 1
+            time.sleep(seconds)
+
+        return run
+
+    figures = measure(make, ["a", "b"], size=20, screen_size=10)
+    assert slowed["n"] == 1 and figures["a"] is not None and figures["b"] is not None
+    assert figures["a"] < figures["b"]
+    assert calls == ["a", "b"] * 8  # warm-up + 3 turns, at the small size, then the full
+
+
 def test_a_probe_is_cached_per_machine_and_reused(tmp_path, monkeypatch, caplog):
     from mt.fast.probe import ProbeCache, choose
 

@@ -8,7 +8,9 @@ count), the fastest candidate that is numerically allowed wins, and the figures 
 
 A probe costs well under a second: a candidate is first screened at a small size, where one
 that is more than :data:`SCREEN_RATIO` times the best is ruled out at once (emulated bf16 takes
-seconds at full size); the rest are timed at the run's size, median of a few calls. Results are
+seconds at full size); the rest are timed at the run's size. At both sizes the candidates take
+turns, call by call, and each keeps the median of its calls, so a busy moment of a shared
+machine slows every candidate alike instead of ruling one out. Results are
 cached per machine (CPU model, GPU, threads) and torch version in ``<cache_dir>/probes.json``,
 beside the prepared data, so later runs reuse them.
 """
@@ -30,23 +32,8 @@ log = logging.getLogger(__name__)
 
 _DECIDED: dict[str, str] = {}  # key -> choice, for the life of the process
 
-SCREEN_RATIO = 2.0  # at the small size, a candidate this much slower than the best is out
-REPEATS = 3  # timed calls per candidate at the run's size (after one warm-up call)
-
-
-def time_call(fn: Callable[[], object], repeats: int = REPEATS, sync=None) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if sync:
-            sync()
-        start = time.perf_counter()
-        fn()
-        if sync:
-            sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+SCREEN_RATIO = 3.0  # at the small size, a candidate this much slower than the best is out
+REPEATS = 3  # timed calls per candidate at each size (after one warm-up call)
 
 
 def fastest(figures: dict[str, float], allowed: list[str]) -> str:
@@ -69,15 +56,29 @@ def measure(
 
     ``make(candidate, size)`` returns the call to time (inputs built once, outside the timing).
     """
-    screen = {c: time_call(make(c, screen_size), 1, sync) for c in candidates}
+    screen = in_turns({c: make(c, screen_size) for c in candidates}, REPEATS, sync)
     best = min(screen.values())
-    figures: dict[str, float | None] = {}
-    for c in candidates:
-        if screen[c] > SCREEN_RATIO * best:
-            figures[c] = None
-            continue
-        figures[c] = time_call(make(c, size), REPEATS, sync)
-    return figures
+    kept = [c for c in candidates if screen[c] <= SCREEN_RATIO * best]
+    full = in_turns({c: make(c, size) for c in kept}, REPEATS, sync)
+    return {c: full.get(c) for c in candidates}
+
+
+def in_turns(calls: dict[str, Callable[[], object]], repeats: int, sync=None) -> dict[str, float]:
+    """Median seconds of each call, the calls taking turns: one warm-up call each, then
+    ``repeats`` rounds of one timed call each."""
+    for fn in calls.values():
+        fn()
+    times: dict[str, list[float]] = {c: [] for c in calls}
+    for _ in range(repeats):
+        for c, fn in calls.items():
+            if sync:
+                sync()
+            start = time.perf_counter()
+            fn()
+            if sync:
+                sync()
+            times[c].append(time.perf_counter() - start)
+    return {c: statistics.median(t) for c, t in times.items()}
 
 
 def cpu_model() -> str:
