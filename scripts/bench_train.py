@@ -275,8 +275,7 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
                 r.flops += flops
 
     if world > 1:
-        _whole_job(runners[0], device)
-        distributed.barrier()
+        _whole_job(runners[0])
         if rank != 0:
             distributed.cleanup()
             return []
@@ -336,7 +335,7 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
     return records
 
 
-def _whole_job(r: Runner, device: torch.device) -> None:
+def _whole_job(r: Runner) -> None:
     """Turn rank-local step figures into the whole job's: per step, the tokens of all ranks
     over the slowest rank's seconds; tokens and FLOPs summed, peak memory the largest rank's."""
     dist = torch.distributed
