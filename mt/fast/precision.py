@@ -65,7 +65,7 @@ def resolve_precision(
         n, d, f = shape
         return probe.choose(
             "train.precision", device, f"ffn {n}x{d}x{f}",
-            lambda c, rows: _ffn_step(c, rows, d, f, device, cpu_kernels),
+            lambda c, rows: ffn_step(c, rows, d, f, device, _fp32_product(device, cpu_kernels)),
             candidates, n, min(n, 128), cache_dir,
         )  # fmt: skip
     if precision == "bf16" and not native_bf16(device):
@@ -77,16 +77,22 @@ def resolve_precision(
     return precision
 
 
-def _ffn_step(precision: str, n: int, d: int, f: int, device: torch.device, cpu_kernels: bool):
-    """One FFN forward and backward over ``n`` rows in ``precision``, as training runs it."""
+def _fp32_product(device: torch.device, cpu_kernels: bool):
     import torch.nn.functional as F
 
     from mt.fast.onednn import linear
 
+    return linear if device.type == "cpu" and cpu_kernels else F.linear
+
+
+def ffn_step(precision: str, n: int, d: int, f: int, device: torch.device, product):
+    """One FFN forward and backward over ``n`` rows in ``precision`` with ``product`` (a
+    ``linear(x, weight)``), as training runs it: the work the training probes time."""
+    import torch.nn.functional as F
+
     g = torch.Generator(device="cpu").manual_seed(0)
     x, w1, w2 = (torch.randn(*s, generator=g).to(device).requires_grad_()
                  for s in ((n, d), (f, d), (d, f)))  # fmt: skip
-    product = linear if device.type == "cpu" and cpu_kernels else F.linear
 
     def step() -> None:
         with autocast(device, precision):

@@ -43,6 +43,7 @@ from mt.fast.memory import hold_freed_memory
 from mt.fast.modules import replace_modules, shared_copy
 from mt.fast.onednn import Linear, linear, onednn_available
 from mt.fast.packing import InFlight, pack
+from mt.fast.precision import ffn_step
 from mt.model.masks import RealPositions
 from mt.model.transformer import Transformer
 
@@ -172,15 +173,7 @@ def onednn_products(
     d, f = model.cfg.d_model, model.cfg.d_ff
 
     def make(candidate: str, rows: int):
-        g = torch.Generator().manual_seed(0)
-        x, w1, w2 = (torch.randn(*s, generator=g).requires_grad_()
-                     for s in ((rows, d), (f, d), (d, f)))  # fmt: skip
-        product = linear if candidate == "onednn" else F.linear
-
-        def step() -> None:
-            product(F.relu(product(x, w1)), w2).sum().backward()
-
-        return step
+        return ffn_step("fp32", rows, d, f, device, linear if candidate == "onednn" else F.linear)
 
     choice = probe.choose("train.products", device, f"ffn {tokens}x{d}x{f}", make,
                           ["torch", "onednn"], tokens, min(tokens, 128), cache_dir)  # fmt: skip
