@@ -17,7 +17,8 @@ from typing import Any, Optional
 @dataclass
 class SplitsConfig:
     """Which split plays which role. A value names a file prefix (local text), a HF split name,
-    or a list of them (concatenated; useful for several training corpora)."""
+    or a list of them (concatenated). A training corpus may be ``{name: NAME, weight: W}``: W
+    times its pairs in each epoch (mt.data.mixing)."""
 
     train: Any = "train"
     valid: Any = "valid"
@@ -58,6 +59,9 @@ class DataConfig:
     src_lang: str = "de"
     tgt_lang: str = "en"
     splits: SplitsConfig = field(default_factory=SplitsConfig)
+    # T-sampling over the training corpora: corpus i's share of an epoch ~ (w_i n_i)^(1/T) (1 =
+    # sizes times weights; larger flattens towards uniform; the epoch keeps its size)
+    corpus_temperature: float = 1.0
     max_train_pairs: Optional[int] = None  # keep only the first N training pairs (smoke runs)
     errors: str = "strict"  # strict: non-UTF-8 bytes are an error | replace: warn and replace
     clean: CleanConfig = field(default_factory=CleanConfig)
@@ -77,6 +81,8 @@ class TokenizerConfig:
     joint: bool = True  # one model for both languages (false: one per language)
     threads: int = 0  # encoding/training threads (0 = all cores)
     byte_fallback: bool = True  # unknown characters become UTF-8 byte pieces (no <unk>)
+    # Pieces kept whole wherever they occur, e.g. [<BT>], the tag of back-translated sources
+    user_symbols: list = field(default_factory=list)
 
 
 @dataclass

@@ -11,6 +11,8 @@
   divide W, zero-weight copies of a real batch fill the shortfall (as fairseq does), so every
   rank runs the same number of batches (a rank that runs out first would hang DDP) and every
   pair counts exactly once.
+- Several training corpora at their own weights (``mix``, :mod:`mt.data.mixing`): each epoch
+  draws its pairs of every corpus first, from (seed, epoch), then batches them as above.
 - Pairs longer than ``max_len`` (the model's positional range) or that cannot fit
   ``max_tokens`` even alone are skipped and counted (``num_skipped``, logged).
 """
@@ -24,6 +26,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
+from mt.data.mixing import Mix
 from mt.model.masks import RealPositions
 from mt.vocab import BOS, EOS, PAD
 
@@ -183,6 +186,9 @@ class BatchSampler:
         group: batches per update (ranks x accumulation steps): that many batches adjacent
             in length order stay together when the order is shuffled, so the ranks of one
             update get batches of similar lengths and none waits long for the slowest.
+        mix: several corpora at their weights (:class:`mt.data.mixing.Mix`): each epoch
+            draws its pairs of each corpus from (seed, epoch) before batching; None: every
+            pair once per epoch.
     """
 
     def __init__(
@@ -195,6 +201,7 @@ class BatchSampler:
         world_size: int = 1,
         max_len: int | None = None,
         group: int = 1,
+        mix: Mix | None = None,
     ) -> None:
         self.src_len = np.asarray(src_lengths, dtype=np.int64)
         self.tgt_len = np.asarray(tgt_lengths, dtype=np.int64)
@@ -224,13 +231,16 @@ class BatchSampler:
                 max_len,
                 max_tokens,
             )
+        if mix is not None and sum(mix.sizes) != len(self.src_len):
+            raise ValueError(f"the corpora hold {sum(mix.sizes)} pairs, the lengths {len(keep)}")
+        self.mix = None if mix is None or mix.trivial else mix
         self._plan_epoch: int | None = None
         self._plan: tuple[list[np.ndarray], list[float]] = ([], [])
 
     def global_batches(self, epoch: int) -> list[np.ndarray]:
         """All ranks' real batches for ``epoch`` in training order (no fillers, no sharding)."""
         rng = np.random.default_rng([self.seed, epoch])
-        idx = self.indices
+        idx = self.epoch_pairs(epoch)
         tie = rng.permutation(len(idx))
         src, tgt = self.src_len[idx], self.tgt_len[idx]
         # Sort by source length, then target length in a "snake": ascending for even source
@@ -247,6 +257,20 @@ class BatchSampler:
         full = len(batches) // G
         order = [g for i in rng.permutation(full) for g in range(i * G, i * G + G)]
         return [batches[i] for i in order] + batches[full * G :]
+
+    def epoch_pairs(self, epoch: int) -> np.ndarray:
+        """The pair indices of ``epoch`` (ascending; with a mix, a pair may appear more than
+        once or not at all): what its batches hold."""
+        if self.mix is None:
+            return self.indices
+        return self.mix.sample(self.indices, np.random.default_rng([self.seed, epoch, 1]))
+
+    def corpus_counts(self, epoch: int) -> list[int] | None:
+        """Pairs of each corpus in ``epoch`` (None without a mix)."""
+        if self.mix is None:
+            return None
+        corpus = self.mix.corpus_of(self.epoch_pairs(epoch))
+        return np.bincount(corpus, minlength=len(self.mix.sizes)).tolist()
 
     def _plan_for(self, epoch: int) -> tuple[list[np.ndarray], list[float]]:
         """This rank's (batches, weights) for ``epoch``, cached for the latest epoch."""

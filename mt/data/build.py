@@ -32,8 +32,17 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from mt.data.cleaning import Cleaner, NormSpec, filter_encoded_pairs, normalize_pairs
-from mt.data.corpus import ROLES, Corpus, DataError, corpus_identity, open_corpus
+from mt.data.corpus import (
+    ROLES,
+    Corpus,
+    DataError,
+    corpus_identity,
+    open_corpus,
+    split_names,
+)
 from mt.data.encode import encode_files
 from mt.data.store import FORMAT_VERSION, CacheError, Prepared
 from mt.data.tokenizer import SIDES, Tokenizer, TokenizerError, num_threads
@@ -45,13 +54,17 @@ log = logging.getLogger(__name__)
 
 def cache_key(cfg: Config) -> str:
     """sha256 over the format version, data and tokenizer settings and the input files' identity."""
+    data = dataclasses.asdict(cfg.data)
+    # The prepared data is the same whatever the corpora's weights: only names count.
+    data["splits"]["train"] = split_names(cfg.data.splits.train)
+    data.pop("corpus_temperature")
     tok = dataclasses.asdict(cfg.tokenizer)
     tok.pop("threads")  # changes speed, not the result
     if tok.pop("reuse"):  # the model's bytes, not its path, decide the output
         tok = {"reuse_sha256": Tokenizer.from_reference(cfg.tokenizer.reuse).sha256()}
     blob = {
         "format": FORMAT_VERSION,
-        "data": dataclasses.asdict(cfg.data),
+        "data": data,
         "tokenizer": tok,
         "input": corpus_identity(cfg.data),
     }
@@ -156,23 +169,31 @@ def _build(cfg: Config, out: Path, key: str, root: Path) -> None:
 def clean_train(
     cfg: Config, corpus: Corpus, work: Path, specs: tuple[NormSpec, NormSpec], workers: int
 ) -> dict:
-    """Stage 1: the training pairs read, normalised and filtered into ``work/train.{src,tgt}``;
-    returns their counts (``pairs``, and per rule under ``clean``)."""
-    pairs = corpus.pairs("train")
+    """Stage 1: the training pairs read, normalised and filtered into ``work/train.{src,tgt}``,
+    corpus after corpus; returns their counts (``pairs``, per rule under ``clean``, and each
+    corpus's pairs under ``corpora``, what corpus weights are applied to)."""
+    pairs = corpus.tagged_pairs("train")
     if cfg.data.max_train_pairs:
         pairs = itertools.islice(pairs, cfg.data.max_train_pairs)
     norm_counts = {"moses_punct": 0, "non_printing": 0}
     if any(spec.moses for spec in specs):  # else the Cleaner's NFC + strip is all there is
         pairs = normalize_pairs(pairs, specs, norm_counts, workers)
     cleaner = Cleaner(cfg.data.clean)
-    n = _write_pairs(cleaner(pairs), work / "train.src", work / "train.tgt")
+    per_corpus = [0] * corpus.num_parts("train")
+    n = _write_pairs(cleaner(pairs), work / "train.src", work / "train.tgt", per_corpus)
     log.info(
         "train: %s; text changed by Moses punctuation %d, non-printing %d",
         cleaner.summary(), norm_counts["moses_punct"], norm_counts["non_printing"],
     )  # fmt: skip
     if n == 0:
         raise ValueError("no training pairs left after cleaning: " + cleaner.summary())
-    return {"pairs": n, "clean": {**norm_counts, **cleaner.counts}}
+    names = split_names(cfg.data.splits.train)
+    if len(names) != len(per_corpus):  # an HF source may name its splits otherwise
+        names = [f"corpus{i}" for i in range(len(per_corpus))]
+    corpora = [{"name": a, "pairs": b} for a, b in zip(names, per_corpus)]
+    if len(corpora) > 1:
+        log.info("train corpora: %s", ", ".join(f"{c['name']} {c['pairs']}" for c in corpora))
+    return {"pairs": n, "clean": {**norm_counts, **cleaner.counts}, "corpora": corpora}
 
 
 def keep_raw(cfg: Config, corpus: Corpus, out: Path) -> dict[str, dict]:
@@ -230,9 +251,13 @@ def filter_pieces(cfg: Config, out: Path, dtype: str, counts: dict) -> None:
     if not (clean.max_pieces or clean.max_piece_ratio):
         return
     prefixes = [str(out / f"train.{side}") for side in SIDES]
-    kept, dropped = filter_encoded_pairs(prefixes, clean, dtype)
+    keep, dropped = filter_encoded_pairs(prefixes, clean, dtype)
     counts["clean"].update(dropped)
-    counts["pairs"] = kept
+    counts["pairs"] = int(keep.sum())
+    bounds = np.cumsum([0] + [c["pairs"] for c in counts["corpora"]])  # each corpus's range
+    kept_before = np.concatenate([[0], np.cumsum(keep)])
+    for corpus, start, end in zip(counts["corpora"], bounds[:-1], bounds[1:]):
+        corpus["pairs"] = int(kept_before[end] - kept_before[start])
 
 
 def write_meta(
@@ -276,17 +301,22 @@ def _norm_specs(cfg: Config) -> tuple[NormSpec, NormSpec]:
                  for lang in (cfg.data.src_lang, cfg.data.tgt_lang))  # fmt: skip
 
 
-def _write_pairs(pairs: Iterator[tuple[str, str]], src_path: Path, tgt_path: Path) -> int:
-    """Stream pairs into two line files ("\\n" terminated, UTF-8); returns the pair count."""
+def _write_pairs(
+    pairs: Iterator[tuple], src_path: Path, tgt_path: Path, per_corpus: list[int] | None = None
+) -> int:
+    """Stream pairs into two line files ("\\n" terminated, UTF-8); returns the pair count.
+    ``per_corpus``: counts pairs by their third field (the corpus number) too."""
     n = 0
     with (
         open(src_path, "w", encoding="utf-8", newline="") as fs,
         open(tgt_path, "w", encoding="utf-8", newline="") as ft,
     ):
-        for src, tgt in pairs:
+        for src, tgt, *rest in pairs:
             fs.write(src + "\n")
             ft.write(tgt + "\n")
             n += 1
+            if per_corpus is not None:
+                per_corpus[rest[0]] += 1
     return n
 
 

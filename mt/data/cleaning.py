@@ -82,16 +82,17 @@ class Cleaner:
             self._seen.add(key)
         return None
 
-    def __call__(self, pairs: Iterator[tuple[str, str]]) -> Iterator[tuple[str, str]]:
-        """Normalise and filter ``pairs``; counts accumulate in :attr:`counts`."""
+    def __call__(self, pairs: Iterator[tuple]) -> Iterator[tuple]:
+        """Normalise and filter ``pairs``; counts accumulate in :attr:`counts`. A pair may carry
+        more fields after (source, target), e.g. its corpus number: they pass through."""
         nfc = self.cfg.normalize
-        for src, tgt in pairs:
+        for src, tgt, *rest in pairs:
             self.counts["read"] += 1
             src, tgt = normalize_line(src, nfc), normalize_line(tgt, nfc)
             rule = self.rule(src, tgt)
             if rule is None:
                 self.counts["kept"] += 1
-                yield src, tgt
+                yield src, tgt, *rest
             else:
                 self.counts[rule] += 1
 
@@ -225,15 +226,15 @@ def _init(specs: tuple[NormSpec, NormSpec]) -> None:
     _WORKER["norm"] = tuple(TextNormalizer(s) for s in specs)
 
 
-def _normalize_chunk(chunk: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], list[int]]:
+def _normalize_chunk(chunk: list[tuple]) -> tuple[list[tuple], list[int]]:
     src_norm, tgt_norm = _WORKER["norm"]
     out, counts = [], [0, 0]
-    for src, tgt in chunk:
+    for src, tgt, *rest in chunk:  # fields after the text (a corpus number) pass through
         s, sp, sn = src_norm.steps(src)
         t, tp, tn = tgt_norm.steps(tgt)
         counts[0] += sp or tp
         counts[1] += sn or tn
-        out.append((s, t))
+        out.append((s, t, *rest))
     return out, counts
 
 
@@ -301,11 +302,11 @@ def piece_filter(
 
 def filter_encoded_pairs(
     prefixes: list[str], clean: CleanConfig, dtype: str
-) -> tuple[int, dict[str, int]]:
+) -> tuple[np.ndarray, dict[str, int]]:
     """Apply :func:`piece_filter` to encoded train files (``[source, target]`` prefixes).
 
     Returns:
-        ``(pairs kept, counts of dropped pairs per rule)``.
+        ``(the kept pairs' mask, counts of dropped pairs per rule)``.
 
     Raises:
         ValueError: when no pair is left.
@@ -323,7 +324,7 @@ def filter_encoded_pairs(
         "train piece filters (max %d pieces, ratio %.2f): dropped %s, kept %d pairs",
         clean.max_pieces, clean.max_piece_ratio, dropped, int(keep.sum()),
     )  # fmt: skip
-    return int(keep.sum()), dropped
+    return keep, dropped
 
 
 def drop_encoded(prefixes: list[str], keep: np.ndarray, dtype: str, block: int = 1 << 20) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from mt import files
+from mt.data.mixing import corpus_specs
 from mt.schema import DataConfig
 
 log = logging.getLogger(__name__)
@@ -37,12 +38,9 @@ class DataError(ValueError):
 
 
 def split_names(value: Any) -> list[str]:
-    """A split value as a list of names (one prefix, or a list of prefixes to concatenate)."""
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return [str(v) for v in value]
-    return [str(value)]
+    """A split value as a list of names (one prefix, or a list of prefixes and
+    ``{name, weight}`` corpora, :func:`mt.data.mixing.corpus_specs`)."""
+    return [spec.name for spec in corpus_specs(value)]
 
 
 def count_lines(path: Path) -> int:
@@ -85,10 +83,26 @@ def read_lines(path: Path, errors: str = "strict") -> Iterator[str]:
 
 
 class Corpus:
-    """A parallel corpus: ``pairs(role)`` yields (source, target) raw lines in file order."""
+    """A parallel corpus: ``pairs(role)`` yields (source, target) raw lines in file order, part
+    after part (the names a split value lists, each a corpus of its own)."""
+
+    def num_parts(self, role: str) -> int:
+        """How many corpora the split of ``role`` names."""
+        raise NotImplementedError
+
+    def part_pairs(self, role: str, part: int) -> Iterator[tuple[str, str]]:
+        """The (source, target) lines of one corpus of ``role``'s split."""
+        raise NotImplementedError
 
     def pairs(self, role: str) -> Iterator[tuple[str, str]]:
-        raise NotImplementedError
+        for part in range(self.num_parts(role)):
+            yield from self.part_pairs(role, part)
+
+    def tagged_pairs(self, role: str) -> Iterator[tuple[str, str, int]]:
+        """``(source, target, corpus number)`` for every pair of :meth:`pairs`."""
+        for part in range(self.num_parts(role)):
+            for src, tgt in self.part_pairs(role, part):
+                yield src, tgt, part
 
     def identity(self) -> Any:
         """A JSON-able description of the exact input (for the prepared-data cache key)."""
@@ -154,16 +168,18 @@ class TextCorpus(Corpus):
     def _langs(self) -> tuple[str, str]:
         return self.cfg.src_lang, self.cfg.tgt_lang
 
-    def pairs(self, role: str) -> Iterator[tuple[str, str]]:
-        errors = self.cfg.errors
-        for paths in self.files[role]:
-            if self.cfg.format == "tsv":
-                yield from _tsv_pairs(paths[0], errors)
-            else:
-                src, tgt = read_lines(paths[0], errors), read_lines(paths[1], errors)
-                yield from zip(src, tgt)
-                for _ in itertools.chain(src, tgt):  # equal counts: finishes both readers
-                    pass
+    def num_parts(self, role: str) -> int:
+        return len(self.files[role])
+
+    def part_pairs(self, role: str, part: int) -> Iterator[tuple[str, str]]:
+        errors, paths = self.cfg.errors, self.files[role][part]
+        if self.cfg.format == "tsv":
+            yield from _tsv_pairs(paths[0], errors)
+        else:
+            src, tgt = read_lines(paths[0], errors), read_lines(paths[1], errors)
+            yield from zip(src, tgt)
+            for _ in itertools.chain(src, tgt):  # equal counts: finishes both readers
+                pass
 
     def identity(self) -> Any:
         return {r: [[_stat(p) for p in ps] for ps in self.files[r]] for r in ROLES}
@@ -225,17 +241,19 @@ class HFCorpus(Corpus):
                         f"{cfg.hf_schema}); found {found}"
                     )
 
-    def pairs(self, role: str) -> Iterator[tuple[str, str]]:
+    def num_parts(self, role: str) -> int:
+        return len(self.names[role])
+
+    def part_pairs(self, role: str, part: int) -> Iterator[tuple[str, str]]:
         src, tgt = self.cfg.src_lang, self.cfg.tgt_lang
-        for name in self.names[role]:
-            ds = self.ds[name]
-            if self.cfg.hf_schema == "translation":
-                for batch in ds.select_columns(["translation"]).iter(batch_size=1000):
-                    for row in batch["translation"]:
-                        yield _one_line(row[src]), _one_line(row[tgt])
-            else:
-                for batch in ds.select_columns([src, tgt]).iter(batch_size=1000):
-                    yield from zip(map(_one_line, batch[src]), map(_one_line, batch[tgt]))
+        ds = self.ds[self.names[role][part]]
+        if self.cfg.hf_schema == "translation":
+            for batch in ds.select_columns(["translation"]).iter(batch_size=1000):
+                for row in batch["translation"]:
+                    yield _one_line(row[src]), _one_line(row[tgt])
+        else:
+            for batch in ds.select_columns([src, tgt]).iter(batch_size=1000):
+                yield from zip(map(_one_line, batch[src]), map(_one_line, batch[tgt]))
 
     def identity(self) -> Any:
         return hf_identity(self.cfg)

@@ -25,7 +25,7 @@ from mt.data.corpus import ROLES, DataError
 from mt.data.tokenizer import SIDES, Tokenizer
 from mt.files import damaged_file
 
-FORMAT_VERSION = 2  # bump when the layout or the processing changes
+FORMAT_VERSION = 3  # bump when the layout or the processing changes (3: pairs per corpus)
 
 
 class TokenArray:
@@ -120,6 +120,12 @@ class Prepared:
             ]
             self._splits[role] = EncodedSplit(*arrays)
         return self._splits[role]
+
+    def corpus_sizes(self) -> list[int] | None:
+        """Pairs of each training corpus (``data.splits.train``'s entries, in order), as
+        prepared; None for data prepared before this was recorded."""
+        corpora = self.meta.get("counts", {}).get("train", {}).get("corpora")
+        return None if corpora is None else [int(c["pairs"]) for c in corpora]
 
     def references(self, role: str) -> list[str]:
         """Raw target lines of ``role`` ("valid" or "test") exactly as read, for sacreBLEU."""

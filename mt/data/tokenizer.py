@@ -118,6 +118,7 @@ class Tokenizer:
                 eos_id=EOS,
                 pad_piece="<pad>",
                 num_threads=num_threads(cfg.threads),
+                user_defined_symbols=[str(x) for x in cfg.user_symbols],
                 minloglevel=2,
             )
             sp = spm.SentencePieceProcessor(model_file=str(out_dir / f"{prefix}.model"))

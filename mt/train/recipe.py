@@ -236,7 +236,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     model = compile_model(forward, tc)
     model = distributed.wrap(model, info)
     split = prepared.split("train")
-    sampler = train_sampler(split, cfg, info.rank, info.world_size)
+    sampler = train_sampler(split, cfg, info.rank, info.world_size, prepared.corpus_sizes())
     metrics = MetricsLog(run_dir, state.step, enabled=info.is_main)
     update = Updater(model, raw.parameters(), optimizer, scheduler, scaler, cfg, info.world_size)
     # RNG last: from here on the resumed run draws exactly what the uninterrupted one drew.
@@ -268,6 +268,9 @@ def train_loop(run: Run) -> str:
         n_batches = len(run.sampler.batches(state.epoch))
         if n_batches == 0:
             raise RuntimeError("no training batches: check the data and train.max_tokens")
+        counts = run.sampler.corpus_counts(state.epoch)
+        if counts is not None:
+            log.info("epoch %d pairs by corpus: %s", state.epoch, run.sampler.mix.describe(counts))
         batches = run.prefetch(
             iterate_batches(
                 split, run.sampler, state.epoch, start=state.batch, pad_multiple=pad_multiple(tc)

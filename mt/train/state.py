@@ -38,6 +38,7 @@ from mt.checkpoint import (
 )
 from mt.config import to_yaml
 from mt.data.batches import BatchSampler
+from mt.data.mixing import corpus_specs, train_mix
 from mt.files import write_text
 from mt.schema import Config
 
@@ -68,6 +69,10 @@ def data_plan(cfg: Config, world_size: int) -> dict[str, Any]:
             "max_len": max_len}  # fmt: skip
     if world_size * tc.accum_steps > 1:  # batches grouped per update (absent before: 1)
         plan["group"] = world_size * tc.accum_steps
+    specs = corpus_specs(cfg.data.splits.train)
+    if cfg.data.corpus_temperature != 1.0 or any(s.weight != 1.0 for s in specs):
+        plan["mix"] = [[s.name, s.weight] for s in specs]  # absent when every weight is 1
+        plan["temperature"] = cfg.data.corpus_temperature
     return plan
 
 
@@ -95,7 +100,9 @@ def check_data_plan(ckpt: dict, cfg: Config, world_size: int, path: Path) -> Non
     names = {"world_size": "number of ranks (torchrun --nproc_per_node x nodes)",
              "max_tokens": "train.max_tokens", "seed": "train.seed",
              "max_len": "model.max_positions / train.skip_long",
-             "group": "batches per update (ranks x train.accum_steps)"}  # fmt: skip
+             "group": "batches per update (ranks x train.accum_steps)",
+             "mix": "corpus weights (data.splits.train)",
+             "temperature": "data.corpus_temperature"}  # fmt: skip
     shown = "; ".join(
         f"{names.get(k, k)}: {a} in the checkpoint, {b} now" for k, (a, b) in diff.items()
     )
@@ -107,10 +114,13 @@ def check_data_plan(ckpt: dict, cfg: Config, world_size: int, path: Path) -> Non
     )
 
 
-def train_sampler(split, cfg: Config, rank: int = 0, world_size: int = 1) -> BatchSampler:
+def train_sampler(
+    split, cfg: Config, rank: int = 0, world_size: int = 1, corpus_sizes: list[int] | None = None
+) -> BatchSampler:
     """The training batches of ``split`` for this rank: ``train.max_tokens``, the run's seed,
-    pairs beyond the positional range skipped when ``train.skip_long``, and the batches of one
-    update (ranks x ``train.accum_steps``) of similar lengths."""
+    pairs beyond the positional range skipped when ``train.skip_long``, the batches of one
+    update (ranks x ``train.accum_steps``) of similar lengths, and the corpora at their weights
+    (``corpus_sizes``: the prepared pairs of each, ``Prepared.corpus_sizes``)."""
     tc = cfg.train
     return BatchSampler(
         split.src.lengths,
@@ -121,6 +131,7 @@ def train_sampler(split, cfg: Config, rank: int = 0, world_size: int = 1) -> Bat
         world_size=world_size,
         max_len=cfg.model.max_positions - 1 if tc.skip_long else None,
         group=world_size * tc.accum_steps,
+        mix=train_mix(cfg.data, corpus_sizes),
     )
 
 
