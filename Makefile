@@ -22,7 +22,8 @@ LAUNCH := $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(GPUS) -
 endif
 STAMP := $(if $(VENV),$(VENV),.)/.mt-installed
 
-.PHONY: help install test lint smoke train prepare evaluate bench clean serve export browser gpu-check
+.PHONY: help install test lint smoke train prepare evaluate bench clean serve export browser gpu-check \
+	backtranslation
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -78,6 +79,9 @@ export: install  ## export a checkpoint: ARGS="checkpoint=PATH format=hf|ctransl
 
 serve: install  ## translation server and web page: ARGS="checkpoint=PATH [host=127.0.0.1 port=8000]"
 	$(PY) -m mt serve $(ARGS)
+
+backtranslation: install  ## reverse model -> back-translated news -> forward model (ARGS="--help")
+	$(PY) scripts/backtranslation.py $(ARGS)
 
 gpu-check:  ## on a GPU machine: GPU tests, benches, Multi30k, a profile -> gpu-check/summary.md
 	$(PYTHON) scripts/gpu_check.py $(ARGS)

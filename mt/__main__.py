@@ -1,7 +1,7 @@
 """``python -m mt STAGE [overrides...]``: the mt-* commands without relying on console scripts.
 
-STAGE is one of prepare, train, translate, evaluate, export, serve, score; the overrides are
-Hydra's, as for the ``mt-*`` commands. Under torchrun:
+STAGE is one of prepare, train, translate, evaluate, export, serve, score, backtranslate; the
+overrides are Hydra's, as for the ``mt-*`` commands. Under torchrun:
 ``torchrun --nproc_per_node=8 -m mt train ...``.
 """
 
@@ -19,6 +19,7 @@ STAGES = {
     "export": cli.export_main,
     "serve": cli.serve_main,
     "score": cli.score_main,
+    "backtranslate": cli.backtranslate_main,
 }
 
 

@@ -1,5 +1,5 @@
 """Command-line entry points: ``mt-prepare``, ``mt-train``, ``mt-translate``, ``mt-evaluate``,
-``mt-export``, ``mt-serve`` and ``mt-score``.
+``mt-export``, ``mt-serve``, ``mt-score`` and ``mt-backtranslate``.
 
 Each is a Hydra app over the same config tree (conf/), so every setting can be overridden on
 the command line and every tool accepts ``experiment=NAME``. The stages themselves live in
@@ -263,3 +263,12 @@ def _score(cfg: Config) -> None:
 
 
 score_main = _hydra_app(_score, "score")
+
+
+def _backtranslate(cfg: Config) -> None:
+    from mt.decode.backtranslate import backtranslate_main
+
+    backtranslate_main(cfg)
+
+
+backtranslate_main = _hydra_app(_backtranslate, "backtranslate")

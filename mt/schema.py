@@ -62,7 +62,7 @@ class DataConfig:
     # T-sampling over the training corpora: corpus i's share of an epoch ~ (w_i n_i)^(1/T) (1 =
     # sizes times weights; larger flattens towards uniform; the epoch keeps its size)
     corpus_temperature: float = 1.0
-    max_train_pairs: Optional[int] = None  # keep only the first N training pairs (smoke runs)
+    max_train_pairs: Optional[int] = None  # keep the first N pairs of each training corpus
     errors: str = "strict"  # strict: non-UTF-8 bytes are an error | replace: warn and replace
     clean: CleanConfig = field(default_factory=CleanConfig)
 
@@ -261,11 +261,28 @@ class ExportConfig:
     output: Optional[str] = None  # the directory to write (required)
 
 
+@dataclass
+class BacktranslateConfig:
+    """mt-backtranslate: a reverse (target -> source) model turns monolingual target-side text
+    into a synthetic parallel corpus (mt.decode.backtranslate); the search is ``decode.*``
+    (``decode=sample`` for sampled back-translation)."""
+
+    checkpoint: Optional[str] = None  # the reverse model: trained tgt_lang -> src_lang (required)
+    input: Any = None  # monolingual text in data.tgt_lang: a file or a list (required)
+    output: Optional[str] = None  # directory for <name>.<src_lang> and <name>.<tgt_lang>
+    name: str = "bt"  # the corpus's file prefix (a split name for data.splits.train)
+    tag: Optional[str] = None  # e.g. "<BT>": starts every synthetic source (tagged BT)
+    noise: bool = False  # Edunov et al.'s noise on the output: drop 0.1, filler 0.1, shuffle 3
+    filler: str = "<blank>"  # the word that noise puts in place of a blanked one
+    max_lines: int = 0  # translate at most this many non-empty lines (0 = all)
+    check_language: bool = True  # refuse input that reads as the source language
+
+
 # The node holding each command's own settings: ``mt-translate input=x`` is
 # ``translate.input=x`` (see mt.config.command_overrides).
 COMMANDS = {
     "translate": "translate", "evaluate": "eval", "score": "score", "export": "export",
-    "serve": "serve",
+    "serve": "serve", "backtranslate": "backtranslate",
 }  # fmt: skip
 
 
@@ -287,3 +304,4 @@ class Config:
     score: ScoreConfig = field(default_factory=ScoreConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    backtranslate: BacktranslateConfig = field(default_factory=BacktranslateConfig)

@@ -183,6 +183,7 @@ def test_the_data_plan_holds_the_mix_only_when_there_is_one():
     assert data_plan(weighted, 1)["mix"] == [["a", 1.0], ["b", 0.5]]
 
 
+@pytest.mark.slow
 def test_training_on_a_mix_logs_each_epoch_and_refuses_a_new_mix_mid_epoch(real_data, tmp_path):
     news = "wmt_newstest_de-en"
     common = [

@@ -172,9 +172,7 @@ def clean_train(
     """Stage 1: the training pairs read, normalised and filtered into ``work/train.{src,tgt}``,
     corpus after corpus; returns their counts (``pairs``, per rule under ``clean``, and each
     corpus's pairs under ``corpora``, what corpus weights are applied to)."""
-    pairs = corpus.tagged_pairs("train")
-    if cfg.data.max_train_pairs:
-        pairs = itertools.islice(pairs, cfg.data.max_train_pairs)
+    pairs = _train_pairs(corpus, cfg.data.max_train_pairs or 0)
     norm_counts = {"moses_punct": 0, "non_printing": 0}
     if any(spec.moses for spec in specs):  # else the Cleaner's NFC + strip is all there is
         pairs = normalize_pairs(pairs, specs, norm_counts, workers)
@@ -194,6 +192,17 @@ def clean_train(
     if len(corpora) > 1:
         log.info("train corpora: %s", ", ".join(f"{c['name']} {c['pairs']}" for c in corpora))
     return {"pairs": n, "clean": {**norm_counts, **cleaner.counts}, "corpora": corpora}
+
+
+def _train_pairs(corpus: Corpus, limit: int) -> Iterator[tuple[str, str, int]]:
+    """``(source, target, corpus number)`` of every training corpus in turn, at most ``limit``
+    pairs of each (``data.max_train_pairs``; 0: all)."""
+    for part in range(corpus.num_parts("train")):
+        pairs = corpus.part_pairs("train", part)
+        if limit:
+            pairs = itertools.islice(pairs, limit)
+        for src, tgt in pairs:
+            yield src, tgt, part
 
 
 def keep_raw(cfg: Config, corpus: Corpus, out: Path) -> dict[str, dict]:

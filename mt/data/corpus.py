@@ -98,11 +98,6 @@ class Corpus:
         for part in range(self.num_parts(role)):
             yield from self.part_pairs(role, part)
 
-    def tagged_pairs(self, role: str) -> Iterator[tuple[str, str, int]]:
-        """``(source, target, corpus number)`` for every pair of :meth:`pairs`."""
-        for part in range(self.num_parts(role)):
-            for src, tgt in self.part_pairs(role, part):
-                yield src, tgt, part
 
     def identity(self) -> Any:
         """A JSON-able description of the exact input (for the prepared-data cache key)."""
