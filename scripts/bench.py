@@ -13,6 +13,8 @@ Run through make (options pass through ARGS):
     make bench ARGS="decode --model small --vocab 8000 --beam 4 --batch-size 32 --src-len 26 \\
         --gen-len 30 --threads 2"
     make bench ARGS="serve --checkpoint runs/multi30k_de_en/checkpoints/best.pt --threads 2"
+    make bench ARGS="translate --checkpoint runs/multi30k_de_en/checkpoints/best.pt \\
+        --input $MT_DATA_DIR/multi30k/test_2016_flickr.de --threads 2"   # against CTranslate2
 
 Each measurement is printed as one JSON object per line (and appended to ``--output FILE`` as
 JSONL); a short table follows at the end. Training throughput is ``tgt_tok_per_s`` (non-pad
@@ -140,6 +142,20 @@ def build_parser() -> argparse.ArgumentParser:
         "in turn with mt's",
     )  # fmt: skip
 
+    real = sub.add_parser(
+        "translate", help="a real test file with a trained checkpoint: mt against CTranslate2"
+    )
+    _common(real)
+    real.add_argument("--checkpoint", help="the trained model (required)")
+    real.add_argument("--input", help="source sentences, one per line (required)")
+    real.add_argument("--lines", type=int, default=1000, help="sentences decoded")
+    real.add_argument("--beams", type=int, nargs="+", default=[1, 5], help="1: greedy")
+    real.add_argument("--batch-size", type=int, default=32)
+    real.add_argument("--max-len", type=int, default=100, help="output tokens at most")
+    real.add_argument("--rounds", type=int, default=3, help="alternating rounds (medians)")
+    real.add_argument("--settings", nargs="*", help="e.g. mt:fp32 mt:int8 ct2:int8 (default all)")
+    real.add_argument("--workdir", help="where the CTranslate2 export goes (default: a temp dir)")
+
     serve = sub.add_parser("serve", help="mt-serve on loopback: sentences/s, p50/p99 latency")
     _common(serve)
     serve.add_argument("--checkpoint", help="the model to serve (required)")
@@ -191,6 +207,10 @@ def run(args: argparse.Namespace, rec: Recorder) -> None:
 
         args.warmup_steps = 1 if args.warmup_steps is None else args.warmup_steps
         run_decode(args, rec)
+    elif args.command == "translate":
+        from bench_translate import run_translate
+
+        run_translate(args, rec)
     elif args.command == "serve":
         from bench_serve import run_serve
 

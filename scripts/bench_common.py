@@ -224,6 +224,9 @@ class Recorder:
                     figure += f" {100 * r['mfu']:.1f}%"
             elif r["bench"] == "decode":
                 figure = f"{r['sent_per_s']:,.1f} sent/s"
+            elif r["bench"] == "translate":
+                shape = f"{r['search']}, {r['sentences']} sentences"
+                figure = f"{r['sent_per_s']:,.1f} sent/s"
             elif r["bench"] == "data":
                 shape = f"max_tokens {r.get('max_tokens')}"
                 figure = f"{r['tok_per_s']:,.0f} tok/s"
@@ -237,7 +240,7 @@ class Recorder:
                 figure = ""
             impl = str(r.get("impl", r.get("search", "")))
             prec = "int8" if r.get("quantize") == "int8" else r.get("precision", "")
-            mem = r.get("peak_mem_mb")
+            mem = r.get("peak_mem_mb", r.get("peak_rss_mb"))
             mem_s = f"{mem:,.0f}" if isinstance(mem, (int, float)) else ""
             lines.append(
                 f"{r['bench']:<8} {impl:<12} {shape:<26} {prec:<5} {figure:>22} {mem_s:>9}"

@@ -107,8 +107,8 @@ def test_decode_forced_length(tmp_path):
         assert r["sent_per_s"] > 0 and r["tok_per_s"] == pytest.approx(5 * r["sent_per_s"])
 
 
-def test_decode_checkpoint_real_sentences(tmp_path):
-    """--checkpoint --input: a (tiny, untrained) checkpoint decodes real lines, lengths free."""
+def _tiny_checkpoint(tmp_path: Path):
+    """A tiny untrained checkpoint (m.pt) with its SentencePiece model; returns the tokenizer."""
     import random
 
     import torch
@@ -130,6 +130,12 @@ def test_decode_checkpoint_real_sentences(tmp_path):
     model = build_model(mcfg, tokenizer.vocab_size)
     state = model_state(model, mcfg, tokenizer, tokenizer.vocab_size)
     save_checkpoint(tmp_path / "m.pt", {**state, "step": 1, "epoch": 0})
+    return tokenizer
+
+
+def test_decode_checkpoint_real_sentences(tmp_path):
+    """--checkpoint --input: a (tiny, untrained) checkpoint decodes real lines, lengths free."""
+    tokenizer = _tiny_checkpoint(tmp_path)
     lines = ["ein mann im schnee", "der hund rennt", "", "auf dem fahrrad"]
     (tmp_path / "in.txt").write_text("".join(line + "\n" for line in lines))
     longest = max(len(ids) for ids in tokenizer.encode(lines, side="src"))
@@ -143,6 +149,30 @@ def test_decode_checkpoint_real_sentences(tmp_path):
         assert r["batches"] == 2 and r["sent_per_s"] > 0
         # Output length is at most max_len_a * src_len + max_len_b (DecodeConfig defaults).
         assert 0 <= r["mean_out_len"] <= 1.0 * longest + 50
+
+
+def test_translate_compares_mt_and_ctranslate2_on_one_export(tmp_path):
+    """translate: each engine in its own process, medians over alternating rounds, outputs
+    compared with mt fp32's (CTranslate2's float32 export decodes the same ids greedily)."""
+    pytest.importorskip("ctranslate2")
+    _tiny_checkpoint(tmp_path)
+    lines = ["ein mann im schnee", "der hund rennt", "auf dem fahrrad", "ein hund im schnee"]
+    (tmp_path / "in.txt").write_text("".join(line + "\n" for line in lines * 3))
+    args = ["translate", "--checkpoint", str(tmp_path / "m.pt"), "--input",
+            str(tmp_path / "in.txt"), "--beams", "1", "--rounds", "2", "--batch-size", "5",
+            "--max-len", "12", "--settings", "mt:fp32", "ct2:float32",
+            "--workdir", str(tmp_path / "w")]  # fmt: skip
+    records, out = run_bench(args, tmp_path)
+    assert [(r["impl"], r["beam"]) for r in records] == [("mt fp32", 1), ("ct2 float32", 1)]
+    for r in records:
+        assert r["sentences"] == 12 and len(r["seconds"]) == 2 and r["peak_rss_mb"] > 0
+        median = sum(r["seconds"]) / 2
+        assert r["sent_per_s"] == pytest.approx(12 / median, rel=0.1)
+        assert 0 <= r["identical_to_mt_fp32"] <= 12
+    by = {(r["impl"], r["beam"]): r for r in records}
+    assert by[("mt fp32", 1)]["identical_to_mt_fp32"] == 12
+    assert by[("ct2 float32", 1)]["identical_to_mt_fp32"] == 12
+    assert (tmp_path / "w" / "ct2" / "model.bin").is_file() and "sent/s" in out
 
 
 @pytest.fixture(scope="module")

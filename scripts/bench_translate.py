@@ -1,0 +1,148 @@
+"""Decoding a real test file with a trained checkpoint: mt against CTranslate2 on the same model.
+
+    make bench ARGS="translate --checkpoint runs/multi30k_de_en/checkpoints/best.pt \\
+        --input $MT_DATA_DIR/multi30k/test_2016_flickr.de --beams 1 5 --rounds 3 --threads 2"
+
+The checkpoint is exported with ``mt-export format=ctranslate2`` (once, into ``--workdir``); then
+each engine and setting (mt: fp32, int8, bf16; CTranslate2: float32, int8) decodes the whole file
+in a process of its own (so each peak RSS is its own), with the same beam, batches of
+``--batch-size`` sentences, no length penalty, and the same length limit (``--max-len`` output
+tokens, absolute: CTranslate2 has one limit per call). A warm-up pass over the first batch is
+not timed. Rounds alternate the engines; each figure is the median over rounds of sentences/s
+and output tokens/s (pieces + EOS). Outputs are compared with mt fp32's: ``identical`` counts
+the sentences whose ids are the same.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ENGINES = {"mt": ("fp32", "int8", "bf16"), "ct2": ("float32", "int8")}
+
+
+def worker(args) -> dict:
+    """One engine, one setting, one beam: decode the file, report seconds and outputs."""
+    import resource
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from mt.checkpoint import load_model
+    from mt.decode.driver import translate_ids
+    from mt.schema import DecodeConfig
+
+    model, tok, _ = load_model(args.checkpoint)
+    lines = Path(args.input).read_text(encoding="utf-8").splitlines()[: args.lines]
+    src = tok.encode([tok.normalize(s) for s in lines], side="src")
+    n = args.batch_size
+    if args.engine == "mt":
+        quantize = "int8" if args.setting == "int8" else "none"
+        precision = "bf16" if args.setting == "bf16" else "fp32"
+        cfg = DecodeConfig(beam_size=args.beam, alpha=0.0, max_len_a=0.0, max_len_b=args.max_len,
+                           batch_size=n, quantize=quantize, precision=precision)  # fmt: skip
+
+        def decode(ids):
+            return translate_ids(model, ids, cfg)
+    else:
+        import ctranslate2
+
+        translator = ctranslate2.Translator(
+            args.ct2_dir, device="cpu", compute_type=args.setting, intra_threads=args.threads
+        )
+        sp = tok.model("src")
+        vocab = {sp.id_to_piece(i): i for i in range(sp.vocab_size())}
+
+        def decode(ids):
+            pieces = [[sp.id_to_piece(i) for i in s] for s in ids]
+            results = translator.translate_batch(
+                pieces, beam_size=args.beam, length_penalty=0.0, max_batch_size=n,
+                batch_type="examples", max_decoding_length=args.max_len, min_decoding_length=0,
+                suppress_sequences=[["<pad>"], ["<s>"]],
+            )  # fmt: skip
+            return [[vocab[p] for p in r.hypotheses[0]] for r in results]
+
+    decode(src[:n])  # warm-up: not timed
+    start = time.perf_counter()
+    out = decode(src)
+    seconds = time.perf_counter() - start
+    return {
+        "seconds": seconds,
+        "tokens": sum(len(o) + 1 for o in out),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "outputs": out,
+    }
+
+
+def _one(args, engine: str, setting: str, beam: int) -> dict:
+    cmd = [sys.executable, __file__, "--worker", "--engine", engine, "--setting", setting,
+           "--beam", str(beam), "--checkpoint", args.checkpoint, "--input", args.input,
+           "--lines", str(args.lines), "--batch-size", str(args.batch_size),
+           "--max-len", str(args.max_len), "--threads", str(args.threads),
+           "--ct2-dir", args.ct2_dir]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{engine} {setting} beam {beam} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_translate(args, rec) -> None:
+    """The comparison (see the module docstring); one record per engine, setting and beam."""
+    from bench_common import environment
+
+    from mt.export import export
+
+    if not args.checkpoint or not args.input:
+        raise SystemExit("bench translate needs --checkpoint and --input")
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="mt-bench-translate-"))
+    args.ct2_dir = str(work / "ct2")
+    if not (work / "ct2" / "model.bin").is_file():
+        export(args.checkpoint, "ctranslate2", args.ct2_dir)
+    settings = [(e, s) for e, ss in ENGINES.items() for s in ss
+                if not args.settings or f"{e}:{s}" in args.settings]  # fmt: skip
+    env = environment(args.device_obj)
+    for beam in args.beams:
+        runs: dict[tuple[str, str], list[dict]] = {k: [] for k in settings}
+        for r in range(args.rounds):
+            order = settings if r % 2 == 0 else settings[::-1]  # alternate the engines
+            for key in order:
+                runs[key].append(_one(args, *key, beam))
+        reference = runs.get(("mt", "fp32"), [None])[0]
+        for (engine, setting), results in runs.items():
+            secs = statistics.median(x["seconds"] for x in results)
+            outs = results[0]["outputs"]
+            same = None
+            if reference is not None:
+                same = sum(a == b for a, b in zip(outs, reference["outputs"]))
+            rec.emit({
+                "bench": "translate", "impl": f"{engine} {setting}", "search": f"beam {beam}",
+                "sentences": len(outs), "sent_per_s": round(len(outs) / secs, 2),
+                "tgt_tok_per_s": round(results[0]["tokens"] / secs, 1),
+                "seconds": [round(x["seconds"], 3) for x in results],
+                "peak_rss_mb": round(max(x["peak_rss_mb"] for x in results), 1),
+                "identical_to_mt_fp32": same, "beam": beam, "max_len": args.max_len,
+                "batch_size": args.batch_size, "checkpoint": args.checkpoint,
+                "input": args.input, **env,
+            })  # fmt: skip
+
+
+def _worker_main(argv: list[str]) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", action="store_true")
+    for name in ("--engine", "--setting", "--checkpoint", "--input", "--ct2-dir"):
+        p.add_argument(name)
+    for name in ("--beam", "--lines", "--batch-size", "--max-len", "--threads"):
+        p.add_argument(name, type=int)
+    result = worker(p.parse_args(argv))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1:])
