@@ -137,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU Linear products through oneDNN (decode.onednn=true) or torch's default",
     )  # fmt: skip
     decode.add_argument(
+        "--profile", action="store_true",
+        help="also profile one batch of each search: ms in products, attention, the vocabulary "
+        "softmax, beam bookkeeping, other ops and Python",
+    )  # fmt: skip
+    decode.add_argument(
         "--baseline", choices=("torch",),
         help="also time torch's default kernels (BLAS Linear, SDPA, autocast), batch by batch "
         "in turn with mt's",

@@ -84,6 +84,47 @@ def _searcher(model, args, device, k: int, a: float, b: float, min_len: int, pla
     return run
 
 
+# Where a decoder step's time goes: top-level torch ops (called from Python) by kind.
+PRODUCTS = {"aten::linear", "aten::addmm", "aten::mm", "mkldnn::_linear_pointwise",
+            "quantized::linear_dynamic", "onednn::qlinear_pointwise", "aten::_int_mm",
+            "aten::_weight_int8pack_mm"}  # fmt: skip
+ATTENTION = {"aten::matmul", "aten::bmm", "aten::softmax", "aten::_softmax",
+             "aten::scaled_dot_product_attention", "aten::masked_fill_"}  # fmt: skip
+VOCAB = {"aten::log_softmax", "aten::_log_softmax"}
+BEAM = {"aten::topk", "aten::sort", "aten::argsort", "aten::gather", "aten::nonzero",
+        "aten::repeat_interleave", "aten::index", "aten::index_select", "aten::cat",
+        "aten::index_copy_", "aten::index_put_", "aten::isfinite", "aten::any", "aten::eq",
+        "aten::ne", "aten::all", "aten::where", "aten::cumsum", "aten::tolist",
+        "aten::_local_scalar_dense", "aten::item", "aten::copy_", "aten::clamp",
+        "aten::arange", "aten::tril", "aten::ones", "aten::full", "aten::tensor"}  # fmt: skip
+
+
+def profile_breakdown(run, src) -> dict[str, float]:
+    """Milliseconds of one search of ``src`` by kind: the model's products, attention over the
+    cache, the softmax over the vocabulary, beam bookkeeping (selection, row copies, caches),
+    other ops (norms, residuals, embeddings), and Python (the wall time no op accounts for)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run(src)
+    wall = (time.perf_counter() - start) * 1e3
+    kinds = {"products": 0.0, "attention": 0.0, "vocab_softmax": 0.0, "beam_bookkeeping": 0.0,
+             "other_ops": 0.0}  # fmt: skip
+    for event in prof.events():
+        if event.cpu_parent is not None:
+            continue
+        ms = event.cpu_time_total / 1e3
+        name = event.name
+        kind = ("products" if name in PRODUCTS else "attention" if name in ATTENTION
+                else "vocab_softmax" if name in VOCAB else "beam_bookkeeping" if name in BEAM
+                else "other_ops")  # fmt: skip
+        kinds[kind] += ms
+    # the profiler's own cost inflates the Python share a little; the op times are its own
+    kinds["python"] = max(0.0, wall - sum(kinds.values()))
+    return {k: round(v, 3) for k, v in kinds.items()} | {"wall_ms": round(wall, 3)}
+
+
 def run_decode(args, rec: Recorder) -> list[dict[str, Any]]:
     """Benchmark greedy and beam search; emits one record per search (and per baseline).
 
@@ -127,6 +168,9 @@ def run_decode(args, rec: Recorder) -> list[dict[str, Any]]:
                 st["per_batch"].append(src.size(0) / seconds)
                 st["sents"] += src.size(0)
                 st["tokens"] += sum(len(h[0].tokens) for h in hyps)
+        profiles = {}
+        if getattr(args, "profile", False):
+            profiles = {impl: profile_breakdown(run, batches[0]) for impl, run in runs.items()}
         for impl, st in stats.items():
             sents, tokens, total = st["sents"], st["tokens"], st["total"]
             if forced and tokens != sents * args.gen_len:
@@ -152,6 +196,7 @@ def run_decode(args, rec: Recorder) -> list[dict[str, Any]]:
                 "mean_out_len": tokens / sents,
                 "peak_mem_mb": peak_memory_mb(device)[0],
                 "peak_mem_kind": peak_memory_mb(device)[1],
+                **({"profile_ms": profiles[impl]} if impl in profiles else {}),
                 **environment(device),
             }
             rec.emit(record)

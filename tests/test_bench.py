@@ -98,13 +98,17 @@ def test_data_synthetic(tmp_path):
 
 def test_decode_forced_length(tmp_path):
     args = ["decode", *TINY, "--batch-size", "3", "--batches", "1", "--src-len", "4"]
-    args += ["--gen-len", "5", "--beam", "2", "--warmup-steps", "0"]
+    args += ["--gen-len", "5", "--beam", "2", "--warmup-steps", "0", "--profile"]
     records, _ = run_bench(args, tmp_path)
     assert [(r["search"], r["beam"]) for r in records] == [("greedy", 1), ("beam", 2)]
     for r in records:
         assert r["bench"] == "decode" and r["forced_length"] is True
         assert r["mean_out_len"] == 5  # EOS suppressed until --gen-len, then the length cap
         assert r["sent_per_s"] > 0 and r["tok_per_s"] == pytest.approx(5 * r["sent_per_s"])
+        prof = r["profile_ms"]  # every kind present; they add up to the profiled wall time
+        assert prof["products"] > 0 and prof["vocab_softmax"] > 0 and prof["attention"] > 0
+        parts = sum(v for k, v in prof.items() if k != "wall_ms")
+        assert parts == pytest.approx(prof["wall_ms"], abs=0.01) or prof["python"] == 0
 
 
 def _tiny_checkpoint(tmp_path: Path):
