@@ -123,7 +123,7 @@ def run_translate(args, rec) -> None:
                 "bench": "translate", "impl": f"{engine} {setting}", "search": f"beam {beam}",
                 "sentences": len(outs), "sent_per_s": round(len(outs) / secs, 2),
                 "tgt_tok_per_s": round(results[0]["tokens"] / secs, 1),
-                "seconds": [round(x["seconds"], 3) for x in results],
+                "seconds": [round(x["seconds"], 6) for x in results],
                 "peak_rss_mb": round(max(x["peak_rss_mb"] for x in results), 1),
                 "identical_to_mt_fp32": same, "beam": beam, "max_len": args.max_len,
                 "batch_size": args.batch_size, "checkpoint": args.checkpoint,
