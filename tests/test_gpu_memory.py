@@ -32,6 +32,17 @@ def test_the_estimate_grows_with_the_batch():
     assert 0 < small < large
 
 
+def test_the_peak_only_tracker_finds_the_stock_trackers_peak(monkeypatch):
+    """The estimate keeps only the overall peak (fast); torch's tracker, which also keeps each
+    module's peak, finds the same figures."""
+    from mt.fast import footprint
+
+    cfg = load_config(["model=small"]).model
+    fast = estimate_step_gb(cfg, 8000, 1000, "fp32")
+    monkeypatch.setattr(footprint, "_peak_only", lambda tracker_class: tracker_class)
+    assert estimate_step_gb(cfg, 8000, 1000, "fp32") == fast and fast["total"] > 0
+
+
 def test_setup_asks_for_expandable_segments_unless_the_user_chose(monkeypatch):
     from mt import distributed
 

@@ -22,7 +22,7 @@ def estimate_step_gb(model_cfg, vocab_size: int, tokens: int, precision: str = "
         model = build_model(model_cfg, vocab_size)
         step = TrainingModel(model, blockwise=True)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-        tracker = MemTracker()
+        tracker = _peak_only(MemTracker)()
         tracker.track_external(model, opt)
         B, L = max(1, tokens // 25), 25
         src, tgt = (torch.randint(4, vocab_size, (B, L)) for _ in range(2))
@@ -39,3 +39,27 @@ def estimate_step_gb(model_cfg, vocab_size: int, tokens: int, precision: str = "
             name = "total" if kind == "Total" else str(getattr(kind, "value", kind)).lower()
             totals[name] = totals.get(name, 0.0) + size / 2**30
     return totals
+
+
+def _peak_only(tracker_class):
+    """``MemTracker`` keeping only the step's overall peak, which is all this module reads.
+
+    The stock tracker also keeps each module's own peak, a pass over every module at every op
+    (minutes for the big model); where its internals are not the ones known here, the stock
+    tracker is used as it is (slower, the same peak)."""
+    from copy import deepcopy
+
+    known = {"_update_peak_stats", "_curr_mem_snap", "_peak_mem", "_peak_mem_snap"}
+    probe = tracker_class()
+    if not all(hasattr(probe, name) for name in known):
+        return tracker_class
+
+    class PeakOnly(tracker_class):
+        def _update_peak_stats(self, peak_state) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                total = snap.get("Total", 0)
+                if self._peak_mem.get(dev, 0) < total:
+                    self._peak_mem[dev] = total
+                    self._peak_mem_snap[dev] = deepcopy(snap)
+
+    return PeakOnly
