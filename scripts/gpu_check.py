@@ -87,6 +87,8 @@ def bench(args, out: Path, env: dict, data: Path | None) -> list[dict]:
                    "1" if args.quick else "5"]  # fmt: skip
             if data is not None:
                 cmd += ["--data", str(data), "--max-tokens", str(tokens)]
+            elif args.quick:
+                cmd += ["--batch-size", "16"]
             if compiled:
                 cmd.append("--compile")
             name = f"bench_{preset}_{'compiled' if compiled else 'eager'}"
@@ -111,7 +113,9 @@ def multi30k(args, out: Path, env: dict) -> list[dict]:
     common = [f"run_dir={out / 'multi30k'}", f"cache_dir={out / 'cache'}",
               f"train.device={args.device}"]  # fmt: skip
     if args.quick:
-        common += ["experiment=smoke", "train.max_steps=20", "train.eval_every=20"]
+        common += ["experiment=smoke", "data.max_train_pairs=2000", "model.N=1", "model.d_model=64",
+                   "model.d_ff=128", "train.max_steps=20", "train.eval_every=20",
+                   "decode.max_len_b=5", "eval.report=false"]  # fmt: skip
     steps = []
     for stage in ("prepare", "train", "evaluate"):
         cmd = [sys.executable, "-m", "mt", stage, *common]
@@ -147,7 +151,7 @@ rng = np.random.default_rng(0)
 n = max(1, tokens // 28)
 batch = collate([(rng.integers(4, 8000, rng.integers(20, 30)),
                   rng.integers(4, 8000, rng.integers(20, 30))) for _ in range(n)]).to(dev)
-for _ in range(3):
+for _ in range(3 if dev.type == "cuda" else 1):
     update([batch], TrainState())
 if dev.type == "cuda":
     torch.cuda.synchronize()
@@ -180,7 +184,7 @@ with open(out + "/profile.json", "w") as f:
 
 
 def profile(args, out: Path, env: dict) -> dict:
-    preset, tokens = ("small", 2048) if args.quick else ("base", 25000)
+    preset, tokens = ("small", 512) if args.quick else ("base", 25000)
     script = out / "profile_step.py"
     script.write_text(PROFILE)
     cmd = [sys.executable, str(script), args.device, preset, str(tokens), str(out)]
