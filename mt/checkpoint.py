@@ -204,8 +204,11 @@ def model_state(model: torch.nn.Module, model_cfg: ModelConfig, tokenizer, vocab
 
 
 def tokenizer_blobs(ckpt: dict[str, Any]) -> list[bytes]:
-    """The serialized SentencePiece model(s) stored in a checkpoint."""
-    return [t.numpy().tobytes() for t in ckpt["tokenizer"]["models"]]
+    """The serialized SentencePiece model(s) stored in a checkpoint, in their canonical form
+    (``mt.data.tokenizer.canonical_model``: what compares with a prepared tokenizer)."""
+    from mt.data.tokenizer import canonical_model
+
+    return [canonical_model(t.numpy().tobytes()) for t in ckpt["tokenizer"]["models"]]
 
 
 # ---------------------------------------------------------------------------------------------

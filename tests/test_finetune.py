@@ -96,3 +96,18 @@ def test_reuse_reads_a_model_file_and_keys_the_cache_by_its_bytes(real_data, tmp
         prepare(_child(real_data, tmp_path / "r", f"tokenizer.reuse={other}"))
     with pytest.raises(TokenizerError, match="no such file"):
         prepare(_child(real_data, tmp_path / "r", f"tokenizer.reuse={tmp_path / 'missing.pt'}"))
+
+
+def test_a_run_resumes_on_its_data_prepared_again(real_data, tmp_path):
+    """The cache removed and the data prepared again (SentencePiece trained anew in another
+    temporary folder, its recorded input paths other): the same tokenizer, so the run resumes."""
+
+    def cfg(cache, steps):
+        return load_config(["experiment=smoke", f"data.dir={real_data / 'multi30k'}", *TINY,
+                            f"run_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / cache}",
+                            f"train.max_steps={steps}"])  # fmt: skip
+
+    assert train(cfg("first", 2))["step"] == 2
+    assert train(cfg("second", 3))["step"] == 3  # resumed from step 2, not refused
+    (a,), (b,) = ((tmp_path / c).glob("*/spm.model") for c in ("first", "second"))
+    assert a.read_bytes() == b.read_bytes()  # prepared twice, the same bytes

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import sentencepiece as spm
 
-from mt.data.tokenizer import Tokenizer, TokenizerError
+from mt.data.tokenizer import Tokenizer, TokenizerError, canonical_model
 from mt.schema import TokenizerConfig
 from mt.vocab import BOS, EOS, PAD, UNK
 
@@ -111,6 +111,38 @@ def test_bytes_round_trip_and_load(joint, corpus, tmp_path):
     assert Tokenizer.load(paths).encode(texts) == joint.encode(texts)
     with pytest.raises(TokenizerError, match="not a SentencePiece model"):
         Tokenizer.from_bytes([b"garbage"])
+
+
+def test_a_model_trained_again_elsewhere_has_the_same_bytes(joint, corpus, tmp_path):
+    """SentencePiece records its input paths, model prefix and threads in the model; the
+    tokenizer's bytes (what checkpoints embed and resume compares) leave them out, so the same
+    training in another (temporary) folder with other threads is the same tokenizer."""
+    (s, t), _, _ = corpus
+    moved = [tmp_path / "elsewhere" / p.name for p in (s, t)]
+    moved[0].parent.mkdir()
+    for old, new in zip((s, t), moved):
+        new.write_bytes(old.read_bytes())
+    again = Tokenizer.train(*moved, tmp_path / "out", TokenizerConfig(vocab_size=1000, threads=2))
+    raw = [sp.serialized_model_proto() for sp in (joint.models[0], again.models[0])]
+    assert raw[0] != raw[1]  # the paths differ in SentencePiece's own bytes
+    assert again.to_bytes() == joint.to_bytes() and again.sha256() == joint.sha256()
+    assert canonical_model(joint.to_bytes()[0]) == joint.to_bytes()[0]  # idempotent
+
+
+def test_the_canonical_bytes_are_the_model_without_its_run_fields(joint):
+    """Checked with protobuf's own parser: every field kept but the four of the training run."""
+    pb = pytest.importorskip("sentencepiece.sentencepiece_model_pb2")
+    raw = joint.models[0].serialized_model_proto()
+    expected = pb.ModelProto()
+    expected.ParseFromString(raw)
+    assert list(expected.trainer_spec.input) and expected.trainer_spec.model_prefix
+    for name in ("input", "input_format", "model_prefix", "num_threads"):
+        expected.trainer_spec.ClearField(name)
+    got = pb.ModelProto()
+    got.ParseFromString(canonical_model(raw))
+    assert got == expected and len(got.pieces) == 1000
+    with pytest.raises(TokenizerError, match="truncated"):
+        canonical_model(raw[:-3])
 
 
 def test_foreign_specials_rejected(corpus, tmp_path):

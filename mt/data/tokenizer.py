@@ -56,6 +56,70 @@ def _check_specials(sp: spm.SentencePieceProcessor, where: str) -> None:
         raise TokenizerError(f"{where}: special ids {got} differ from the project's {SPECIALS}")
 
 
+# Where a model was trained, not what it is: TrainerSpec's input files (1), input format (7),
+# model prefix (2) and thread count (16), inside ModelProto's trainer_spec (2).
+_TRAINER_SPEC, _RUN_FIELDS = 2, frozenset({1, 2, 7, 16})
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= len(data):
+            raise TokenizerError("not a SentencePiece model: truncated bytes")
+        byte = data[i]
+        value |= (byte & 0x7F) << shift
+        i, shift = i + 1, shift + 7
+        if byte < 0x80:
+            return value, i
+
+
+def _fields(data: bytes):
+    """(field number, raw bytes of the whole field, payload of a length-delimited field)."""
+    i = 0
+    while i < len(data):
+        start = i
+        key, i = _varint(data, i)
+        wire, payload = key & 7, None
+        if wire == 0:
+            _, i = _varint(data, i)
+        elif wire == 1:
+            i += 8
+        elif wire == 5:
+            i += 4
+        elif wire == 2:
+            size, i = _varint(data, i)
+            payload, i = data[i : i + size], i + size
+        else:
+            raise TokenizerError(f"not a SentencePiece model: protobuf wire type {wire}")
+        if i > len(data):
+            raise TokenizerError("not a SentencePiece model: truncated bytes")
+        yield key >> 3, data[start:i], payload
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((value & 0x7F) | (0x80 if value > 0x7F else 0))
+        value >>= 7
+        if not value:
+            return bytes(out)
+
+
+def canonical_model(blob: bytes) -> bytes:
+    """A SentencePiece model's bytes without what only records how its training ran (the
+    input files' paths, the model prefix, the thread count): the same pieces, scores and
+    settings give the same bytes wherever and whenever they were trained, so a model compares
+    equal to itself re-trained in another temporary folder. Encoding is unchanged."""
+    out = bytearray()
+    for number, raw, payload in _fields(bytes(blob)):
+        if number != _TRAINER_SPEC or payload is None:
+            out += raw
+            continue
+        spec = b"".join(r for n, r, _ in _fields(payload) if n not in _RUN_FIELDS)
+        out += _encode_varint(_TRAINER_SPEC << 3 | 2) + _encode_varint(len(spec)) + spec
+    return bytes(out)
+
+
 class Tokenizer:
     """One joint SentencePiece model, or a (source, target) pair of them.
 
@@ -188,8 +252,9 @@ class Tokenizer:
         return cls(models)
 
     def to_bytes(self) -> list[bytes]:
-        """The serialized model(s), so a checkpoint is self-contained."""
-        return [sp.serialized_model_proto() for sp in self.models]
+        """The serialized model(s), so a checkpoint is self-contained (:func:`canonical_model`:
+        equal bytes, equal tokenizers)."""
+        return [canonical_model(sp.serialized_model_proto()) for sp in self.models]
 
     def sha256(self) -> str:
         """One hex digest of the model bytes: equal digests, identical pieces and ids."""
