@@ -18,7 +18,7 @@ from torch import nn
 
 from mt.decode.driver import fit_to_model as clip_to_length
 from mt.decode.driver import make_batches, translate_ids, translate_nbest
-from mt.decode.search import beam_search, greedy_search
+from mt.decode.search import Beam, beam_search, generate, greedy_search
 from mt.schema import DecodeConfig
 from mt.vocab import BOS, EOS, PAD, UNK
 
@@ -51,7 +51,8 @@ class TableModel(nn.Module):
     """p(y_t | y_{t-1}, t, sentence) from a table of probabilities (C, P, V, V).
 
     The table is chosen per sentence by ``src[:, 0] % C`` (so batching mistakes show), indexed by
-    the decoder position (clamped to P - 1) and the previous token. Counts decoder calls.
+    the decoder position (clamped to P - 1) and the previous token. Counts decoder calls and
+    the rows they decode.
     """
 
     max_positions = None
@@ -63,7 +64,7 @@ class TableModel(nn.Module):
         elif probs.dim() == 3:
             probs = probs[None]
         self.register_buffer("logp", probs.double().log())
-        self.calls = 0
+        self.calls = self.rows = 0
 
     def encode(self, src: torch.Tensor) -> StubEnc:
         cond = src[:, 0] % self.logp.size(0)
@@ -74,6 +75,7 @@ class TableModel(nn.Module):
 
     def decode(self, tgt_in, enc: StubEnc, cache=None):
         self.calls += 1
+        self.rows += tgt_in.size(0)
         start = cache.get("len", 0) if cache is not None else 0
         T = tgt_in.size(1)
         pos = (start + torch.arange(T)).clamp(max=self.logp.size(1) - 1)  # (T,)
@@ -261,6 +263,31 @@ def test_nbest_sorted_and_bounded():
         beam_search(model, src_of(4), 2, 0.6, nbest=3)
 
 
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])
+@pytest.mark.parametrize("K,nbest", [(2, 1), (4, 1), (5, 2)])
+def test_settled_sentences_end_sooner_with_the_same_nbest(alpha, K, nbest):
+    """A sentence stops once no live hypothesis can enter its n-best list: against the search
+    that runs on to K finished hypotheses, the same n-best lists, scores bit for bit, in fewer
+    decoder rows where a length penalty does not keep the bound open."""
+    model = TableModel(random_tables(5, C=6, P=8, allowed=(EOS, A, B)))
+    src = torch.nn.utils.rnn.pad_sequence(
+        [src_of(n, first=f)[0] for n, f in [(9, 0), (3, 1), (14, 2), (6, 3), (11, 4), (1, 5)]],
+        batch_first=True, padding_value=PAD,
+    )  # fmt: skip
+    runs = {}
+    for settle in (False, True):
+        model.rows = 0
+        hyps = generate(model, src, Beam(K), 1.0, 8, nbest, alpha=alpha, settle=settle)
+        runs[settle] = (model.rows, hyps)
+    (full_rows, full), (settled_rows, settled) = runs[False], runs[True]
+    assert [[(h.tokens, h.score) for h in x] for x in settled] == [
+        [(h.tokens, h.score) for h in x] for x in full
+    ]
+    assert settled_rows <= full_rows
+    if alpha == 0.0:
+        assert settled_rows < full_rows
+
+
 def test_stub_batched_equals_one_by_one():
     model = TableModel(random_tables(11, C=4, P=8))
     specs = [(12, 0), (1, 1), (5, 2), (30, 3), (0, 1), (8, 0)]
@@ -332,6 +359,17 @@ def test_real_model_batched_equals_one_by_one(real_model):
     # translate_ids restores input order whatever the batching
     small = DecodeConfig(**{**cfg.__dict__, "batch_size": 2, "max_tokens": 30})
     assert translate_ids(real_model, ids, small) == [h[0].tokens for h in alone]
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_real_model_settled_search_equals_the_full_one(real_model, alpha):
+    pytest.importorskip("mt.data.batches")
+    from mt.data.batches import make_src
+
+    src = make_src(random_sources(2, [2, 40, 7, 25, 1, 13, 3, 9, 18, 5]))
+    full = generate(real_model, src, Beam(5), 0.5, 6, 2, alpha=alpha, settle=False)
+    settled = generate(real_model, src, Beam(5), 0.5, 6, 2, alpha=alpha)
+    assert_same_nbest(full, settled)  # (other batch sizes: float sums in another order)
 
 
 def test_real_model_bf16_autocast_runs(real_model):

@@ -22,6 +22,12 @@ Conventions (the paper's, made exact):
   ``beam_size`` candidates of its step; the ``beam_size`` best candidates not ending in EOS
   continue. A sentence's search ends when ``beam_size`` hypotheses are finished (so beam 1 is
   exactly greedy search) or at its maximum length, where its unfinished beams are finalised.
+  It ends sooner, with the same n-best list, once no live hypothesis can enter it: scores only
+  fall as tokens are added (log-probabilities are <= 0), so a live hypothesis of summed
+  log-probability ``L`` can finish with at most ``L / lp(max_len)``; when the ``nbest``-th
+  finished score is at least that bound for every live hypothesis, the sentence is settled
+  (without a length penalty: when the best live hypothesis scores below the n-best, the stop
+  CTranslate2 makes when its best hypothesis is finished).
 * PAD and BOS are never generated; ``min_len`` forbids EOS until that many tokens are out
   (benchmarks use it to force the output length); a ``prefix`` forces the first tokens.
 """
@@ -158,6 +164,7 @@ def generate(
     min_len: int = 0,
     alpha: float = 0.0,
     prefix: list[list[int]] | None = None,
+    settle: bool = True,
 ) -> list[list[Hypothesis]]:
     """Search a batch of sentences with ``strategy``.
 
@@ -170,6 +177,9 @@ def generate(
         min_len: EOS is forbidden until this many tokens are out.
         alpha: length penalty exponent (GNMT form; see the module docstring).
         prefix: per sentence, output tokens forced at the start (the rest is searched).
+        settle: end a sentence once no live hypothesis can enter its n-best list (the same
+            result, fewer steps; see the module docstring). False: only at ``K`` finished
+            hypotheses or the maximum length (fairseq's stop).
 
     Returns:
         For each sentence (input order), up to ``nbest`` hypotheses, best first.
@@ -209,12 +219,39 @@ def generate(
         for i, k, logprob in chosen.done:
             finished[rows.sents[i]].append(_hyp(rows.hyp(i, k), logprob, step, alpha))
         ended = {i for i, s in enumerate(rows.sents) if len(finished[s]) >= K}
+        if settle and K > 1:
+            ended |= _settled(rows.sents, finished, chosen.score, ended, limits, nbest, alpha)
         alive = torch.isfinite(chosen.score).any(dim=1)  # all beams dead: nothing more to find
         if not bool(alive.all()):
             ended |= {i for i, a in enumerate(alive.tolist()) if not a}
         rows.advance(chosen.beam, chosen.token, chosen.score)
         if ended:
             finish(ended)
+    return out
+
+
+def _settled(
+    sents: list[int],
+    finished: list[list[Hypothesis]],
+    live: torch.Tensor,
+    ended: set[int],
+    limits: list[int],
+    nbest: int,
+    alpha: float,
+) -> set[int]:
+    """The live sentences (indices into ``sents``) whose n-best list no live hypothesis can
+    enter: its ``nbest``-th finished score >= the best ``L / lp(max_len)`` of the live
+    hypotheses (``live``: (n, K) summed log-probabilities, -inf: none)."""
+    waiting = [i for i, s in enumerate(sents) if i not in ended and len(finished[s]) >= nbest]
+    if not waiting:
+        return set()
+    best = live.max(dim=1).values.tolist()
+    out = set()
+    for i in waiting:
+        s = sents[i]
+        bound = best[i] / length_penalty(limits[s], alpha)  # lp >= 1 and L <= 0: the best case
+        if sorted((h.score for h in finished[s]), reverse=True)[nbest - 1] >= bound:
+            out.add(i)
     return out
 
 
