@@ -21,6 +21,7 @@ from mt.fast.decoding import (
     onednn_bf16_available,
 )
 from mt.schema import DecodeConfig
+from mt.vocab import BOS
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="no oneDNN linear kernel")
 needs_onednn_bf16 = pytest.mark.skipif(
@@ -233,3 +234,30 @@ def test_auto_onednn_decodes_with_whichever_products_measure_faster(model, monke
         assert fast.module is not model
         assert type(fast.module.decoder[0].self_attn.qkv) is product
         assert type(fast.module.decoder[0].self_attn.core) is ShortQueryAttention
+
+
+@needs_onednn
+def test_auto_onednn_can_run_the_projection_alone(model, monkeypatch):
+    """decode.onednn=null where the FFN's products measure faster in torch but the projection
+    over the vocabulary faster in oneDNN: torch's Linear layers, oneDNN's projection (sliced
+    back to the vocabulary), the same log-probabilities and the same translations."""
+    import mt.fast.probe
+
+    asked = []
+
+    def choose(what, *args, **kwargs):
+        asked.append(what)
+        return "onednn" if what == "decode.onednn_projection" else "torch"
+
+    monkeypatch.setattr(mt.fast.probe, "choose", choose)
+    fast = for_decoding(model, "none", "fp32", None, rows=64)
+    assert asked == ["decode.onednn", "decode.onednn_projection"]
+    assert type(fast.module.decoder[0].self_attn.qkv) is nn.Linear
+    assert isinstance(fast.head, OneDNNLinear)
+    src = make_src(sources(4, [5, 9, 2]))
+    tgt = torch.tensor([[BOS, 7, 9], [BOS, 11, 4], [BOS, 5, 5]])
+    with torch.inference_mode():
+        got = fast.decode(tgt, fast.encode(src), fast.new_cache())
+        want = model.decode(tgt, model.encode(src), model.new_cache())
+    assert got.shape == want.shape == (3, 3, 45)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
