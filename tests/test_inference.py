@@ -42,13 +42,16 @@ def sources(seed: int, lengths: list[int]) -> list[list[int]]:
 @needs_onednn
 @pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_onednn_linear_equals_f_linear(relu, bias):
+@pytest.mark.parametrize("rows", [None, 4, 64])  # packed for other row counts than it gets
+def test_onednn_linear_equals_f_linear(relu, bias, rows):
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(24, 16, generator=g), torch.randn(24, generator=g)
     x = torch.randn(5, 3, 16, generator=g)[:, 1:]  # (5, 2, 16), not contiguous
     expected = F.linear(x.double(), w.double(), b.double() if bias else None)
     expected = expected.relu() if relu else expected
-    lin = OneDNNLinear(w, b if bias else None, relu=relu)
+    lin = OneDNNLinear(w, b if bias else None, relu=relu, rows=rows)
+    assert (lin.packed is not None) == (rows is not None)  # this torch can pack
+    assert lin.weight.data_ptr() == w.data_ptr()  # float32: the given weight, not a copy
     y = lin(x)
     assert y.dtype == torch.float32 and y.shape == (5, 2, 24)
     torch.testing.assert_close(y.double(), expected, atol=1e-5, rtol=1e-5)
@@ -77,6 +80,8 @@ def test_fp32_copy_shares_weights_and_computes_the_same_logits(model):
     assert not hasattr(model, "decode_head")  # nothing set on the caller's model
     qkv = fast.module.decoder[0].self_attn.qkv.weight
     assert qkv.data_ptr() == model.decoder[0].self_attn.qkv.weight.data_ptr()  # not copied
+    assert fast.module.decoder[0].self_attn.qkv.packed is not None  # and packed for oneDNN
+    assert fast.module.decoder[0].ffn.w1.packed is not None and fast.head.packed is not None
     assert fast.head.weight.data_ptr() == model.embed.data_ptr()
     src = make_src(sources(0, [7, 3, 11]))
     tgt = torch.randint(4, 45, (3, 6))

@@ -6,7 +6,9 @@ IncrementalDecoder``):
 
 * ``onednn`` (default; CPU only): every ``nn.Linear`` and the tied pre-softmax projection run
   through oneDNN's linear kernel (``mt.fast.onednn``), with the FFN's ReLU fused into it. In
-  fp32 the weights are shared with the model, not copied, and the products stay float32.
+  fp32 the products stay float32 and use copies of the weights in oneDNN's own layout, packed
+  once (``mt.fast.onednn.pack``): unpacked, every product re-lays its weight out, which costs
+  as much as the product itself at a decoder step's few rows.
 * ``precision=bf16`` (CPU): the same, with bfloat16 copies of the weights made once: inputs go
   to bfloat16 for the product and the result comes back in float32, so LayerNorm, attention,
   the softmax and the residual stream stay float32 (what CPU autocast computes, without casting
@@ -17,7 +19,8 @@ IncrementalDecoder``):
   different shape) through oneDNN if that alone measures faster (:func:`onednn_projects`).
 * ``quantize=int8``: dynamically quantized int8 products (``mt.fast.quantize``).
 * attention (in those copies): the short-query cores of ``mt.fast.attention`` and float32
-  caches.
+  caches; every step after the first through ``mt.fast.step`` (the same formula in a fifth of
+  the tensor operations).
 
 Elsewhere (a GPU, ``onednn=False``) the model itself decodes: SDPA's fused kernels, callers
 autocast for bf16.
@@ -47,6 +50,7 @@ from mt.fast.onednn import (
     onednn_bf16_available,
 )
 from mt.fast.quantize import quantize_int8
+from mt.fast.step import applies, decoder_step
 from mt.model.kv_cache import DecoderCache
 from mt.model.transformer import FeedForward, Transformer
 
@@ -67,13 +71,19 @@ class DecodingModel(nn.Module):
         head: a replacement for the output projection over all ``padded_vocab`` rows (oneDNN or
             int8), or None: the module's own.
         cache_dtype: what the decoder caches hold (None: the keys' own dtype).
+        step: the steps after the first (one new token per row) through
+            ``mt.fast.step.decoder_step`` where it applies; False: always the module's own.
     """
 
     def __init__(
-        self, module: nn.Module, head: nn.Module | None = None, cache_dtype=None
+        self,
+        module: nn.Module,
+        head: nn.Module | None = None,
+        cache_dtype=None,
+        step: bool = False,
     ) -> None:
         super().__init__()
-        self.module, self.head, self.cache_dtype = module, head, cache_dtype
+        self.module, self.head, self.cache_dtype, self.step = module, head, cache_dtype, step
         self.max_positions: int = module.max_positions
         self.vocab_size: int = module.vocab_size
 
@@ -87,6 +97,10 @@ class DecodingModel(nn.Module):
 
     def decode(self, tgt_in: torch.Tensor, enc, cache: DecoderCache | None = None):
         """(B, T) new target ids -> (B, T, V) logits (see ``Transformer.decode``)."""
+        if self.step and applies(tgt_in, cache, self.module):
+            h = decoder_step(self.module, tgt_in, enc.memory, enc.src_mask, cache)  # (B, D)
+            logits = self.module.project(h) if self.head is None else self.head(h)
+            return logits[:, None, : self.vocab_size]
         if self.head is None:
             return self.module.decode(tgt_in, enc, cache)
         h = self.module.decode(tgt_in, enc, cache, project=False)  # (B, T, D)
@@ -94,12 +108,14 @@ class DecodingModel(nn.Module):
 
 
 def onednn_copy(
-    model: Transformer, dtype: torch.dtype = torch.float32
+    model: Transformer, dtype: torch.dtype = torch.float32, rows: int | None = None
 ) -> tuple[nn.Module, nn.Module]:
     """A copy of ``model`` whose Linear layers run through oneDNN, and a oneDNN projection.
 
     Parameters and buffers are shared with ``model`` (not copied); with ``dtype=bfloat16`` the
-    Linear and projection weights are bfloat16 copies.
+    Linear and projection weights are bfloat16 copies; with ``rows`` (float32) the products
+    also keep their weights in oneDNN's own layout, packed for about that many rows
+    (``mt.fast.onednn.pack``: a copy, faster at a decoder step's few rows).
 
     Returns:
         ``(copy, head)``: the copy in eval mode, for decoding only, and the pre-softmax
@@ -109,13 +125,13 @@ def onednn_copy(
 
     def rule(child: nn.Module) -> nn.Module | None:
         if isinstance(child, FeedForward):
-            return FusedFeedForward(child, dtype)
+            return FusedFeedForward(child, dtype, rows)
         if type(child) is nn.Linear:
-            return OneDNNLinear(child.weight, child.bias, dtype)
+            return OneDNNLinear(child.weight, child.bias, dtype, rows=rows)
         return None
 
     replace_modules(clone, rule)
-    return clone, OneDNNLinear(clone.output_weight, None, dtype)
+    return clone, OneDNNLinear(clone.output_weight, None, dtype, rows=rows)
 
 
 def _identity(model: nn.Module) -> tuple:
@@ -161,7 +177,7 @@ def onednn_decodes(model: nn.Module, rows: int, cache_dir: str | None = None) ->
         x = torch.randn(n, d, generator=g)
         w1, w2 = torch.randn(f, d, generator=g), torch.randn(d, f, generator=g)
         if candidate == "onednn":
-            ffn = FusedFeedForward(_Pair(w1, w2), torch.float32)
+            ffn = FusedFeedForward(_Pair(w1, w2), torch.float32, rows)
             return lambda: ffn(x)
 
         def step():
@@ -170,7 +186,7 @@ def onednn_decodes(model: nn.Module, rows: int, cache_dir: str | None = None) ->
 
         return step
 
-    choice = probe.choose("decode.onednn", _device(model), f"ffn {rows}x{d}x{f}", make,
+    choice = probe.choose("decode.onednn", _device(model), f"ffn {rows}x{d}x{f} packed", make,
                           ["torch", "onednn"], rows, min(rows, 16),
                           cache_dir or os.environ.get("MT_CACHE_DIR"))  # fmt: skip
     return choice == "onednn"
@@ -189,7 +205,7 @@ def onednn_projects(model: nn.Module, rows: int, cache_dir: str | None = None) -
         g = torch.Generator().manual_seed(0)
         x, w = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g)
         if candidate == "onednn":
-            head = OneDNNLinear(w, None, torch.float32)
+            head = OneDNNLinear(w, None, torch.float32, rows=rows)
             return lambda: head(x)
 
         def step():
@@ -198,7 +214,7 @@ def onednn_projects(model: nn.Module, rows: int, cache_dir: str | None = None) -
 
         return step
 
-    choice = probe.choose("decode.onednn_projection", _device(model), f"proj {rows}x{d}x{v}",
+    choice = probe.choose("decode.onednn_projection", _device(model), f"proj {rows}x{d}x{v} packed",
                           make, ["torch", "onednn"], rows, min(rows, 16),
                           cache_dir or os.environ.get("MT_CACHE_DIR"))  # fmt: skip
     return choice == "onednn"
@@ -259,12 +275,14 @@ def for_decoding(
     elif kind == "torch":
         clone, head = shared_copy(model).eval(), None
         if onednn is None and onednn_available() and onednn_projects(model, rows):
-            head = OneDNNLinear(clone.output_weight, None, torch.float32)
+            head = OneDNNLinear(clone.output_weight, None, torch.float32, rows=rows)
+    elif kind == "onednn-bf16":
+        clone, head = onednn_copy(model, torch.bfloat16)
     else:
-        clone, head = onednn_copy(model, torch.bfloat16 if kind == "onednn-bf16" else torch.float32)
+        clone, head = onednn_copy(model, torch.float32, rows)
     if fast_attention:
         install(clone, ShortQueryAttention)
-    decoder = DecodingModel(clone, head, torch.float32 if fast_attention else None)
+    decoder = DecodingModel(clone, head, torch.float32 if fast_attention else None, fast_attention)
     copies[(kind, fast_attention)] = (identity, decoder)
     return decoder
 
@@ -300,7 +318,7 @@ def resolve_precision(
         w1, w2 = torch.randn(f, d, generator=g), torch.randn(d, f, generator=g)
         if use_onednn and (candidate == "fp32" or onednn_bf16_available()):
             dtype = torch.bfloat16 if candidate == "bf16" else torch.float32
-            ffn = FusedFeedForward(_Pair(w1, w2), dtype)
+            ffn = FusedFeedForward(_Pair(w1, w2), dtype, rows if candidate == "fp32" else None)
             return lambda: ffn(x)
         from mt.fast.precision import autocast
 
