@@ -19,8 +19,8 @@ IncrementalDecoder``):
   different shape) through oneDNN if that alone measures faster (:func:`onednn_projects`).
 * ``quantize=int8``: dynamically quantized int8 products (``mt.fast.quantize``).
 * attention (in those copies): the short-query cores of ``mt.fast.attention`` and float32
-  caches; every step after the first through ``mt.fast.step`` (the same formula in a fifth of
-  the tensor operations).
+  caches; every step after the first through ``mt.fast.step`` (the same formula with fewer
+  calls into torch).
 
 Elsewhere (a GPU, ``onednn=False``) the model itself decodes: SDPA's fused kernels, callers
 autocast for bf16.
