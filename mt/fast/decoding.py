@@ -276,10 +276,10 @@ def for_decoding(
         clone, head = shared_copy(model).eval(), None
         if onednn is None and onednn_available() and onednn_projects(model, rows):
             head = OneDNNLinear(clone.output_weight, None, torch.float32, rows=rows)
-    elif kind == "onednn-bf16":
-        clone, head = onednn_copy(model, torch.bfloat16)
-    else:
-        clone, head = onednn_copy(model, torch.float32, rows)
+    else:  # packing (rows) applies to float32 only
+        clone, head = onednn_copy(
+            model, torch.bfloat16 if kind == "onednn-bf16" else torch.float32, rows
+        )
     if fast_attention:
         install(clone, ShortQueryAttention)
     decoder = DecodingModel(clone, head, torch.float32 if fast_attention else None, fast_attention)
@@ -318,7 +318,7 @@ def resolve_precision(
         w1, w2 = torch.randn(f, d, generator=g), torch.randn(d, f, generator=g)
         if use_onednn and (candidate == "fp32" or onednn_bf16_available()):
             dtype = torch.bfloat16 if candidate == "bf16" else torch.float32
-            ffn = FusedFeedForward(_Pair(w1, w2), dtype, rows if candidate == "fp32" else None)
+            ffn = FusedFeedForward(_Pair(w1, w2), dtype, rows)  # packed in float32 only
             return lambda: ffn(x)
         from mt.fast.precision import autocast
 
