@@ -13,7 +13,7 @@ from mt import cli
 
 STAGES = {
     "prepare": cli.prepare_main,
-    "train": cli.train_command,
+    "train": cli.train_main,
     "translate": cli.translate_main,
     "evaluate": cli.evaluate_main,
     "export": cli.export_main,

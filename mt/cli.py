@@ -250,19 +250,6 @@ def _serve(cfg: Config) -> None:
 
 prepare_main = _hydra_app(_prepare, "prepare")
 train_main = _hydra_app(_train, "train")
-
-
-def train_command() -> None:
-    """``mt-train`` as users start it: first restarted with jemalloc preloaded where the system
-    has it (``mt.allocator.preload_jemalloc``; ``MT_MALLOC=glibc`` turns that off), then
-    :func:`train_main`."""
-    from mt.allocator import preload_jemalloc
-
-    try:
-        preload_jemalloc()
-    except ValueError as e:
-        sys.exit(f"mt-train: error: {e}")
-    train_main()
 translate_main = _hydra_app(_translate, "translate")
 evaluate_main = _hydra_app(_evaluate, "evaluate")
 export_main = _hydra_app(_export, "export")

@@ -1,19 +1,12 @@
-"""Memory: what a CPU training step frees, kept in the process for the next step, and the
-process's resident memory for the log (:func:`resident_mb`).
-
-Under jemalloc (``mt.allocator``: ``mt-train`` preloads it where the system has it) its
-``MALLOC_CONF`` keeps freed pages; under glibc :func:`hold_freed_memory` does.
-"""
+"""Memory: what a CPU training step frees, kept in the process for the next step (glibc), and
+the process's resident memory for the log (:func:`resident_mb`)."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import logging
-import os
 import sys
-
-from mt.allocator import jemalloc_loaded
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +14,7 @@ log = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit systems
 _held = False
+
 
 def hold_freed_memory() -> bool:
     """Keep memory that training frees inside the process, for its next step (glibc only).
@@ -31,16 +25,10 @@ def hold_freed_memory() -> bool:
     a page fault and a zero-fill per 4 KB, up to a millisecond for a 4 MB block (the loss's
     float copies cost 10x their own time that way). Fixing the mmap threshold at its 32 MB
     ceiling and never trimming keeps those pages; the process's resident memory then stays at
-    its peak instead of shrinking between steps. Under jemalloc (:func:`preload_jemalloc`)
-    its ``MALLOC_CONF`` does this instead. Returns whether freed memory is kept.
+    its peak instead of shrinking between steps. Returns whether glibc took the settings.
     """
     global _held
     if _held:
-        return True
-    if jemalloc_loaded():
-        _held = True
-        conf = os.environ.get("MALLOC_CONF", "jemalloc's defaults")
-        log.info("malloc: jemalloc (MALLOC_CONF %s); MT_MALLOC=glibc for glibc's", conf)
         return True
     if not sys.platform.startswith("linux"):
         return False
