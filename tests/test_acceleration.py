@@ -316,3 +316,28 @@ def test_inductor_compiles_a_ddp_training_step(tmp_path):
         assert all(np.isfinite(r["losses"]))
     assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=1e-6)
     assert ranks[0]["losses"] == ranks[1]["losses"]  # the update's loss is all ranks'
+
+
+def test_the_training_probe_runs_a_layers_products_at_the_row_counts_batches_have():
+    """layer_step: the four products of a layer (QKV, output, FFN in and out) forward and
+    backward, each call at the next of n x (1.0, 0.85, 0.7) rows, every row count met once
+    before the timing starts (kernels built per row count are built then)."""
+    import torch.nn.functional as F
+
+    from mt.fast.precision import ROW_SHARES, layer_step
+
+    seen = []
+
+    def product(x, w):
+        seen.append((x.size(0), tuple(w.shape)))
+        return F.linear(x, w)
+
+    step = layer_step("fp32", 40, 8, 32, torch.device("cpu"), product)
+    shapes = [(24, 8), (8, 8), (32, 8), (8, 32)]
+    assert ROW_SHARES == (1.0, 0.85, 0.7)
+    assert seen == [(n, s) for n in (40, 34, 28) for s in shapes]  # the warm-up, before timing
+    seen.clear()
+    for _ in range(4):
+        step()
+    assert [n for n, _ in seen[::4]] == [40, 34, 28, 40]
+    assert [s for _, s in seen[:4]] == shapes

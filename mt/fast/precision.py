@@ -46,8 +46,9 @@ def resolve_precision(
 ) -> str:
     """The training precision for ``train.precision`` on ``device``.
 
-    ``auto`` measures (``mt.fast.probe``): fp32 and bf16 each run the FFN's products forward
-    and backward at the run's ``shape`` (tokens per batch, d_model, d_ff), as the training step
+    ``auto`` measures (``mt.fast.probe``): fp32 and bf16 each run a layer's products forward
+    and backward at the run's ``shape`` (tokens per batch, d_model, d_ff; :func:`layer_step`),
+    as the training step
     runs them (fp32 on oneDNN with ``cpu_kernels``, bf16 under autocast), and the faster wins.
     The only thing ruled out beforehand is what cannot run: bf16 on a GPU without it. An
     explicit choice is kept, with a warning when it is ``bf16`` on hardware that only emulates
@@ -64,8 +65,8 @@ def resolve_precision(
             return "fp32"
         n, d, f = shape
         return probe.choose(
-            "train.precision", device, f"ffn {n}x{d}x{f}",
-            lambda c, rows: ffn_step(c, rows, d, f, device, _fp32_product(device, cpu_kernels)),
+            "train.precision", device, f"layer {n}x{d}x{f}",
+            lambda c, rows: layer_step(c, rows, d, f, device, _fp32_product(device, cpu_kernels)),
             candidates, n, min(n, 128), cache_dir,
         )  # fmt: skip
     if precision == "bf16" and not native_bf16(device):
@@ -85,20 +86,39 @@ def _fp32_product(device: torch.device, cpu_kernels: bool):
     return linear if device.type == "cpu" and cpu_kernels else F.linear
 
 
-def ffn_step(precision: str, n: int, d: int, f: int, device: torch.device, product):
-    """One FFN forward and backward over ``n`` rows in ``precision`` with ``product`` (a
-    ``linear(x, weight)``), as training runs it: the work the training probes time."""
+ROW_SHARES = (1.0, 0.85, 0.7)  # the row counts a probe's calls take in turn, as shares of n
+
+
+def layer_step(precision: str, n: int, d: int, f: int, device: torch.device, product):
+    """The products of one Transformer layer forward and backward (queries, keys and values
+    (3d x d), the attention's output (d x d), the FFN (f x d, d x f)) in ``precision`` with
+    ``product`` (a ``linear(x, weight)``), as training runs them: the work the training
+    probes time.
+
+    Each call takes the next of ``n x ROW_SHARES`` rows. A batch of ``n`` tokens rarely fills
+    them: padding and sentence lengths leave fewer, and a kernel can be fast at one row count
+    only (on an AMD Zen 3, oneDNN's products of a 256-wide layer tied torch's at 4,096 rows and
+    took 1.14x their time at 3,000). One call at every row count is made here, before timing,
+    so kernels built per row count are built outside it.
+    """
     import torch.nn.functional as F
 
     g = torch.Generator(device="cpu").manual_seed(0)
-    x, w1, w2 = (torch.randn(*s, generator=g).to(device).requires_grad_()
-                 for s in ((n, d), (f, d), (d, f)))  # fmt: skip
+    x, wqkv, wo, w1, w2 = (torch.randn(*s, generator=g).to(device).requires_grad_()
+                           for s in ((n, d), (3 * d, d), (d, d), (f, d), (d, f)))  # fmt: skip
+    rows = [max(1, round(n * share)) for share in ROW_SHARES]
+    turn = [0]
 
     def step() -> None:
+        xi = x[: rows[turn[0] % len(rows)]]
+        turn[0] += 1
         with autocast(device, precision):
-            y = product(F.relu(product(x, w1)), w2)
-        y.float().sum().backward()
+            y = product(xi, wqkv).sum() + product(xi, wo).sum()
+            y = y + product(F.relu(product(xi, w1)), w2).sum()
+        y.float().backward()
 
+    for _ in rows:
+        step()
     return step
 
 

@@ -3,15 +3,16 @@
 The same AVX512-BF16 flag has meant bf16 at 2x fp32 on an AMD Zen 5 and at 0.6x on an Intel
 Xeon, and a CPU without it still runs bf16 (emulated, 20x slower). So ``auto`` settings run a
 short probe at the run's shapes: each candidate (e.g. fp32 and bf16) times the work that
-dominates the run (for training, the FFN's products forward and backward at the batch's token
-count), the fastest candidate that is numerically allowed wins, and the figures are logged.
+dominates the run (for training, a layer's products forward and backward at batches of up to
+the run's token count, ``mt.fast.precision.layer_step``), the fastest candidate that is
+numerically allowed wins, and the figures are logged.
 
-A probe costs well under a second: a candidate is first screened at a small size, where one
-that is more than :data:`SCREEN_RATIO` times the best is ruled out at once (emulated bf16 takes
-seconds at full size); the rest are timed at the run's size. At both sizes the candidates take
-turns, call by call, and each keeps the median of its calls, so a busy moment of a shared
-machine slows every candidate alike instead of ruling one out. Results are
-cached per machine (CPU model, GPU, threads) and torch version in ``<cache_dir>/probes.json``,
+A probe costs a second or three, once per machine and shape: a candidate is first screened at
+a small size, where one that is more than :data:`SCREEN_RATIO` times the best is ruled out at
+once (emulated bf16 takes seconds at full size); the rest are timed at the run's size. At both
+sizes the candidates take turns, call by call, and each keeps the median of its calls, so a
+busy moment of a shared machine slows every candidate alike instead of ruling one out. Results
+are cached per machine (CPU model, GPU, threads) and torch version in ``<cache_dir>/probes.json``,
 beside the prepared data, so later runs reuse them.
 """
 

@@ -324,7 +324,8 @@ def _log_updates(
     run.update.check(state)  # the device's finite checks (GPU), read with the figures
     loss, nll, _, gnorm = figures[-1]
     tok_s = sum(f[2] for f in figures) / max(time.perf_counter() - since - paused, 1e-9)
-    bar.set_postfix_str(f"loss {loss:.3f} lr {lr:.2e} tok/s {tok_s:,.0f}")
+    # the figures of the last record: a log line between records names their update
+    bar.set_postfix_str(f"update {state.step}: loss {loss:.3f} lr {lr:.2e} tok/s {tok_s:,.0f}")
     run.metrics.write(
         {
             "step": state.step,
