@@ -282,7 +282,8 @@ def for_decoding(
         )
     if fast_attention:
         install(clone, ShortQueryAttention)
-    decoder = DecodingModel(clone, head, torch.float32 if fast_attention else None, fast_attention)
+    cache_dtype = torch.float32 if fast_attention else None
+    decoder = DecodingModel(clone, head, cache_dtype, step=fast_attention)
     copies[(kind, fast_attention)] = (identity, decoder)
     return decoder
 

@@ -4,6 +4,7 @@ context of each (training and decoding alike), and TF32 for float32 products on 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from pathlib import Path
 
@@ -48,8 +49,8 @@ def resolve_precision(
 
     ``auto`` measures (``mt.fast.probe``): fp32 and bf16 each run a layer's products forward
     and backward at the run's ``shape`` (tokens per batch, d_model, d_ff; :func:`layer_step`),
-    as the training step
-    runs them (fp32 on oneDNN with ``cpu_kernels``, bf16 under autocast), and the faster wins.
+    as the training step runs them (fp32 on oneDNN with ``cpu_kernels``, bf16 under autocast),
+    and the faster wins.
     The only thing ruled out beforehand is what cannot run: bf16 on a GPU without it. An
     explicit choice is kept, with a warning when it is ``bf16`` on hardware that only emulates
     it. Returns ``fp32``, ``bf16`` or ``fp16``.
@@ -106,18 +107,17 @@ def layer_step(precision: str, n: int, d: int, f: int, device: torch.device, pro
     g = torch.Generator(device="cpu").manual_seed(0)
     x, wqkv, wo, w1, w2 = (torch.randn(*s, generator=g).to(device).requires_grad_()
                            for s in ((n, d), (3 * d, d), (d, d), (f, d), (d, f)))  # fmt: skip
-    rows = [max(1, round(n * share)) for share in ROW_SHARES]
-    turn = [0]
+    batches = [x[: max(1, round(n * share))] for share in ROW_SHARES]
+    turns = itertools.cycle(batches)
 
     def step() -> None:
-        xi = x[: rows[turn[0] % len(rows)]]
-        turn[0] += 1
+        xi = next(turns)
         with autocast(device, precision):
             y = product(xi, wqkv).sum() + product(xi, wo).sum()
             y = y + product(F.relu(product(xi, w1)), w2).sum()
         y.float().backward()
 
-    for _ in rows:
+    for _ in batches:
         step()
     return step
 
