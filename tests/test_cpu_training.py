@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import mt.fast.attention as attention_module
 from mt.fast.attention import CPUTrainingAttention
-from mt.fast.dropout import Dropout, dropout, expected_keep
+from mt.fast.dropout import Dropout, dropout, expected_keep, keep_mask
 from mt.fast.onednn import Linear, linear, onednn_available
 from mt.fast.training import for_training, training_copy
 from mt.model.attention import ScaledDotProduct
@@ -203,24 +204,93 @@ def test_training_copy_scores_in_row_blocks_like_the_model(precision, monkeypatc
 
 
 @pytest.mark.parametrize("p", [0.0, 0.25])
-def test_written_out_attention_is_the_formula_with_its_dropout(p):
+@pytest.mark.parametrize("causal", [False, True])
+def test_written_out_attention_is_the_formula_with_its_dropout(p, causal):
     torch.manual_seed(7)
     q, k, v = (torch.randn(2, 3, 4, 8, requires_grad=True) for _ in range(3))
     keep = torch.tensor([True, True, True, False]).view(1, 1, 1, 4).expand(2, 1, 1, 4)
+    mask = None if causal else keep
     torch.manual_seed(8)
-    out, _ = CPUTrainingAttention()(q, k, v, keep, dropout_p=p)
-    # By hand: the paper's formula, padded keys at -inf, then the same 16-bit mask (same seed).
+    out, _ = CPUTrainingAttention()(q, k, v, mask, causal, dropout_p=p)
+    # By hand: the paper's formula, padded (or future) keys at -inf, then the same 16-bit mask
+    # (same seed).
+    allowed = torch.ones(4, 4).tril().bool() if causal else keep
     scores = torch.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(8)
-    weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     torch.manual_seed(8)
     want = (dropout(weights, p) if p else weights) @ v
     torch.testing.assert_close(out, want)
     if p == 0:  # and SDPA's own result
-        sdpa, _ = ScaledDotProduct()(q, k, v, keep)
+        sdpa, _ = ScaledDotProduct()(q, k, v, mask, causal)
         torch.testing.assert_close(out, sdpa)
-    grads = torch.autograd.grad(out.sum(), (q, k, v))
-    for got, ref in zip(grads, torch.autograd.grad(want.sum(), (q, k, v))):
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad((out * g).sum(), (q, k, v))
+    for got, ref in zip(grads, torch.autograd.grad((want * g).sum(), (q, k, v))):
         torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.25])
+def test_written_out_attention_in_bfloat16_is_autograd_over_the_formula(p):
+    """Under autocast the one function computes what autograd over the written-out formula
+    computes, to the bit, forward and backward."""
+    from mt.model.attention import attention
+
+    torch.manual_seed(11)
+    q, k, v = (torch.randn(2, 3, 6, 8, requires_grad=True) for _ in range(3))
+    mask = torch.rand(2, 1, 1, 6) > 0.3
+    mask[..., 0] = True
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.manual_seed(12)
+        out, _ = CPUTrainingAttention()(q, k, v, mask, dropout_p=p)
+        torch.manual_seed(12)
+        want, _ = attention(q, k, v, mask, False, p, dropout)
+    assert out.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(out, want)
+    g = torch.randn(out.shape)
+    grads = torch.autograd.grad((out.float() * g).sum(), (q, k, v))
+    for got, ref in zip(grads, torch.autograd.grad((want.float() * g).sum(), (q, k, v))):
+        assert got.dtype == ref.dtype == torch.float32
+        assert torch.equal(got, ref)
+
+
+def _saved_for_backward(fn) -> list[torch.Tensor]:
+    """The tensors autograd keeps for the backward pass of ``fn()``."""
+    saved = []
+
+    def keep(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        fn()
+    return saved
+
+
+def test_training_attention_keeps_the_weights_and_a_bool_mask_for_backward():
+    """What the backward pass holds per attention: q, k, v, the float weights and the bool
+    mask (5 bytes per query-key pair), not the float mask and the dropped weights as well."""
+    from mt.model.attention import attention
+
+    q, k, v = (torch.randn(2, 4, 30, 8, requires_grad=True) for _ in range(3))
+    pairs = 2 * 4 * 30 * 30
+    saved = _saved_for_backward(lambda: CPUTrainingAttention()(q, k, v, None, True, 0.1))
+    big = sorted(str(t.dtype) for t in saved if t.numel() == pairs)
+    assert big == ["torch.bool", "torch.float32"]
+    assert sum(t.numel() for t in saved if t.numel() != pairs) == 3 * q.numel()  # q, k, v
+
+    # autograd over the formula with a float mask keeps three float tensors of that size
+    def float_mask(w, p):
+        return w * (torch.rand_like(w) >= p).float().div_(1 - p)
+
+    formula = _saved_for_backward(lambda: attention(q, k, v, None, True, 0.1, float_mask))
+    floats = {t.data_ptr() for t in formula if t.numel() == pairs and t.is_floating_point()}
+    assert len(floats) == 3
+
+
+def test_dropout_keeps_a_bool_mask_for_backward():
+    x = torch.randn(50, 40, requires_grad=True)
+    saved = _saved_for_backward(lambda: dropout(x, 0.1))
+    assert [(t.dtype, t.shape) for t in saved] == [(torch.bool, x.shape)]
 
 
 def test_training_copy_attention_goes_through_its_kernels(monkeypatch):
@@ -230,11 +300,11 @@ def test_training_copy_attention_goes_through_its_kernels(monkeypatch):
     copy = training_copy(model)
     calls = []
 
-    def spy(weights, p):
-        calls.append((tuple(weights.shape), p))
-        return dropout(weights, p)
+    def spy(shape, p, device):
+        calls.append((tuple(shape), p))
+        return keep_mask(shape, p, device)
 
-    monkeypatch.setattr(CPUTrainingAttention, "dropout", lambda self, w, p: spy(w, p))
+    monkeypatch.setattr(attention_module, "keep_mask", spy)
     src = torch.tensor([[5, 6, 7, 3, 0], [8, 9, 10, 11, 3]])
     tgt = torch.tensor([[2, 12, 13, 0], [2, 14, 15, 16]])
     model(src, tgt)

@@ -9,6 +9,8 @@ expected output is the input, as with ``F.dropout``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -16,23 +18,53 @@ _BITS = 16
 _LEVELS = 1 << _BITS  # a 16-bit draw takes one of 65536 values
 
 
-def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
-    """Dropout whose mask compares 16-bit random integers with a threshold (module docstring).
-
-    Every unit is zeroed independently with probability ``round(p * 65536) / 65536``; the rest
-    are multiplied by ``1 / (1 - that)``.
-    """
-    if not training or p == 0.0:
-        return x
+def keep_mask(
+    shape: torch.Size, p: float, device: torch.device | str
+) -> tuple[torch.Tensor, float]:
+    """The units kept by dropout at rate ``p`` (bool, ``shape``), drawn from 16 random bits
+    each, and the scale of the kept units, ``1 / P(keep)`` (module docstring)."""
     if not 0.0 < p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     dropped = round(p * _LEVELS)
     # Four 16-bit draws per 64-bit integer: random_(-2**63, None) fills all 64 bits uniformly.
-    n = x.numel()
-    words = torch.empty(-(-n // 4), dtype=torch.int64, device=x.device).random_(-(2**63), None)
-    draws = words.view(torch.int16)[:n].view(x.shape)  # uniform over [-32768, 32767]
+    n = math.prod(shape)
+    words = torch.empty(-(-n // 4), dtype=torch.int64, device=device).random_(-(2**63), None)
+    draws = words.view(torch.int16)[:n].view(shape)  # uniform over [-32768, 32767]
     keep = draws >= dropped - _LEVELS // 2  # P(keep) = (65536 - dropped) / 65536
-    return x * keep.to(x.dtype).mul_(_LEVELS / (_LEVELS - dropped))
+    return keep, _LEVELS / (_LEVELS - dropped)
+
+
+def apply_mask(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` with the units outside ``keep`` zeroed and the rest multiplied by ``scale``."""
+    return x * keep.to(x.dtype).mul_(scale)
+
+
+class _Dropout(torch.autograd.Function):
+    """``apply_mask`` whose backward keeps the bool mask (1 byte an element), where autograd
+    would keep the scaled float mask it multiplied by (2-4 bytes)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(keep)
+        ctx.scale = scale
+        return apply_mask(x, keep, scale)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (keep,) = ctx.saved_tensors
+        return apply_mask(grad, keep, ctx.scale), None, None
+
+
+def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    """Dropout whose mask compares 16-bit random integers with a threshold (module docstring).
+
+    Every unit is zeroed independently with probability ``round(p * 65536) / 65536``; the rest
+    are multiplied by ``1 / (1 - that)``. The backward pass keeps the mask as booleans.
+    """
+    if not training or p == 0.0:
+        return x
+    keep, scale = keep_mask(x.shape, p, x.device)
+    return _Dropout.apply(x, keep, scale)
 
 
 def expected_keep(p: float) -> float:

@@ -9,8 +9,11 @@ validation see one model) and computes the model's math with four things done di
   tied pre-softmax projection compute ``y = x W^T + b`` and the input gradient ``dx = dy W``
   with oneDNN's linear kernel (``mt.fast.onednn``) instead of MKL's sgemm, which reaches only
   part of an AMD CPU's float32 peak.
-* **Dropout masks from 16 random bits** per element (``mt.fast.dropout``).
-* **Attention written out** with those masks (``mt.fast.attention.CPUTrainingAttention``).
+* **Dropout masks from 16 random bits** per element, kept for the backward pass as booleans
+  (``mt.fast.dropout``).
+* **Attention written out** with those masks, one autograd function that keeps the weights and
+  the bool mask for its backward pass, not the dropped weights and a float mask as well
+  (``mt.fast.attention.CPUTrainingAttention``): 5 bytes per query-key pair instead of 12.
 * **The FFN on the real positions only** of a well-padded batch (``mt.fast.packing``).
 * **The projection and the loss in row blocks** (``mt.fast.loss.projected_cross_entropy``):
   the (n, V) logits and their gradient, 112 MB each in float32 for a 3,500-token batch at
