@@ -7,7 +7,7 @@ of a model holds its core as ``core``; :func:`install` swaps the cores of a mode
   (:class:`_WrittenOutAttention`) that keeps for its backward pass the weights and the mask as
   booleans: 5 bytes per (query, key) pair in float32, where autograd over the written-out
   formula keeps the weights, the float mask and the dropped weights (12 bytes). At 4,096-token
-  batches of 250-piece sentences that is 28 MB against 67 MB per attention layer. On a CPU,
+  batches of 250-piece sentences that is 20 MB against 48 MB per attention layer. On a CPU,
   SDPA with dropout takes its unfused reference path and draws its mask through ``bernoulli_``;
   without dropout it takes a flash kernel that is slower than the written-out form at sentence
   lengths in bfloat16.
