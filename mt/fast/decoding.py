@@ -135,7 +135,9 @@ def onednn_copy(
 
 
 def _identity(model: nn.Module) -> tuple:
-    """Changes when the weights change: in place (version bump) or by moving (new storage)."""
+    """Changes when the weights change: in place (version bump) or by moving (new storage).
+    Kernels that write parameters without a version bump (torch's fused Adam) must be followed
+    by ``torch.autograd.graph.increment_version`` (``mt.train.update.Updater`` does)."""
     return tuple((p.data_ptr(), p._version) for p in model.parameters())
 
 
