@@ -214,9 +214,11 @@ def _prepare(cfg: Config) -> None:
 def _train(cfg: Config) -> float | None:
     """Train; returns the best validation value (what a Hydra sweeper such as Optuna's
     optimises: valid BLEU, or valid loss with ``train.best_metric=loss``)."""
+    from mt.fast.memory import bound_onednn_kernels
     from mt.train.preempt import exit_status
     from mt.train.recipe import train
 
+    bound_onednn_kernels()  # before the first oneDNN product of this process
     result = train(cfg)
     status = exit_status(result.get("signal"))
     if status:  # stopped by a signal after saving: 75 = requeue me, 130 = Ctrl-C

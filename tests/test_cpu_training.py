@@ -2,6 +2,7 @@
 dropout statistics) and shares the model's parameters."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -11,7 +12,14 @@ from torch import nn
 import mt.fast.attention as attention_module
 from mt.fast.attention import CPUTrainingAttention
 from mt.fast.dropout import Dropout, dropout, expected_keep, keep_mask
-from mt.fast.onednn import Linear, linear, onednn_available
+from mt.fast.onednn import (
+    BucketedLinear,
+    Linear,
+    bucket_rows,
+    bucketed_linear,
+    linear,
+    onednn_available,
+)
 from mt.fast.training import for_training, training_copy
 from mt.model.attention import ScaledDotProduct
 from mt.model.transformer import build_model
@@ -56,6 +64,46 @@ def test_linear_non_contiguous_input_and_frozen_weight():
     torch.testing.assert_close(x.grad, torch.ones(5, 8, 6) @ w, rtol=1e-4, atol=1e-4)
     with torch.no_grad():  # inference: the plain oneDNN product
         torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_bucketed_linear_is_f_linear_on_padded_rows(precision):
+    """bf16 training's products (autocast hands them to oneDNN, which keeps a kernel per row
+    count) see a bucketed row count, and compute F.linear's values and gradients."""
+    from torch.overrides import TorchFunctionMode
+
+    class Rows(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.linear:
+                self.seen.append(args[0].shape[0])
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(2)
+    x, w, b = torch.randn(37, 16), torch.randn(24, 16), torch.randn(24)
+    up = torch.randn(37, 24)
+    got = [t.clone().requires_grad_() for t in (x, w, b)]
+    want = [t.clone().requires_grad_() for t in (x, w, b)]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"), Rows() as rows:
+        y = bucketed_linear(*got)
+        ref = F.linear(*want)
+    assert rows.seen == [bucket_rows(37), 37] and bucket_rows(37) == 40
+    assert y.shape == ref.shape == (37, 24) and y.dtype == ref.dtype
+    tol = 1e-5 if precision == "fp32" else 1e-2
+    torch.testing.assert_close(y, ref, rtol=tol, atol=tol)
+    (y.float() * up).sum().backward()
+    (ref.float() * up).sum().backward()
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g.grad, r.grad, rtol=tol, atol=tol * 10)
+    assert bucketed_linear(x[:32], w).shape == (32, 24)  # a bucket size: no padding
+    assert bucketed_linear(x.reshape(37, 2, 8)[:, 0].reshape(37, 1, 8), w[:, :8]).shape == (
+        37,
+        1,
+        24,
+    )
 
 
 def test_linear_leaves_other_dtypes_to_torch():
@@ -351,6 +399,21 @@ def test_hold_freed_memory_is_idempotent_and_harmless():
     del x
 
 
+def test_bound_onednn_kernels_sets_the_cap_unless_the_user_did(monkeypatch):
+    from mt.fast.memory import ONEDNN_KERNELS, bound_onednn_kernels
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.delenv("DNNL_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    assert bound_onednn_kernels()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_KERNELS)
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"):
+        monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+        monkeypatch.setenv(name, "500")  # the user's choice stands
+        assert not bound_onednn_kernels()
+        assert os.environ[name] == "500"
+        monkeypatch.delenv(name)
+
+
 def test_for_training_picks_the_copy_on_cpu_only():
     model = build_model(CFG, vocab_size=40)
     assert for_training(model, torch.device("cpu"), False, "fp32").model is model
@@ -358,9 +421,11 @@ def test_for_training_picks_the_copy_on_cpu_only():
     fp32 = for_training(model, torch.device("cpu"), True, "fp32")
     bf16 = for_training(model, torch.device("cpu"), True, "bf16")
     assert fp32.model is not model and Dropout in {type(m) for m in fp32.modules()}
-    # bf16 keeps autocast's products: only the dropout is swapped.
-    assert nn.Linear in {type(m) for m in bf16.modules()}
-    assert Dropout in {type(m) for m in bf16.modules()}
+    # bf16 keeps autocast's products, over bucketed row counts.
+    kinds = {type(m) for m in bf16.modules()}
+    assert nn.Linear not in kinds and BucketedLinear in kinds and Dropout in kinds
+    assert bf16.product is bucketed_linear  # the projection's row blocks too
+    assert BucketedLinear not in {type(m) for m in fp32.modules()}
 
 
 def test_packed_ffn_runs_on_the_real_rows_of_a_padded_batch_only():
@@ -411,8 +476,9 @@ def test_training_products_follow_the_probe(monkeypatch):
     model = build_model(CFG, vocab_size=40)
     monkeypatch.setattr(mt.fast.probe.ProbeCache, "get", lambda self, key: None)
     for faster in ("torch", "onednn"):
-        figures = {"torch": 1.0, "onednn": 2.0} if faster == "torch" else {"torch": 2.0,
-                                                                           "onednn": 1.0}
+        figures = (
+            {"torch": 1.0, "onednn": 2.0} if faster == "torch" else {"torch": 2.0, "onednn": 1.0}
+        )
         monkeypatch.setattr(mt.fast.probe, "measure", lambda *a, f=figures, **k: dict(f))
         monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})
         kinds = {type(m) for m in for_training(model, torch.device("cpu"), True, "fp32").modules()}

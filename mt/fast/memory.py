@@ -1,5 +1,6 @@
-"""Memory: what a CPU training step frees, kept in the process for the next step (glibc), and
-the process's resident memory for the log (:func:`resident_mb`)."""
+"""Memory: what a CPU training step frees, kept in the process for the next step (glibc), the
+kernels oneDNN keeps (:func:`bound_onednn_kernels`), and the process's resident memory for the
+log (:func:`resident_mb`)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,30 @@ def hold_freed_memory() -> bool:
     if _held:
         log.info("glibc malloc: freed memory kept for reuse (mmap threshold 32 MB, no trim)")
     return _held
+
+
+ONEDNN_KERNELS = 64  # oneDNN's kernel cache for a training process (oneDNN's default: 1,024)
+
+
+def bound_onednn_kernels(capacity: int = ONEDNN_KERNELS) -> bool:
+    """Cap oneDNN's cache of built kernels for this process, unless the user set
+    ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` already; call it before any oneDNN product runs (oneDNN
+    reads the setting when it builds its first kernel). Returns whether the cap was set here.
+
+    oneDNN builds a kernel per product shape and keeps the last 1,024 it built, ~1 MB each in
+    bfloat16. Training under CPU autocast gives its products (torch's own, on oneDNN) new
+    shapes at most steps: batch lengths vary, and so do a product's rows and the attention's
+    (B, T, S). On an AMD Zen 4, 300 updates of the default recipe in bf16 peaked at 2.72 GB
+    resident with the default cache and 1.76 GB with 64 kernels, and ran no slower (2 min 26 s
+    against 2 min 50 s: building a kernel again costs less than faulting in new memory). Float32
+    products on MKL keep no such cache.
+    """
+    import os
+
+    if any(f"{p}_PRIMITIVE_CACHE_CAPACITY" in os.environ for p in ("ONEDNN", "DNNL")):
+        return False
+    os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(capacity)
+    return True
 
 
 def resident_mb() -> tuple[float, float]:

@@ -193,6 +193,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _product(x, weight, bias)
 
 
+def bucketed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``F.linear`` over the rows of ``x`` padded with zeros to :func:`bucket_rows` (sliced off
+    after): for products that torch itself hands to oneDNN (bfloat16 under CPU autocast), so
+    that they, their input gradient and their weight gradient meet few row counts."""
+    lead, k = x.shape[:-1], x.size(-1)
+    x2 = x.reshape(-1, k)
+    rows = x2.size(0)
+    padded = bucket_rows(rows)
+    if padded != rows:
+        x2 = F.pad(x2, (0, 0, 0, padded - rows))
+    y = F.linear(x2, weight, bias)
+    return (y[:rows] if padded != rows else y).reshape(*lead, y.size(-1))
+
+
+class BucketedLinear(nn.Module):
+    """An ``nn.Linear``'s own parameters (shared, not copied) through :func:`bucketed_linear`."""
+
+    def __init__(self, original: nn.Linear) -> None:
+        super().__init__()
+        self.weight = original.weight
+        self.bias = original.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return bucketed_linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        out, inp = self.weight.shape
+        return f"in={inp}, out={out}, bias={self.bias is not None}, rows bucketed"
+
+
 class Linear(nn.Module):
     """An ``nn.Linear``'s own parameters (shared, not copied) through :func:`linear`."""
 

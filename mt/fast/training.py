@@ -3,12 +3,15 @@
 
 The CPU training copy (``train.cpu_kernels``, :func:`training_copy`) shares the model's
 parameters (gradients land on the model's own tensors, so the optimiser, checkpoints and
-validation see one model) and computes the model's math with four things done differently:
+validation see one model) and computes the model's math with these things done differently:
 
 * **Products through oneDNN** (float32 training without autocast): every ``nn.Linear`` and the
   tied pre-softmax projection compute ``y = x W^T + b`` and the input gradient ``dx = dy W``
   with oneDNN's linear kernel (``mt.fast.onednn``) instead of MKL's sgemm, which reaches only
   part of an AMD CPU's float32 peak.
+* **Products over few row counts** in bfloat16 (autocast hands torch's products to oneDNN,
+  which builds and keeps a kernel per shape): every ``nn.Linear`` and the projection's row
+  blocks pad their rows to one of 16 sizes per doubling (``mt.fast.onednn.bucketed_linear``).
 * **Dropout masks from 16 random bits** per element, kept for the backward pass as booleans
   (``mt.fast.dropout``).
 * **Attention written out** with those masks, one autograd function that keeps the weights and
@@ -44,7 +47,7 @@ from mt.fast.dropout import Dropout
 from mt.fast.loss import label_smoothed_cross_entropy, projected_cross_entropy
 from mt.fast.memory import hold_freed_memory
 from mt.fast.modules import replace_modules, shared_copy
-from mt.fast.onednn import Linear, linear, onednn_available
+from mt.fast.onednn import BucketedLinear, Linear, bucketed_linear, linear, onednn_available
 from mt.fast.packing import InFlight, pack
 from mt.fast.precision import layer_step
 from mt.model.masks import RealPositions
@@ -102,10 +105,11 @@ class TrainingModel(nn.Module):
         return label_smoothed_cross_entropy(m.project(h), target, smoothing, None)
 
 
-def training_copy(model: Transformer, products: bool = True) -> Transformer:
+def training_copy(model: Transformer, products: bool = True, bucketed: bool = False) -> Transformer:
     """A copy of ``model`` for the training passes on a CPU (see the module docstring): its
     dropouts draw 16-bit masks, its attention is written out and (``products``, when this torch
-    has oneDNN's kernel) its float32 products run on oneDNN.
+    has oneDNN's kernel) its float32 products run on oneDNN, or (``bucketed``, for autocast's
+    16-bit products) its products see bucketed row counts.
 
     Parameters and buffers are the model's own (shared, not copied), so the copy's state dict
     equals the model's and an optimiser over ``model.parameters()`` updates both.
@@ -121,13 +125,16 @@ def training_copy(model: Transformer, products: bool = True) -> Transformer:
             return Dropout(child.p)
         if products and type(child) is nn.Linear:
             return Linear(child)
+        if bucketed and type(child) is nn.Linear:
+            return BucketedLinear(child)
         return None
 
     replace_modules(clone, rule)
     install(clone, CPUTrainingAttention)
     log.info(
         "CPU training kernels: attention written out, 16-bit dropout masks, loss in row "
-        "blocks%s", ", float32 products on oneDNN" if products else "",
+        "blocks%s", ", float32 products on oneDNN" if products else
+        ", products over bucketed row counts" if bucketed else "",
     )  # fmt: skip
     return clone
 
@@ -147,7 +154,8 @@ def for_training(
     its loss in row blocks and its FFN packed on well-padded batches (not when the step is
     ``compiled``: the packed rows' count would be one more dynamic shape per batch). Its float32
     products run on oneDNN where that measures faster than torch's own at the run's shapes
-    (:func:`onednn_products`: ``tokens`` per batch; bf16 keeps autocast's). On a GPU the model
+    (:func:`onednn_products`: ``tokens`` per batch); bf16 and fp16 keep autocast's, over
+    bucketed row counts (:func:`mt.fast.onednn.bucketed_linear`). On a GPU the model
     itself with the projection and the loss in blocks of thousands of rows (the logits of a
     25k-token batch never exist whole); elsewhere the model with the fused loss over its
     logits. ``model`` is never modified.
@@ -158,9 +166,10 @@ def for_training(
         return TrainingModel(model)
     hold_freed_memory()
     products = precision == "fp32" and onednn_products(model, device, tokens, cache_dir)
-    copy = training_copy(model, products=products)
+    bucketed = precision != "fp32"  # autocast's products run on oneDNN: few row counts
+    copy = training_copy(model, products=products, bucketed=bucketed)
     in_flight = None if compiled else pack(copy)
-    product = linear if products else F.linear
+    product = linear if products else (bucketed_linear if bucketed else F.linear)
     return TrainingModel(copy, blockwise=True, product=product, in_flight=in_flight)
 
 
