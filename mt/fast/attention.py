@@ -29,8 +29,7 @@ from torch import nn
 
 from mt.fast.dropout import apply_mask, dropout, keep_mask
 from mt.fast.modules import replace_modules
-from mt.model.attention import ScaledDotProduct, attention
-from mt.model.masks import subsequent_mask
+from mt.model.attention import ScaledDotProduct, attention, attention_weights
 
 # Query lengths up to this go through explicit matrix products on CPU (ShortQueryAttention).
 EXPLICIT_MAX_QUERIES = 16
@@ -44,20 +43,11 @@ class _WrittenOutAttention(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cpu")
     def forward(ctx, q, k, v, mask, is_causal, p):
-        scale = 1 / math.sqrt(q.size(-1))
-        scores = (q @ k.transpose(-2, -1)).mul_(scale)  # (B, H, T, S)
-        if is_causal:
-            mask = subsequent_mask(scores.size(-2), q.device)
-        if mask is not None and mask.dtype == torch.bool:
-            scores.masked_fill_(~mask, float("-inf"))
-        elif mask is not None:
-            scores.add_(mask)
-        weights = scores.softmax(dim=-1)
-        del scores
+        weights = attention_weights(q, k, mask, is_causal)  # (B, H, T, S)
         keep, c = keep_mask(weights.shape, p, weights.device) if p > 0 else (None, 1.0)
         out = (apply_mask(weights, keep, c) if keep is not None else weights) @ v
         ctx.save_for_backward(q, k, v, weights, keep)
-        ctx.scale, ctx.c = scale, c
+        ctx.scale, ctx.c = 1 / math.sqrt(q.size(-1)), c
         return out
 
     @staticmethod

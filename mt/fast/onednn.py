@@ -68,17 +68,24 @@ def bucket_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def _pointwise(x: torch.Tensor, weight: torch.Tensor, bias, attr: str) -> torch.Tensor:
-    """oneDNN's ``act(x W^T + b)`` over the rows of ``x`` (..., in), padded with zero rows to
-    :func:`bucket_rows` (sliced off after)."""
+def _on_bucketed_rows(x: torch.Tensor, product) -> torch.Tensor:
+    """``product`` (a (rows, in) -> (rows, out) map) over the rows of ``x`` (..., in), padded
+    with zero rows to :func:`bucket_rows` (sliced off after)."""
     lead, k = x.shape[:-1], x.size(-1)
     x2 = x.reshape(-1, k)
     rows = x2.size(0)
     padded = bucket_rows(rows)
     if padded != rows:
-        x2 = torch.nn.functional.pad(x2, (0, 0, 0, padded - rows))
-    y = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, attr, [], "")
+        x2 = F.pad(x2, (0, 0, 0, padded - rows))
+    y = product(x2)
     return y[:rows].reshape(*lead, y.size(-1))
+
+
+def _pointwise(x: torch.Tensor, weight: torch.Tensor, bias, attr: str) -> torch.Tensor:
+    """oneDNN's ``act(x W^T + b)`` over the rows of ``x`` (..., in), bucketed."""
+    return _on_bucketed_rows(
+        x, lambda x2: torch.ops.mkldnn._linear_pointwise(x2, weight, bias, attr, [], "")
+    )
 
 
 def pack(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
@@ -197,43 +204,30 @@ def bucketed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """``F.linear`` over the rows of ``x`` padded with zeros to :func:`bucket_rows` (sliced off
     after): for products that torch itself hands to oneDNN (bfloat16 under CPU autocast), so
     that they, their input gradient and their weight gradient meet few row counts."""
-    lead, k = x.shape[:-1], x.size(-1)
-    x2 = x.reshape(-1, k)
-    rows = x2.size(0)
-    padded = bucket_rows(rows)
-    if padded != rows:
-        x2 = F.pad(x2, (0, 0, 0, padded - rows))
-    y = F.linear(x2, weight, bias)
-    return (y[:rows] if padded != rows else y).reshape(*lead, y.size(-1))
-
-
-class BucketedLinear(nn.Module):
-    """An ``nn.Linear``'s own parameters (shared, not copied) through :func:`bucketed_linear`."""
-
-    def __init__(self, original: nn.Linear) -> None:
-        super().__init__()
-        self.weight = original.weight
-        self.bias = original.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return bucketed_linear(x, self.weight, self.bias)
-
-    def extra_repr(self) -> str:
-        out, inp = self.weight.shape
-        return f"in={inp}, out={out}, bias={self.bias is not None}, rows bucketed"
+    return _on_bucketed_rows(x, lambda x2: F.linear(x2, weight, bias))
 
 
 class Linear(nn.Module):
     """An ``nn.Linear``'s own parameters (shared, not copied) through :func:`linear`."""
 
+    product = staticmethod(linear)
+    kind = "oneDNN"
+
     def __init__(self, original: nn.Linear) -> None:
         super().__init__()
         self.weight = original.weight
         self.bias = original.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.product(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         out, inp = self.weight.shape
-        return f"in={inp}, out={out}, bias={self.bias is not None}, oneDNN"
+        return f"in={inp}, out={out}, bias={self.bias is not None}, {self.kind}"
+
+
+class BucketedLinear(Linear):
+    """An ``nn.Linear``'s own parameters (shared, not copied) through :func:`bucketed_linear`."""
+
+    product = staticmethod(bucketed_linear)
+    kind = "rows bucketed"

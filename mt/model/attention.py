@@ -47,6 +47,16 @@ def attention(
     Returns:
         (B, H, T, d_k) output and the (B, H, T, S) weights (before dropout).
     """
+    weights = attention_weights(q, k, mask, is_causal)
+    out = (dropout(weights, dropout_p) if dropout_p > 0 else weights) @ v
+    return out, weights
+
+
+def attention_weights(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None, is_causal: bool = False
+) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(d_k))`` under ``mask`` / ``is_causal`` (as :func:`attention`
+    takes them): the (B, H, T, S) weights."""
     # In place on the fresh product: neither step's gradient needs the scores themselves.
     scores = (q @ k.transpose(-2, -1)).mul_(1 / math.sqrt(q.size(-1)))  # (B, H, T, S)
     if is_causal:
@@ -55,9 +65,7 @@ def attention(
         scores.masked_fill_(~mask, float("-inf"))
     elif mask is not None:
         scores.add_(mask)
-    weights = scores.softmax(dim=-1)
-    out = (dropout(weights, dropout_p) if dropout_p > 0 else weights) @ v
-    return out, weights
+    return scores.softmax(dim=-1)
 
 
 class ScaledDotProduct(nn.Module):
