@@ -4,7 +4,8 @@
         --input $MT_DATA_DIR/multi30k/test_2016_flickr.de --beams 1 5 --rounds 3 --threads 2"
 
 The checkpoint is exported with ``mt-export format=ctranslate2`` (once, into ``--workdir``); then
-each engine and setting (mt: fp32, int8, bf16; CTranslate2: float32, int8) decodes the whole file
+each engine and setting (mt: fp32, int8, bf16; CTranslate2: float32, int8, each also with
+``+mkl``, its ``CT2_USE_MKL=1``) decodes the whole file
 in a process of its own (so each peak RSS is its own), with the same beam, batches of
 ``--batch-size`` sentences, no length penalty, and the same length limit (``--max-len`` output
 tokens, absolute: CTranslate2 has one limit per call). A warm-up pass over the first batch is
@@ -16,6 +17,7 @@ the sentences whose ids are the same.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -23,7 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ENGINES = {"mt": ("fp32", "int8", "bf16"), "ct2": ("float32", "int8")}
+ENGINES = {"mt": ("fp32", "int8", "bf16"), "ct2": ("float32", "int8", "float32+mkl", "int8+mkl")}
+# CTranslate2 uses Intel MKL's products only on Intel CPUs unless CT2_USE_MKL=1 asks for them
+# (elsewhere oneDNN's): "+mkl" sets it, so that CTranslate2's best setting is measured on AMD too.
 
 
 def worker(args) -> dict:
@@ -53,7 +57,10 @@ def worker(args) -> dict:
         import ctranslate2
 
         translator = ctranslate2.Translator(
-            args.ct2_dir, device="cpu", compute_type=args.setting, intra_threads=args.threads
+            args.ct2_dir,
+            device="cpu",
+            compute_type=args.setting.removesuffix("+mkl"),
+            intra_threads=args.threads,
         )
         sp = tok.model("src")
         vocab = {sp.id_to_piece(i): i for i in range(sp.vocab_size())}
@@ -85,7 +92,8 @@ def _one(args, engine: str, setting: str, beam: int) -> dict:
            "--lines", str(args.lines), "--batch-size", str(args.batch_size),
            "--max-len", str(args.max_len), "--threads", str(args.threads),
            "--ct2-dir", args.ct2_dir]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ, CT2_USE_MKL="1") if setting.endswith("+mkl") else None
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{engine} {setting} beam {beam} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -157,17 +157,22 @@ def test_decode_checkpoint_real_sentences(tmp_path):
 
 def test_translate_compares_mt_and_ctranslate2_on_one_export(tmp_path):
     """translate: each engine in its own process, medians over alternating rounds, outputs
-    compared with mt fp32's (CTranslate2's float32 export decodes the same ids greedily)."""
+    compared with mt fp32's (CTranslate2's float32 export decodes the same ids greedily);
+    "+mkl" runs CTranslate2 with CT2_USE_MKL=1 (its MKL products, on any x86 CPU)."""
     pytest.importorskip("ctranslate2")
+    import platform
+
+    mkl = ["ct2:float32+mkl"] if platform.machine() in ("x86_64", "AMD64") else []
     _tiny_checkpoint(tmp_path)
     lines = ["ein mann im schnee", "der hund rennt", "auf dem fahrrad", "ein hund im schnee"]
     (tmp_path / "in.txt").write_text("".join(line + "\n" for line in lines * 3))
     args = ["translate", "--checkpoint", str(tmp_path / "m.pt"), "--input",
             str(tmp_path / "in.txt"), "--beams", "1", "--rounds", "2", "--batch-size", "5",
-            "--max-len", "12", "--settings", "mt:fp32", "ct2:float32",
+            "--max-len", "12", "--settings", "mt:fp32", "ct2:float32", *mkl,
             "--workdir", str(tmp_path / "w")]  # fmt: skip
     records, out = run_bench(args, tmp_path)
-    assert [(r["impl"], r["beam"]) for r in records] == [("mt fp32", 1), ("ct2 float32", 1)]
+    impls = [("mt fp32", 1), ("ct2 float32", 1)] + [("ct2 float32+mkl", 1)] * len(mkl)
+    assert [(r["impl"], r["beam"]) for r in records] == impls
     for r in records:
         assert r["sentences"] == 12 and len(r["seconds"]) == 2 and r["peak_rss_mb"] > 0
         median = sum(r["seconds"]) / 2

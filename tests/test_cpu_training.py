@@ -278,26 +278,27 @@ def test_written_out_attention_is_the_formula_with_its_dropout(p, causal):
 
 
 @pytest.mark.parametrize("p", [0.0, 0.25])
-def test_written_out_attention_in_bfloat16_is_autograd_over_the_formula(p):
-    """Under autocast the one function computes what autograd over the written-out formula
-    computes, to the bit, forward and backward."""
+def test_written_out_attention_under_autocast_runs_in_float32(p):
+    """Under bf16 autocast the core takes bfloat16 q, k, v (what the autocast products give)
+    and computes the written-out formula in float32 on them, to the bit, forward and backward:
+    no bfloat16 batched product (each batch shape would build a oneDNN kernel)."""
     from mt.model.attention import attention
 
     torch.manual_seed(11)
-    q, k, v = (torch.randn(2, 3, 6, 8, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(2, 3, 6, 8).bfloat16().requires_grad_() for _ in range(3))
     mask = torch.rand(2, 1, 1, 6) > 0.3
     mask[..., 0] = True
     with torch.autocast("cpu", dtype=torch.bfloat16):
         torch.manual_seed(12)
         out, _ = CPUTrainingAttention()(q, k, v, mask, dropout_p=p)
-        torch.manual_seed(12)
-        want, _ = attention(q, k, v, mask, False, p, dropout)
-    assert out.dtype == want.dtype == torch.bfloat16
+    torch.manual_seed(12)
+    want, _ = attention(q.float(), k.float(), v.float(), mask, False, p, dropout)  # no autocast
+    assert out.dtype == want.dtype == torch.float32
     assert torch.equal(out, want)
     g = torch.randn(out.shape)
-    grads = torch.autograd.grad((out.float() * g).sum(), (q, k, v))
-    for got, ref in zip(grads, torch.autograd.grad((want.float() * g).sum(), (q, k, v))):
-        assert got.dtype == ref.dtype == torch.float32
+    grads = torch.autograd.grad((out * g).sum(), (q, k, v))
+    for got, ref in zip(grads, torch.autograd.grad((want * g).sum(), (q, k, v))):
+        assert got.dtype == ref.dtype == torch.bfloat16  # back to the inputs' dtype
         assert torch.equal(got, ref)
 
 

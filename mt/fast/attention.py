@@ -10,7 +10,13 @@ of a model holds its core as ``core``; :func:`install` swaps the cores of a mode
   batches of 250-piece sentences that is 20 MB against 48 MB per attention layer. On a CPU,
   SDPA with dropout takes its unfused reference path and draws its mask through ``bernoulli_``;
   without dropout it takes a flash kernel that is slower than the written-out form at sentence
-  lengths in bfloat16.
+  lengths in bfloat16. Under bf16 autocast the core computes in float32 on the bfloat16 q, k,
+  v: autocast would hand its batched products to oneDNN, which builds a kernel for every
+  (rows, queries, keys) it meets, and batches of varying length meet new ones at nearly every
+  step; with oneDNN's cache bounded (``mt.fast.memory.bound_onednn_kernels``) they also push
+  the linear layers' kernels out, to be built again. Each build allocates anew, and the heap
+  fragments around them. These products are small beside the linear layers' (queries x keys
+  per head, against d_model x d_ff per token), so float32 costs no speed.
 * :class:`ShortQueryAttention` (CPU decoding): short queries (one per row in incremental
   self-attention, one per beam in encoder-decoder attention, short sources in the encoder)
   through the written-out formula with batched matrix products: 40-70% of the time of SDPA's
@@ -83,6 +89,11 @@ class CPUTrainingAttention(ScaledDotProduct):
     def forward(self, q, k, v, mask=None, is_causal=False, dropout_p=0.0, need_weights=False):
         if need_weights:
             return attention(q, k, v, mask, is_causal, dropout_p, self.dropout)
+        device = q.device.type
+        if torch.is_autocast_enabled(device):  # the core in float32 (module docstring)
+            with torch.autocast(device, enabled=False):
+                q, k, v = q.float(), k.float(), v.float()
+                return _WrittenOutAttention.apply(q, k, v, mask, is_causal, dropout_p), None
         return _WrittenOutAttention.apply(q, k, v, mask, is_causal, dropout_p), None
 
 

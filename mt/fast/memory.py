@@ -48,7 +48,7 @@ def hold_freed_memory() -> bool:
     return _held
 
 
-ONEDNN_KERNELS = 64  # oneDNN's kernel cache for a training process (oneDNN's default: 1,024)
+ONEDNN_KERNELS = 16  # oneDNN's kernel cache for a training process (oneDNN's default: 1,024)
 
 
 def bound_onednn_kernels(capacity: int = ONEDNN_KERNELS) -> bool:
@@ -61,8 +61,11 @@ def bound_onednn_kernels(capacity: int = ONEDNN_KERNELS) -> bool:
     shapes at most steps: batch lengths vary, and so do a product's rows and the attention's
     (B, T, S). On an AMD Zen 4, 300 updates of the default recipe in bf16 peaked at 2.72 GB
     resident with the default cache and 1.76 GB with 64 kernels, and ran no slower (2 min 26 s
-    against 2 min 50 s: building a kernel again costs less than faulting in new memory). Float32
-    products on MKL keep no such cache.
+    against 2 min 50 s: building a kernel again costs less than faulting in new memory). Once
+    the attention's batched products stayed out of oneDNN (``mt.fast.attention``), 16 kernels
+    peaked 120 MB lower than 64 at the same speed (``make bench train`` on Multi30k batches,
+    three alternating rounds: 4,692 against 4,717 target tokens/s). Float32 products on MKL
+    keep no such cache.
     """
     import os
 
