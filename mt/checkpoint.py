@@ -104,7 +104,10 @@ def verify_file(path: Path) -> None:
 
 
 def load_checkpoint(
-    path: str | Path, map_location: str | torch.device = "cpu", require_training: bool = False
+    path: str | Path,
+    map_location: str | torch.device = "cpu",
+    require_training: bool = False,
+    mmap: bool = False,
 ) -> dict[str, Any]:
     """Read a checkpoint with ``torch.load(weights_only=True)`` and check its keys.
 
@@ -112,6 +115,8 @@ def load_checkpoint(
         path: the checkpoint file.
         map_location: where tensors go.
         require_training: also require the training-state keys (resume).
+        mmap: map the file instead of reading it into the heap: tensors are read from the page
+            cache when used, and what is never used (an optimizer state) is never read.
 
     Returns:
         The checkpoint dict.
@@ -125,7 +130,7 @@ def load_checkpoint(
         raise CheckpointError(f"no checkpoint at {path}")
     verify_file(path)
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # torch raises many types for garbage (KeyError, EOFError, ...)
         raise CheckpointError(
             f"{path} is not a readable mt checkpoint (not a torch file, truncated, or written "
@@ -254,7 +259,11 @@ def average_checkpoints(paths: list[str | Path]) -> dict[str, Any]:
     total: dict[str, torch.Tensor] = {}
     last: dict[str, Any] = {}
     for i, path in enumerate(paths):
-        ckpt = load_checkpoint(path)
+        # Mapped, not read: whole checkpoints (Adam's state included) read into the heap of a
+        # training process, which keeps freed memory, raised its peak at the end of the run;
+        # mapped, only the weights are read (the default run's last 5, in isolation: +135 MB
+        # resident read, +33 MB mapped).
+        ckpt = load_checkpoint(path, mmap=True)
         weights = ckpt["model"]
         if i == 0:
             total = {k: v.double() if v.is_floating_point() else v for k, v in weights.items()}
@@ -270,7 +279,7 @@ def average_checkpoints(paths: list[str | Path]) -> dict[str, Any]:
         last = ckpt
     n = len(paths)
     averaged = {
-        k: (total[k] / n).to(v.dtype) if v.is_floating_point() else v
+        k: (total[k] / n).to(v.dtype) if v.is_floating_point() else v.clone()  # not the file's
         for k, v in last["model"].items()
     }
     out = {k: v for k, v in last.items() if k in MODEL_KEYS or k in ("epoch", "train_cfg")}

@@ -175,6 +175,24 @@ def test_average_is_elementwise_mean(tmp_path):
     assert "optimizer" not in avg and len(avg["averaged"]) == 3
 
 
+def test_average_maps_its_inputs_and_keeps_nothing_of_them(tmp_path):
+    """The checkpoints are mapped, not read (load_checkpoint(mmap=True) gives what a read
+    gives); the average owns its tensors, so it outlives its input files."""
+    paths = [tmp_path / f"checkpoint_{i}.pt" for i in (1, 2)]
+    for p, v in zip(paths, (1.0, 3.0)):
+        save_checkpoint(p, _state(v, optimizer={"x": torch.ones(5)}))
+    mapped, read = load_checkpoint(paths[0], mmap=True), load_checkpoint(paths[0])
+    for k, v in read["model"].items():
+        assert torch.equal(mapped["model"][k], v)
+    avg = average_checkpoints(paths)
+    for p in paths:
+        p.unlink()
+    save_checkpoint(tmp_path / "averaged.pt", avg)
+    again = load_checkpoint(tmp_path / "averaged.pt")
+    torch.testing.assert_close(again["model"]["w"], torch.full((3, 2), 2.0))
+    assert int(again["model"]["count"]) == int(read["model"]["count"])
+
+
 def test_average_rejects_mismatch(tmp_path):
     save_checkpoint(tmp_path / "a.pt", _state(1.0))
     other = _state(1.0)
