@@ -47,7 +47,7 @@ class _WrittenOutAttention(torch.autograd.Function):
     bool mask; the dropped weights are recomputed there from the last two."""
 
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cpu")
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)  # float32 under autocast
     def forward(ctx, q, k, v, mask, is_causal, p):
         weights = attention_weights(q, k, mask, is_causal)  # (B, H, T, S)
         keep, c = keep_mask(weights.shape, p, weights.device) if p > 0 else (None, 1.0)
@@ -89,11 +89,6 @@ class CPUTrainingAttention(ScaledDotProduct):
     def forward(self, q, k, v, mask=None, is_causal=False, dropout_p=0.0, need_weights=False):
         if need_weights:
             return attention(q, k, v, mask, is_causal, dropout_p, self.dropout)
-        device = q.device.type
-        if torch.is_autocast_enabled(device):  # the core in float32 (module docstring)
-            with torch.autocast(device, enabled=False):
-                q, k, v = q.float(), k.float(), v.float()
-                return _WrittenOutAttention.apply(q, k, v, mask, is_causal, dropout_p), None
         return _WrittenOutAttention.apply(q, k, v, mask, is_causal, dropout_p), None
 
 
