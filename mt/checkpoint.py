@@ -275,7 +275,7 @@ def average_checkpoints(paths: list[str | Path]) -> dict[str, Any]:
                     raise CheckpointError(
                         f"{path}: {k} has shape {tuple(v.shape)}, not {tuple(total[k].shape)}"
                     )
-                total[k] = total[k] + v.double() if v.is_floating_point() else v
+                total[k] = total[k].add_(v) if v.is_floating_point() else v  # in float64
         last = ckpt
     n = len(paths)
     averaged = {

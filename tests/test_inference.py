@@ -106,6 +106,38 @@ def test_copies_follow_weight_changes(model):
     torch.testing.assert_close(out, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
 
 
+@pytest.mark.parametrize("products", ["onednn", "torch"])
+def test_a_stale_copy_is_let_go_before_its_replacement_is_built(model, monkeypatch, products):
+    """Validation during training rebuilds the copy after every change of the weights: the old
+    one must not be held while the new one is built (two copies at the process's peak)."""
+    onednn = products == "onednn"
+    if not onednn:  # auto, without oneDNN: torch's products with the copy's attention
+        monkeypatch.setattr(mt.fast.decoding, "onednn_available", lambda: False)
+        onednn = None
+    elif not onednn_available():
+        pytest.skip("no oneDNN linear kernel")
+    import gc
+    import weakref
+
+    stale = weakref.ref(for_decoding(model, onednn=onednn))
+    gc.collect()
+    assert stale() is not None  # the cache holds it while the weights are unchanged
+    seen = []
+    for name in ("onednn_copy", "shared_copy"):
+        build = getattr(mt.fast.decoding, name)
+
+        def recording(*args, _build=build, **kwargs):
+            gc.collect()
+            seen.append(stale() is None)
+            return _build(*args, **kwargs)
+
+        monkeypatch.setattr(mt.fast.decoding, name, recording)
+    with torch.no_grad():
+        model.encoder[0].ffn.w1.weight.mul_(0.5)
+    fresh = for_decoding(model, onednn=onednn)
+    assert seen and all(seen) and fresh is for_decoding(model, onednn=onednn)  # then cached
+
+
 @needs_onednn_bf16
 def test_bf16_copy_is_close_and_keeps_float32_activations(model):
     fast = for_decoding(model, "none", "bf16")

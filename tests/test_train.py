@@ -201,6 +201,19 @@ def test_run_directory_and_checkpoint_contents(tmp_path):
     prepared = prepare(_cfg(run))
     lines = prepared.sources("valid")[:5]
     assert tokenizer.encode(lines, "src") == prepared.tokenizer.encode(lines, "src")
+    # the average was validated in the run's own model: its figures are those of a fresh model
+    # loaded from averaged.pt (not of the trained weights the run's model held before)
+    from mt.train.validation import validate
+
+    cfg, cpu = _cfg(run, "train.eval_bleu=true"), torch.device("cpu")
+    expected = validate(load_model(ckpts / "averaged.pt", "cpu")[0], prepared, cfg, cpu)
+    (logged,) = [r for r in records if "averaged" in r]
+    assert logged["averaged"] == 2 and 0 < logged["rss_mb"] <= logged["peak_rss_mb"]
+    assert set(expected) == {"valid_loss", "valid_nll", "valid_ppl", "valid_bleu"}
+    for k, v in expected.items():
+        assert logged[f"avg_{k}"] == pytest.approx(v, rel=1e-5), k
+    trained = validate(load_model(ckpts / "last.pt", "cpu")[0], prepared, cfg, cpu)
+    assert trained["valid_loss"] != pytest.approx(expected["valid_loss"], rel=1e-5)
 
 
 def test_lr_follows_the_schedule(tmp_path):

@@ -268,9 +268,11 @@ def for_decoding(
         return DecodingModel(model)
     copies = _CACHE.setdefault(model, {})  # the copies never refer to `model` itself
     identity = _identity(model)
-    hit = copies.get((kind, fast_attention))
+    hit = copies.pop((kind, fast_attention), None)
     if hit is not None and hit[0] == identity:
+        copies[(kind, fast_attention)] = hit
         return hit[1]
+    del hit  # a stale copy is let go before its replacement is built: never two at once
     if kind == "int8":
         clone, head = quantize_int8(model)
         log.info("decoding with an int8 dynamically quantized copy of the model")
