@@ -257,32 +257,38 @@ def average_checkpoints(paths: list[str | Path]) -> dict[str, Any]:
     if not paths:
         raise CheckpointError("no checkpoints to average")
     total: dict[str, torch.Tensor] = {}
-    last: dict[str, Any] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    out: dict[str, Any] = {}
     for i, path in enumerate(paths):
         # Mapped, not read: whole checkpoints (Adam's state included) read into the heap of a
         # training process, which keeps freed memory, raised its peak at the end of the run;
         # mapped, only the weights are read (the default run's last 5, in isolation: +135 MB
-        # resident read, +33 MB mapped).
+        # resident read, +33 MB mapped). One file at a time: the pages read from a mapping
+        # count as the process's resident memory until it is released.
         ckpt = load_checkpoint(path, mmap=True)
         weights = ckpt["model"]
-        if i == 0:
-            total = {k: v.double() if v.is_floating_point() else v for k, v in weights.items()}
-        else:
-            if weights.keys() != total.keys():
-                raise CheckpointError(f"{path} holds different parameters from {paths[0]}")
-            for k, v in weights.items():
-                if v.shape != total[k].shape:
-                    raise CheckpointError(
-                        f"{path}: {k} has shape {tuple(v.shape)}, not {tuple(total[k].shape)}"
-                    )
-                total[k] = total[k].add_(v) if v.is_floating_point() else v  # in float64
-        last = ckpt
+        if i > 0 and weights.keys() != total.keys():
+            raise CheckpointError(f"{path} holds different parameters from {paths[0]}")
+        for k, v in weights.items():
+            if i > 0 and v.shape != total[k].shape:
+                raise CheckpointError(
+                    f"{path}: {k} has shape {tuple(v.shape)}, not {tuple(total[k].shape)}"
+                )
+            if not v.is_floating_point():  # the last checkpoint's, not the file's storage
+                total[k] = v.clone()
+            elif i == 0:
+                total[k] = v.double()
+            else:
+                total[k].add_(v)  # in float64
+            dtypes[k] = v.dtype
+        if i == len(paths) - 1:
+            keep = {*MODEL_KEYS, "epoch", "train_cfg"} - {"model"}  # all but the weights
+            out = {k: v for k, v in ckpt.items() if k in keep}
+        ckpt = weights = v = None  # the mapping goes before the next file is mapped
     n = len(paths)
-    averaged = {
-        k: (total[k] / n).to(v.dtype) if v.is_floating_point() else v.clone()  # not the file's
-        for k, v in last["model"].items()
-    }
-    out = {k: v for k, v in last.items() if k in MODEL_KEYS or k in ("epoch", "train_cfg")}
-    out["model"] = averaged
+    out["model"] = {}
+    for k in list(total):  # each float64 sum goes once its mean is cast
+        t = total.pop(k)
+        out["model"][k] = t.div_(n).to(dtypes[k]) if t.is_floating_point() else t
     out["averaged"] = [str(p) for p in paths]
     return out
