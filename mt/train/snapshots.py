@@ -54,7 +54,7 @@ def average_into_best(run) -> None:
     Called once training is over (``last.pt`` holds the trained state): the average is loaded
     into the run's own model, which is left holding it, and validated as every checkpoint was
     (the same loss path, the same decoding copy rebuilt in place). With a second model and
-    its decoding copy, and five checkpoints mapped at once, this step took the default recipe's
+    its decoding copy, and two checkpoints mapped at a time, this step took the default recipe's
     process 128 MB above its resident memory at the last validation; now 31 MB (400 updates,
     5 checkpoints, bf16 on an AMD Zen 4).
     """
