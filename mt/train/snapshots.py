@@ -55,7 +55,7 @@ def average_into_best(run) -> None:
     into the run's own model, which is left holding it, and validated as every checkpoint was
     (the same loss path, the same decoding copy rebuilt in place). With a second model and
     its decoding copy, and two checkpoints mapped at a time, this step took the default recipe's
-    process 128 MB above its resident memory at the last validation; now 31 MB (400 updates,
+    process 93 MB above its resident memory at the last validation; now 31 MB (400 updates,
     5 checkpoints, bf16 on an AMD Zen 4).
     """
     paths = periodic_checkpoints(run.ckpt_dir)[-run.cfg.train.average_last :]
