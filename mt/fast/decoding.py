@@ -268,10 +268,10 @@ def for_decoding(
         return DecodingModel(model)
     copies = _CACHE.setdefault(model, {})  # the copies never refer to `model` itself
     identity = _identity(model)
-    hit = copies.pop((kind, fast_attention), None)
+    hit = copies.get((kind, fast_attention))
     if hit is not None and hit[0] == identity:
-        copies[(kind, fast_attention)] = hit
         return hit[1]
+    copies.pop((kind, fast_attention), None)
     del hit  # a stale copy is let go before its replacement is built: never two at once
     if kind == "int8":
         clone, head = quantize_int8(model)

@@ -89,3 +89,9 @@ def resident_mb() -> tuple[float, float]:
     except (OSError, ValueError, IndexError):
         return 0.0, peak
     return rss, max(peak, rss)  # the kernel updates its peak lazily
+
+
+def resident_fields() -> dict[str, float]:
+    """:func:`resident_mb` as a metrics record's ``rss_mb`` and ``peak_rss_mb``."""
+    rss, peak = resident_mb()
+    return {"rss_mb": round(rss, 1), "peak_rss_mb": round(peak, 1)}

@@ -41,7 +41,7 @@ from mt.data.build import prepare
 from mt.data.prefetch import Prefetcher
 from mt.fast import for_training
 from mt.fast.compile import compile_model, compiled_graphs, pad_multiple
-from mt.fast.memory import resident_mb
+from mt.fast.memory import resident_fields
 from mt.fast.precision import machine, resolve_precision, set_fp32_precision
 from mt.files import remove_stale_temps, write_json
 from mt.model.transformer import build_model
@@ -396,9 +396,8 @@ def run_validation(run: Run) -> dict[str, float]:
     else:
         state.bad_evals += 1
     if info.is_main:
-        rss, peak = resident_mb()
         record = {"step": state.step, "epoch": state.epoch, "wall": round(state.wall, 3),
-                  "rss_mb": round(rss, 1), "peak_rss_mb": round(peak, 1)}  # fmt: skip
+                  **resident_fields()}  # fmt: skip
         run.metrics.write({**record, **result})
         shown = ", ".join(f"{k} {v:.4g}" for k, v in result.items())
         log.info("validation at step %d: %s%s", state.step, shown, " (best)" if improved else "")

@@ -15,7 +15,7 @@ from mt.checkpoint import (
     rotate_checkpoints,
     save_checkpoint,
 )
-from mt.fast.memory import resident_mb
+from mt.fast.memory import resident_fields
 from mt.schema import Config
 from mt.train.state import (
     OPTIMIZER_KEYS,
@@ -71,13 +71,11 @@ def average_into_best(run) -> None:
     use = (
         run.state.best is None or value == run.state.best or better(run.key, value, run.state.best)
     )
-    rss, peak = resident_mb()
     run.metrics.write(
         {
             "step": run.state.step,
             "averaged": len(paths),
-            "rss_mb": round(rss, 1),
-            "peak_rss_mb": round(peak, 1),
+            **resident_fields(),
             **{f"avg_{k}": v for k, v in result.items()},
         }
     )
