@@ -2,17 +2,24 @@
 
 Whoever is lent a GPU runs this once; it fits in about 25 minutes of an H100 and writes one
 folder (``--out``, default ``$OUT`` or ``gpu-check/``) with a summary table (summary.md) and
-the raw records beside it:
+the raw records beside it. ``--budget SECONDS`` fits it into less: the steps run in the order
+below, the tests beside the (CPU-only) data preparation, each step is given what is left of
+the budget, and a step that cannot start in time is listed as skipped:
 
 1. ``environment``: nvidia-smi, torch, CUDA, the GPU.
 2. ``tests``: ``pytest -m gpu`` (every GPU test carries the marker).
 3. ``bench``: training steps of ``base`` and ``big`` in bf16 on real sentence lengths (the news
    corpus, prepared), eager and compiled: target tokens/s, MFU against the datasheet peak and
    against a measured matmul, peak memory.
+   The loader alone on the same split (``bench data``: batches/s against the step's).
 4. ``multi30k``: ``make train``'s pipeline (prepare, train, evaluate) on Multi30k de->en on the
-   GPU: test BLEU with its signature, wall time per stage.
+   GPU: test BLEU with its signature, wall time per stage (``--multi30k-minutes`` caps the
+   training as ``train.max_minutes`` does).
 5. ``profile``: one update of ``base`` under torch.profiler: the top kernels, the number of
    kernel launches, and the GPU's busy share of the step.
+
+With a budget the order is: tests (beside the preparation of both corpora), base eager, the
+loader, Multi30k, the profile, base compiled, big eager, big compiled.
 
 Offline machines: the few packages the device image lacks travel as wheels (``.whl``, see
 README "When a GPU is lent") and the corpora as a folder (``--data-dir``); this script installs
@@ -34,17 +41,46 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(cmd: list[str], out: Path, name: str, env: dict, timeout: float) -> dict:
-    """Run ``cmd``, its output in ``out/<name>.log``; returns status and seconds."""
-    start = time.time()
-    with open(out / f"{name}.log", "w") as log:
-        try:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                                  timeout=timeout, check=False)  # fmt: skip
-            status = proc.returncode
-        except subprocess.TimeoutExpired:
-            status = "timeout"
-    return {"step": name, "status": status, "seconds": round(time.time() - start, 1)}
+class Clock:
+    """What is left of the budget (``None``: no budget)."""
+
+    def __init__(self, budget: float | None, reserve: float = 10.0) -> None:
+        self.end = None if budget is None else time.time() + budget - reserve
+
+    def left(self) -> float:
+        return float("inf") if self.end is None else self.end - time.time()
+
+
+CLOCK = Clock(None)
+
+
+def start(cmd: list[str], out: Path, name: str, env: dict) -> tuple:
+    """Start ``cmd`` in the background, its output in ``out/<name>.log``."""
+    log = open(out / f"{name}.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    return name, proc, log, time.time()
+
+
+def finish(handle: tuple, timeout: float) -> dict:
+    """Wait for a started step, at most ``timeout`` seconds (and what is left of the budget)."""
+    name, proc, log, began = handle
+    try:
+        status = proc.wait(timeout=max(1.0, min(timeout, CLOCK.left())))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        status = "timeout"
+    log.close()
+    return {"step": name, "status": status, "seconds": round(time.time() - began, 1)}
+
+
+def run(cmd: list[str], out: Path, name: str, env: dict, timeout: float,
+        needs: float = 0.0) -> dict:  # fmt: skip
+    """Run ``cmd``, its output in ``out/<name>.log``; returns status and seconds. Skipped when
+    less than ``needs`` seconds of the budget are left."""
+    if CLOCK.left() < max(needs, 1.0):
+        return {"step": name, "status": "skipped (out of time)", "seconds": 0.0}
+    return finish(start(cmd, out, name, env), timeout)
 
 
 def install_wheels(wheels: Path, target: Path) -> str | None:
@@ -73,55 +109,73 @@ def environment(out: Path, env: dict) -> dict:
     return info
 
 
-def bench(args, out: Path, env: dict, data: Path | None) -> list[dict]:
-    """Training steps of base and big, bf16 (fp32 on a CPU), eager and compiled."""
-    steps = []
-    records = out / "bench.jsonl"
+def bench_train(args, out: Path, env: dict, data: Path | None, preset: str,
+                compiled: bool) -> dict:  # fmt: skip
+    """Training steps of one preset, bf16 (fp32 on a CPU), eager or compiled."""
     precision = "bf16" if args.device == "cuda" else "fp32"
-    presets = [("base", 25000), ("big", 25000)] if not args.quick else [("small", 2048)]
-    for preset, tokens in presets:
-        for compiled in (False,) if args.quick else (False, True):
-            cmd = [sys.executable, "scripts/bench.py", "train", "--preset", preset,
-                   "--device", args.device, "--precision", precision, "--output", str(records),
-                   "--steps", "3" if args.quick else "30", "--warmup-steps",
-                   "1" if args.quick else "5"]  # fmt: skip
-            if data is not None:
-                cmd += ["--data", str(data), "--max-tokens", str(tokens)]
-            elif args.quick:
-                cmd += ["--batch-size", "16"]
-            if compiled:
-                cmd.append("--compile")
-            name = f"bench_{preset}_{'compiled' if compiled else 'eager'}"
-            steps.append(run(cmd, out, name, env, args.step_timeout))
-    return steps
+    cmd = [sys.executable, "scripts/bench.py", "train", "--preset", preset,
+           "--device", args.device, "--precision", precision, "--output",
+           str(out / "bench.jsonl"), "--steps", "3" if args.quick else "30", "--warmup-steps",
+           "1" if args.quick else "5"]  # fmt: skip
+    if data is not None:
+        cmd += ["--data", str(data), "--max-tokens", "2048" if args.quick else "25000"]
+    elif args.quick:
+        cmd += ["--batch-size", "16"]
+    if compiled:
+        cmd.append("--compile")
+    name = f"bench_{preset}_{'compiled' if compiled else 'eager'}"
+    return run(cmd, out, name, env, args.step_timeout, needs=150 if compiled else 45)
 
 
-def prepared_news(args, out: Path, env: dict) -> Path | None:
-    """The news corpus prepared (real WMT sentence lengths for the benchmark), or None."""
-    if args.quick or not args.data_dir or not (Path(args.data_dir) / "wmt_newstest_de-en").is_dir():
-        return None
-    cache = out / "cache"
-    step = run([sys.executable, "-m", "mt", "prepare", "experiment=news_de_en",
-                f"cache_dir={cache}", f"run_dir={out / 'news'}"], out, "prepare_news", env,
-               args.step_timeout)  # fmt: skip
-    found = sorted(cache.glob("news_de_en-*/train.src.ids"))
-    return found[0].parent / "train" if step["status"] == 0 and found else None
+def bench_data(args, out: Path, env: dict, data: Path) -> dict:
+    """The loader alone on the benchmark's split, at the benchmark's batch size."""
+    cmd = [sys.executable, "scripts/bench.py", "data", "--data", str(data), "--max-tokens",
+           "25000", "--epochs", "2", "--output", str(out / "bench.jsonl")]  # fmt: skip
+    return run(cmd, out, "bench_data", env, min(args.step_timeout, 120), needs=20)
 
 
-def multi30k(args, out: Path, env: dict) -> list[dict]:
-    """prepare -> train -> evaluate on Multi30k de->en, as `make train` runs them."""
+def news_available(args) -> bool:
+    return bool(args.data_dir) and (Path(args.data_dir) / "wmt_newstest_de-en").is_dir()
+
+
+def prepare_news(out: Path, env: dict) -> tuple:
+    """Start preparing the news corpus (real WMT sentence lengths for the benchmark)."""
+    return start([sys.executable, "-m", "mt", "prepare", "experiment=news_de_en",
+                  f"cache_dir={out / 'cache'}", f"run_dir={out / 'news'}"], out,
+                 "prepare_news", env)  # fmt: skip
+
+
+def prepared_news(out: Path, step: dict | None) -> Path | None:
+    """The prepared news corpus's train split, or None."""
+    found = sorted((out / "cache").glob("news_de_en-*/train.src.ids"))
+    return found[0].parent / "train" if step and step["status"] == 0 and found else None
+
+
+def multi30k_args(args, out: Path) -> list[str]:
     common = [f"run_dir={out / 'multi30k'}", f"cache_dir={out / 'cache'}",
               f"train.device={args.device}"]  # fmt: skip
+    if args.multi30k_minutes:
+        common.append(f"train.max_minutes={args.multi30k_minutes}")
     if args.quick:
         common += ["experiment=smoke", "data.max_train_pairs=2000", "model.N=1", "model.d_model=64",
                    "model.d_ff=128", "train.max_steps=20", "train.eval_every=20",
                    "decode.max_len_b=5", "eval.report=false"]  # fmt: skip
-    steps = []
+    return common
+
+
+def multi30k(args, out: Path, env: dict, prepared: dict | None = None) -> list[dict]:
+    """prepare -> train -> evaluate on Multi30k de->en, as `make train` runs them (prepare
+    already run when ``prepared`` is its step)."""
+    common = multi30k_args(args, out)
+    steps = [prepared] if prepared else []
+    needs = {"prepare": 10, "train": 60, "evaluate": 20}
     for stage in ("prepare", "train", "evaluate"):
-        cmd = [sys.executable, "-m", "mt", stage, *common]
-        steps.append(run(cmd, out, f"multi30k_{stage}", env, args.step_timeout))
-        if steps[-1]["status"] != 0:
+        if steps and steps[-1]["status"] != 0:
             break
+        if stage == "prepare" and prepared:
+            continue
+        cmd = [sys.executable, "-m", "mt", stage, *common]
+        steps.append(run(cmd, out, f"multi30k_{stage}", env, args.step_timeout, needs[stage]))
     return steps
 
 
@@ -188,7 +242,7 @@ def profile(args, out: Path, env: dict) -> dict:
     script = out / "profile_step.py"
     script.write_text(PROFILE)
     cmd = [sys.executable, str(script), args.device, preset, str(tokens), str(out)]
-    return run(cmd, out, "profile", env, args.step_timeout)
+    return run(cmd, out, "profile", env, args.step_timeout, needs=30)
 
 
 def summary(out: Path, steps: list[dict], info: dict) -> str:
@@ -199,8 +253,8 @@ def summary(out: Path, steps: list[dict], info: dict) -> str:
     if bench_file.is_file():
         lines += ["", "| bench | compiled | tgt tok/s | MFU (datasheet) | MFU (measured peak) | "
                   "peak memory MB |", "|---|---|---|---|---|---|"]  # fmt: skip
-        for line in bench_file.read_text().splitlines():
-            r = json.loads(line)
+        records = [json.loads(line) for line in bench_file.read_text().splitlines()]
+        for r in records:
             if r.get("bench") != "train":
                 continue
             mfu = r.get("mfu_datasheet")
@@ -211,10 +265,16 @@ def summary(out: Path, steps: list[dict], info: dict) -> str:
                 f"{'-' if r.get('mfu') is None else format(r['mfu'], '.1%')} | "
                 f"{r.get('peak_mem_mb', 0):,.0f} |"
             )
+        lines += ["", *(f"loader alone: {r['batches_per_s']:,.1f} batches/s, {r['tok_per_s']:,.0f} "
+                        f"target tok/s" for r in records if r.get("bench") == "data")]  # fmt: skip
     results = out / "multi30k" / "results.json"
     if results.is_file():
         r = json.loads(results.read_text())
         lines += ["", f"Multi30k de->en test BLEU {r['bleu']:.2f} ({r['signature']})"]
+    log = out / "multi30k" / "metrics.jsonl"
+    if log.is_file():  # the run's last records: updates, minutes, valid BLEU, why it ended
+        lines += ["", "Multi30k run, last records of metrics.jsonl:", "```",
+                  *log.read_text().splitlines()[-3:], "```"]  # fmt: skip
     prof = out / "profile.json"
     if prof.is_file():
         lines += ["", f"profile of one update: {prof.read_text()}"]
@@ -224,6 +284,7 @@ def summary(out: Path, steps: list[dict], info: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global CLOCK
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT") or "gpu-check")
     p.add_argument("--device", default="cuda")
@@ -231,7 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wheels", default=str(ROOT / ".whl"))
     p.add_argument("--quick", action="store_true", help="miniature steps (a CPU check)")
     p.add_argument("--step-timeout", type=float, default=900)
+    p.add_argument("--budget", type=float, help="seconds for the whole check (default: none)")
+    p.add_argument("--multi30k-minutes", type=float, help="train.max_minutes of the Multi30k run")
     args = p.parse_args(argv)
+    CLOCK = Clock(args.budget)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -243,14 +307,39 @@ def main(argv: list[str] | None = None) -> int:
     if Path(args.data_dir).is_dir():
         env["MT_DATA_DIR"] = str(Path(args.data_dir).resolve())
     info = environment(out, env)
-    steps = []
+
+    class Steps(list):  # the summary is rewritten after every step (a killed check keeps it)
+        def append(self, step: dict) -> None:
+            super().append(step)
+            summary(out, self, info)
+
+        def __iadd__(self, more):
+            for step in more:
+                self.append(step)
+            return self
+
+    steps = Steps()
+    # The data preparation runs on the CPU, beside the GPU tests.
+    m30k_prep = start([sys.executable, "-m", "mt", "prepare", *multi30k_args(args, out)], out,
+                      "multi30k_prepare", env)  # fmt: skip
+    news_prep = prepare_news(out, env) if news_available(args) and not args.quick else None
     if not args.quick:
-        steps.append(run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs"], out, "tests",
-                         env, args.step_timeout))  # fmt: skip
-    data = prepared_news(args, out, env)
-    steps += bench(args, out, env, data)
-    steps += multi30k(args, out, env)
+        steps.append(run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p",
+                          "no:cacheprovider"], out, "tests", env, args.step_timeout))  # fmt: skip
+    news_step = finish(news_prep, args.step_timeout) if news_prep else None
+    prepared = finish(m30k_prep, args.step_timeout)
+    steps += [s for s in (news_step,) if s]
+    data = prepared_news(out, news_step)
+    first = "small" if args.quick else "base"
+    steps.append(bench_train(args, out, env, data, first, compiled=False))
+    if data is not None:
+        steps.append(bench_data(args, out, env, data))
+    steps += multi30k(args, out, env, prepared)
     steps.append(profile(args, out, env))
+    if not args.quick:
+        steps.append(bench_train(args, out, env, data, "base", compiled=True))
+        for compiled in (False, True):
+            steps.append(bench_train(args, out, env, data, "big", compiled))
     print(summary(out, steps, info))
     return 0 if all(s["status"] == 0 for s in steps) else 1
 
