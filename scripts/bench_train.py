@@ -303,6 +303,7 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
             "tgt_tok_per_s": tok_s,
             "tgt_tok_per_s_mean": r.tokens / sum(r.seconds) if r.seconds else float("nan"),
             "step_ms_median": 1000 * median(r.seconds),
+            "step_ms": [round(1000 * s, 1) for s in r.seconds],  # each timed step, in order
             "tgt_tokens_per_step": r.tokens / max(len(r.seconds), 1),
             "first_loss": r.losses[0],
             "last_loss": r.losses[-1],

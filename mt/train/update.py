@@ -152,7 +152,7 @@ class Updater:
                 )
                 self.scaler.scale(loss * c).backward()
             sums[:2] += torch.stack([loss.detach(), nll.detach()]).double()
-        sums[2] = local_tokens
+        sums[2].fill_(local_tokens)  # a fill kernel: assigning a float copies from the host
         distributed.all_reduce_sum(sums)  # the update's figures over all ranks
         total = sums[2:].clamp_min(1.0)  # (1,) target tokens of the update, all ranks
         grads = [p.grad for p in self.params if p.grad is not None]
