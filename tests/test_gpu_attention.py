@@ -77,18 +77,48 @@ def test_gpu_formulation_equals_the_reference_on_cpu(lengths):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
 
 
+@pytest.fixture
+def cudnn_sdp_restored():
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_gpu_attention_turns_cudnn_attention_off_on_cuda_only(cudnn_sdp_restored):
+    """cuDNN's SDPA builds a plan per new shape (8x slower training on an H200 with batches by
+    tokens): the training and decoding seams turn it off on CUDA, and nowhere else."""
+    from mt.fast import for_training
+    from mt.fast.attention import gpu_attention
+
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    gpu_attention(torch.device("cpu"))
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    for_training(_model(), torch.device("cpu"), cpu_kernels=False)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    for_training(_model(), torch.device("cuda"))  # nothing moves: the flag is process-wide
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    gpu_attention(torch.device("cuda", 0))
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [PADDED, UNPADDED], ids=["padded", "unpadded"])
-def test_training_attention_uses_a_fast_sdpa_backend_on_gpu(lengths):
-    """Forward and backward in bf16 with SDPA restricted to flash / memory-efficient / cuDNN:
-    a mask that only the math kernel accepts would raise "no available kernel"."""
+def test_training_attention_uses_a_fast_sdpa_backend_on_gpu(lengths, cudnn_sdp_restored):
+    """Forward and backward in bf16 with SDPA restricted to flash / memory-efficient (what
+    ``for_training`` leaves on CUDA): a mask that only the math kernel accepts would raise
+    "no available kernel"."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from mt.fast import for_training
+
     model = _model("cuda").train()
+    step = for_training(model, torch.device("cuda"))
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
     batch = _batch(lengths).to("cuda")
-    fast = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    fast = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
     with sdpa_kernel(fast), torch.autocast("cuda", dtype=torch.bfloat16):
-        logits = model(batch.src, batch.tgt_in, batch.real)
+        logits = step(batch.src, batch.tgt_in, batch.real)
     logits.float().logsumexp(-1).mean().backward()
     assert logits.shape == (batch.ntokens, V)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

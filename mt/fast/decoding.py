@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 import mt.fast.probe as probe
-from mt.fast.attention import ShortQueryAttention, install
+from mt.fast.attention import ShortQueryAttention, gpu_attention, install
 from mt.fast.modules import replace_modules, shared_copy
 from mt.fast.onednn import (
     FusedFeedForward,
@@ -263,6 +263,7 @@ def for_decoding(
     Raises:
         ValueError: for an unknown ``quantize`` or ``precision``.
     """
+    gpu_attention(next(model.parameters()).device)  # on CUDA: no cuDNN attention
     kind = _kind(model, quantize, precision, onednn, rows)
     if kind is None:  # the model as written decodes
         return DecodingModel(model)

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mt.fast.probe as probe
-from mt.fast.attention import CPUTrainingAttention, install
+from mt.fast.attention import CPUTrainingAttention, gpu_attention, install
 from mt.fast.dropout import Dropout
 from mt.fast.loss import label_smoothed_cross_entropy, projected_cross_entropy
 from mt.fast.memory import hold_freed_memory
@@ -157,10 +157,12 @@ def for_training(
     (:func:`onednn_products`: ``tokens`` per batch); bf16 and fp16 keep autocast's, over
     bucketed row counts (:func:`mt.fast.onednn.bucketed_linear`). On a GPU the model
     itself with the projection and the loss in blocks of thousands of rows (the logits of a
-    25k-token batch never exist whole); elsewhere the model with the fused loss over its
-    logits. ``model`` is never modified.
+    25k-token batch never exist whole), its attention off cuDNN's kernel
+    (:func:`gpu_attention`); elsewhere the model with the fused loss over its logits.
+    ``model`` is never modified.
     """
     if device.type == "cuda":  # the projection and the loss in blocks of thousands of rows
+        gpu_attention(device)
         return TrainingModel(model, blockwise=True)
     if device.type != "cpu" or not cpu_kernels:
         return TrainingModel(model)
