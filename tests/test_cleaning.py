@@ -188,3 +188,16 @@ def test_bad_input_under_the_moses_pass_names_the_file(tmp_path, monkeypatch):
     with pytest.raises(DataError, match=r"train\.de, line 156: not valid UTF-8"):
         prepare(_cfg(d, tmp_path, *WMT_CLEAN, "tokenizer.threads=2"))
     assert not list((tmp_path / "cache").glob("local-*"))
+
+
+def test_a_normaliser_that_cannot_start_stops_this_process_not_a_pool(monkeypatch):
+    """A missing dependency (sacremoses without joblib) raises here, with its message: in a
+    pool's initializer it failed in worker after new worker, and `mt-prepare` hung."""
+
+    def broken(self, lang):
+        raise ModuleNotFoundError("No module named 'joblib'")
+
+    monkeypatch.setattr(cleaning.MosesPunct, "__init__", broken)
+    specs = (NormSpec("de", moses_punct=True), NormSpec("en", moses_punct=True))
+    with pytest.raises(ModuleNotFoundError, match="joblib"):
+        list(cleaning.normalize_pairs(iter([("a", "b")] * 10), specs, {}, workers=2))

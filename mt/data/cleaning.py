@@ -253,11 +253,13 @@ def normalize_pairs(
     counts.setdefault("non_printing", 0)
     chunks = iter(lambda: list(itertools.islice(pairs, CHUNK_PAIRS)), [])
     pool = None
+    # Built here first: a normaliser that cannot start (sacremoses without joblib, say) raises
+    # in this process; in a pool's initializer it would fail in worker after new worker.
+    _init(specs)
     if workers > 1 and any(s.moses for s in specs):
         pool = mp.get_context("spawn").Pool(workers, _init, (specs,))
         results = pool.imap(_normalize_chunk, chunks)
     else:
-        _init(specs)
         results = map(_normalize_chunk, chunks)
     try:
         for out, (n_punct, n_nonprint) in results:
