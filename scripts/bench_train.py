@@ -45,6 +45,7 @@ from bench_common import (
 from torch import nn
 
 from mt import distributed
+from mt.fast.compile import compile_model
 from mt.fast.memory import bound_onednn_kernels
 from mt.fast.training import for_training
 from mt.model.loss import label_smoothed_nll_loss
@@ -180,7 +181,7 @@ class Runner:
             opt, noam_lambda(cfg.d_model, tc.warmup, tc.factor, tc.lr)
         )
         scaler = torch.amp.GradScaler(device.type, enabled=tc.precision == "fp16")
-        forward = torch.compile(self.model) if args.compile else self.model
+        forward = compile_model(self.model, tc)  # as mt.train: dynamic shapes when compiled
         world = 1
         if info is not None and info.distributed:  # as mt.train.recipe: compiled, then DDP
             forward, world = distributed.wrap(forward, info), info.world_size

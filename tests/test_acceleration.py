@@ -262,11 +262,11 @@ from mt.train.update import Updater, build_optimizer
 torch.set_num_threads(1)
 info = distributed.setup("cpu")
 cfg = load_config(["model.N=1", "model.d_model=16", "model.d_ff=32", "model.h=2",
-                   "model.dropout=0.1", "train.compile=true", "train.cpu_kernels=false",
+                   "model.dropout=0.1", "train.compile=true",
                    "train.max_tokens=64", "train.clip_norm=1.0", "train.precision=fp32"])
 torch.manual_seed(0)
 raw = build_model(cfg.model, 40)
-step_model = for_training(raw, info.device, cpu_kernels=False, compiled=True)
+step_model = for_training(raw, info.device, cfg.train.cpu_kernels, compiled=True)  # default: on
 model = distributed.wrap(compile_model(step_model, cfg.train), info)
 opt = build_optimizer(raw.parameters(), cfg.train, info.device)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1e-3)

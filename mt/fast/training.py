@@ -150,15 +150,17 @@ def for_training(
 ) -> TrainingModel:
     """What the training step runs (``mt.train`` and ``make bench``).
 
-    On a CPU with ``train.cpu_kernels``: :func:`hold_freed_memory` and a :func:`training_copy`,
-    its loss in row blocks and its FFN packed on well-padded batches (not when the step is
-    ``compiled``: the packed rows' count would be one more dynamic shape per batch). Its float32
-    products run on oneDNN where that measures faster than torch's own at the run's shapes
-    (:func:`onednn_products`: ``tokens`` per batch); bf16 and fp16 keep autocast's, over
-    bucketed row counts (:func:`mt.fast.onednn.bucketed_linear`). On a GPU the model
-    itself with the projection and the loss in blocks of thousands of rows (the logits of a
-    25k-token batch never exist whole), its attention off cuDNN's kernel
-    (:func:`gpu_attention`); elsewhere the model with the fused loss over its logits.
+    On a CPU with ``train.cpu_kernels``, unless the step is ``compiled``:
+    :func:`hold_freed_memory` and a :func:`training_copy`, its loss in row blocks and its FFN
+    packed on well-padded batches. Its float32 products run on oneDNN where that measures
+    faster than torch's own at the run's shapes (:func:`onednn_products`: ``tokens`` per
+    batch); bf16 and fp16 keep autocast's, over bucketed row counts
+    (:func:`mt.fast.onednn.bucketed_linear`). On a GPU the model itself with the projection
+    and the loss in blocks of thousands of rows (the logits of a 25k-token batch never exist
+    whole), its attention off cuDNN's kernel
+    (:func:`gpu_attention`); elsewhere, and for a ``compiled`` step on a CPU, the model with the
+    fused loss over its logits: Inductor cannot compile the copy (oneDNN's training products
+    want frozen weights, the 16-bit dropout masks' in-place ``random_`` breaks the graph).
     ``model`` is never modified.
     """
     if device.type == "cuda":  # the projection and the loss in blocks of thousands of rows
@@ -166,11 +168,15 @@ def for_training(
         return TrainingModel(model, blockwise=True)
     if device.type != "cpu" or not cpu_kernels:
         return TrainingModel(model)
+    if compiled:  # Inductor compiles the model as written, not the copy's kernels (see above)
+        log.info("train.compile=true on a CPU: the model as written, Inductor's own kernels "
+                 "(not train.cpu_kernels' copy)")  # fmt: skip
+        return TrainingModel(model)
     hold_freed_memory()
     products = precision == "fp32" and onednn_products(model, device, tokens, cache_dir)
     bucketed = precision != "fp32"  # autocast's products run on oneDNN: few row counts
     copy = training_copy(model, products=products, bucketed=bucketed)
-    in_flight = None if compiled else pack(copy)
+    in_flight = pack(copy)
     product = linear if products else (bucketed_linear if bucketed else F.linear)
     return TrainingModel(copy, blockwise=True, product=product, in_flight=in_flight)
 
