@@ -9,16 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from mt.data.batches import Batch, BatchSampler, collate, iterate_batches, make_src
+from mt.data.batches import Batch, BatchSampler, _pad_flat, collate, iterate_batches, make_src
+from mt.data.store import TokenArray
 from mt.vocab import BOS, EOS, PAD
 
 
 class FakeSplit:
-    """The two attributes iterate_batches uses: indexable .src and .tgt of id arrays."""
+    """The two attributes iterate_batches uses, .src and .tgt (TokenArrays), in memory."""
 
     def __init__(self, src_lengths, tgt_lengths):
-        self.src = [np.arange(10, 10 + n) for n in src_lengths]
-        self.tgt = [np.arange(100, 100 + n) + i for i, n in enumerate(tgt_lengths)]
+        tgt = [np.arange(100, 100 + n) + i for i, n in enumerate(tgt_lengths)]
+        self.src = TokenArray.from_sequences([np.arange(10, 10 + n) for n in src_lengths])
+        self.tgt = TokenArray.from_sequences(tgt)
 
     def __len__(self):
         return len(self.src)
@@ -49,6 +51,61 @@ def test_collate_exact():
     meta = batch.to("meta")  # every tensor moves, the real positions too
     assert {t.device.type for t in (meta.src, meta.tgt_in, meta.tgt_out, *meta.real)} == {"meta"}
     assert meta.ntokens == 5
+
+
+def pad_one_at_a_time(seqs, bos: bool, eos: bool, multiple: int) -> np.ndarray:
+    """The definition: each sequence written into its row, one after another."""
+    width = max(len(s) for s in seqs) + bos + eos
+    width = -(-width // multiple) * multiple
+    out = np.full((len(seqs), width), PAD, dtype=np.int64)
+    for i, seq in enumerate(seqs):
+        row = ([BOS] if bos else []) + list(seq) + ([EOS] if eos else [])
+        out[i, : len(row)] = row
+    return out
+
+
+@pytest.mark.parametrize("bos,eos", [(False, True), (True, False), (True, True), (False, False)])
+@pytest.mark.parametrize("multiple", [1, 8])
+def test_padding_in_one_scatter_equals_one_row_at_a_time(bos, eos, multiple):
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(4, 100, n) for n in [5, 0, 17, 1, 3, 0, 9]]  # empty ones too
+    lengths = np.array([len(s) for s in seqs])
+    got = _pad_flat(np.concatenate(seqs), lengths, bos, eos, multiple)
+    np.testing.assert_array_equal(got, pad_one_at_a_time(seqs, bos, eos, multiple))
+
+
+def test_gather_equals_one_sequence_at_a_time():
+    """TokenArray.gather (what the loader reads batches with) against indexing one by one:
+    any order, repeats, empty sequences, a memory-mapped file."""
+    rng = np.random.default_rng(4)
+    seqs = [rng.integers(4, 30000, n) for n in rng.integers(0, 12, 200)]
+    arrays = TokenArray.from_sequences(seqs)
+    for idx in (np.array([5, 3, 3, 199, 0]), rng.permutation(200)[:64], np.array([7])):
+        ids, lengths = arrays.gather(idx)
+        assert ids.dtype == np.int64 and lengths.tolist() == [len(seqs[i]) for i in idx]
+        np.testing.assert_array_equal(ids, np.concatenate([arrays[i] for i in idx]))
+
+
+def test_the_loader_on_a_prepared_split_equals_collating_pairs(real_data, tmp_path):
+    """iterate_batches on a memory-mapped prepared split (Multi30k) gives what collating each
+    batch's pairs, read one at a time, gives."""
+    from mt.config import load_config
+    from mt.data.build import prepare
+
+    cfg = load_config([f"data.dir={real_data / 'multi30k'}", "data.max_train_pairs=3000",
+                       f"cache_dir={tmp_path}", "tokenizer.vocab_size=1000"])  # fmt: skip
+    split = prepare(cfg).split("train")
+    assert isinstance(split.src.ids, np.memmap) and len(split) > 2900
+    sampler = BatchSampler(split.src.lengths, split.tgt.lengths, 1024, seed=1)
+    assert len(sampler.batches(1)) > 50
+    for multiple in (1, 8):
+        for n, batch in enumerate(iterate_batches(split, sampler, 1, pad_multiple=multiple)):
+            idx = sampler.batches(1)[n]
+            ref = collate([(split.src[j], split.tgt[j]) for j in idx], multiple)
+            for a, b in zip((batch.src, batch.tgt_in, batch.tgt_out, *batch.real),
+                            (ref.src, ref.tgt_in, ref.tgt_out, *ref.real)):  # fmt: skip
+                assert (a is None and b is None) or torch.equal(a, b)
+            assert batch.ntokens == ref.ntokens
 
 
 def test_make_src_matches_training_source():

@@ -15,6 +15,7 @@ import torch
 
 from mt.data.batches import Batch, BatchSampler, batch_plan, collate, iterate_batches
 from mt.data.prefetch import Prefetcher
+from mt.data.store import TokenArray
 
 
 def _prefetch_threads() -> list[threading.Thread]:
@@ -23,7 +24,7 @@ def _prefetch_threads() -> list[threading.Thread]:
 
 class _Split:
     def __init__(self, src, tgt):
-        self.src, self.tgt = src, tgt
+        self.src, self.tgt = TokenArray.from_sequences(src), TokenArray.from_sequences(tgt)
 
 
 def _split(n: int = 200, seed: int = 0):

@@ -65,15 +65,26 @@ def _pad(
 ) -> np.ndarray:
     """(B, L) int64: each sequence with optional BOS before and EOS after, right-padded to the
     longest, rounded up to a multiple of ``multiple``."""
-    lengths = [len(s) for s in seqs]
-    width = -(-(max(lengths) + bos + eos) // multiple) * multiple
-    out = np.full((len(seqs), width), PAD, dtype=np.int64)
-    for i, (seq, n) in enumerate(zip(seqs, lengths)):
-        if bos:
-            out[i, 0] = BOS
-        out[i, bos : bos + n] = seq
-        if eos:
-            out[i, bos + n] = EOS
+    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+    flat = np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs])
+    return _pad_flat(flat, lengths, bos, eos, multiple)
+
+
+def _pad_flat(
+    ids: np.ndarray, lengths: np.ndarray, bos: bool, eos: bool, multiple: int = 1
+) -> np.ndarray:
+    """:func:`_pad` of sequences given one after another (``ids``) with their ``lengths``:
+    one scatter, no loop over the sequences."""
+    width = -(-(int(lengths.max()) + bos + eos) // multiple) * multiple
+    out = np.full((len(lengths), width), PAD, dtype=np.int64)
+    rows = np.repeat(np.arange(len(lengths)), lengths)
+    starts = np.cumsum(lengths) - lengths  # where each sequence begins in ids
+    cols = np.arange(len(ids)) - np.repeat(starts, lengths) + bos
+    out[rows, cols] = ids
+    if bos:
+        out[:, 0] = BOS
+    if eos:
+        out[np.arange(len(lengths)), bos + lengths] = EOS
     return out
 
 
@@ -97,17 +108,31 @@ def collate(pairs: Sequence[tuple[np.ndarray, np.ndarray]], pad_multiple: int = 
     """
     if not pairs:
         raise ValueError("collate needs at least one pair")
+    srcs, tgts = zip(*pairs)
+
+    def flat(seqs) -> tuple[np.ndarray, np.ndarray]:
+        lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+        return np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs]), lengths
+
+    return collate_flat(*flat(srcs), *flat(tgts), pad_multiple)
+
+
+def collate_flat(
+    src_ids: np.ndarray, src_lengths: np.ndarray, tgt_ids: np.ndarray, tgt_lengths: np.ndarray,
+    pad_multiple: int = 1,
+) -> Batch:  # fmt: skip
+    """:func:`collate` of pairs given flat (``TokenArray.gather``): each side's ids one
+    sentence after another and its (B,) lengths (no BOS/EOS)."""
     if pad_multiple < 1:
         raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
-    srcs, tgts = zip(*pairs)
-    src = _pad(srcs, bos=False, eos=True, multiple=pad_multiple)
-    tgt_in = _pad(tgts, bos=True, eos=False, multiple=pad_multiple)
-    src_len = np.array([len(s) + 1 for s in srcs], dtype=np.int64)  # + EOS
-    tgt_len = np.array([len(t) + 1 for t in tgts], dtype=np.int64)  # + BOS / EOS
+    src = _pad_flat(src_ids, src_lengths, bos=False, eos=True, multiple=pad_multiple)
+    tgt_in = _pad_flat(tgt_ids, tgt_lengths, bos=True, eos=False, multiple=pad_multiple)
+    tgt_out = _pad_flat(tgt_ids, tgt_lengths, bos=False, eos=True, multiple=pad_multiple)
+    src_len, tgt_len = src_lengths + 1, tgt_lengths + 1  # + EOS; + BOS / EOS
     return Batch(
         src=torch.from_numpy(src),
         tgt_in=torch.from_numpy(tgt_in),
-        tgt_out=torch.from_numpy(_pad(tgts, bos=False, eos=True, multiple=pad_multiple)),
+        tgt_out=torch.from_numpy(tgt_out),
         real=RealPositions(_real_rows(src_len, src.shape[1]), _real_rows(tgt_len, tgt_in.shape[1])),
         ntokens=int(tgt_len.sum()),
     )
@@ -316,7 +341,8 @@ def iterate_batches(
     TokenArrays), beginning at batch index ``start`` (exact resume mid-epoch)."""
     batches, weights = sampler.batches(epoch), sampler.weights(epoch)
     for i in range(start, len(batches)):
-        batch = collate([(split.src[j], split.tgt[j]) for j in batches[i]], pad_multiple)
+        idx = np.asarray(batches[i])
+        batch = collate_flat(*split.src.gather(idx), *split.tgt.gather(idx), pad_multiple)
         batch.weight = weights[i]
         yield batch
 

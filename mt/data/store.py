@@ -42,6 +42,13 @@ class TokenArray:
         self._lengths: np.ndarray | None = None
 
     @classmethod
+    def from_sequences(cls, seqs, dtype=np.int32) -> TokenArray:
+        """In memory, from a list of id sequences."""
+        offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int64)
+        flat = [np.asarray(s, dtype=dtype) for s in seqs]
+        return cls(np.concatenate(flat) if flat else np.zeros(0, dtype=dtype), offsets)
+
+    @classmethod
     def open(cls, ids_path: Path, offsets_path: Path, dtype: str) -> TokenArray:
         """Memory-map a pair of files written by :func:`encode_files` (read-only)."""
         return cls(_memmap(ids_path, np.dtype(dtype)), _memmap(offsets_path, np.dtype(np.int64)))
@@ -60,6 +67,20 @@ class TokenArray:
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return (self[i] for i in range(len(self)))
+
+    def gather(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Sequences ``idx`` at once: their ids one after another, (sum of lengths,) int64,
+        and their (k,) lengths. One fancy index into the flat ids instead of a slice per
+        sequence (a memory-mapped slice costs ~5 us of Python: most of a loader's time)."""
+        offsets = np.asarray(self.offsets)  # a plain view: no memmap bookkeeping per index
+        idx = np.asarray(idx, dtype=np.int64)
+        starts = offsets[idx]
+        lengths = offsets[idx + 1] - starts
+        # Position j of sequence r is starts[r] + j: each run's start, repeated, plus a ramp.
+        ends = np.cumsum(lengths)
+        ramp = np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64)
+        positions = ramp + np.repeat(starts - (ends - lengths), lengths)
+        return np.asarray(self.ids)[positions].astype(np.int64), lengths
 
     @property
     def lengths(self) -> np.ndarray:
