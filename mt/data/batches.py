@@ -65,9 +65,13 @@ def _pad(
 ) -> np.ndarray:
     """(B, L) int64: each sequence with optional BOS before and EOS after, right-padded to the
     longest, rounded up to a multiple of ``multiple``."""
+    return _pad_flat(*_flatten(seqs), bos, eos, multiple)
+
+
+def _flatten(seqs: Sequence[Sequence[int] | np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Sequences one after another, (sum of lengths,) int64, and their (k,) lengths."""
     lengths = np.array([len(s) for s in seqs], dtype=np.int64)
-    flat = np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs])
-    return _pad_flat(flat, lengths, bos, eos, multiple)
+    return np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs]), lengths
 
 
 def _pad_flat(
@@ -109,12 +113,7 @@ def collate(pairs: Sequence[tuple[np.ndarray, np.ndarray]], pad_multiple: int = 
     if not pairs:
         raise ValueError("collate needs at least one pair")
     srcs, tgts = zip(*pairs)
-
-    def flat(seqs) -> tuple[np.ndarray, np.ndarray]:
-        lengths = np.array([len(s) for s in seqs], dtype=np.int64)
-        return np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs]), lengths
-
-    return collate_flat(*flat(srcs), *flat(tgts), pad_multiple)
+    return collate_flat(*_flatten(srcs), *_flatten(tgts), pad_multiple)
 
 
 def collate_flat(
