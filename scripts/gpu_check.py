@@ -166,19 +166,16 @@ def multi30k_args(args, out: Path) -> list[str]:
     return common
 
 
-def multi30k(args, out: Path, env: dict, prepared: dict | None = None) -> list[dict]:
-    """prepare -> train -> evaluate on Multi30k de->en, as `make train` runs them (prepare
-    already run when ``prepared`` is its step)."""
+def multi30k(args, out: Path, env: dict, prepared: dict) -> list[dict]:
+    """train -> evaluate on Multi30k de->en, as `make train` runs them, after ``prepared``
+    (the prepare step, run beside the tests)."""
     common = multi30k_args(args, out)
-    steps = [prepared] if prepared else []
-    needs = {"prepare": 10, "train": 60, "evaluate": 20}
-    for stage in ("prepare", "train", "evaluate"):
-        if steps and steps[-1]["status"] != 0:
+    steps = [prepared]
+    for stage, needs in (("train", 60), ("evaluate", 20)):
+        if steps[-1]["status"] != 0:
             break
-        if stage == "prepare" and prepared:
-            continue
         cmd = [sys.executable, "-m", "mt", stage, *common]
-        steps.append(run(cmd, out, f"multi30k_{stage}", env, args.step_timeout, needs[stage]))
+        steps.append(run(cmd, out, f"multi30k_{stage}", env, args.step_timeout, needs))
     return steps
 
 
@@ -323,39 +320,35 @@ def main(argv: list[str] | None = None) -> int:
         env["MT_DATA_DIR"] = str(Path(args.data_dir).resolve())
     info = environment(out, env)
 
-    class Steps(list):  # the summary is rewritten after every step (a killed check keeps it)
-        def append(self, step: dict) -> None:
-            super().append(step)
-            summary(out, self, info)
+    steps: list[dict] = []
 
-        def __iadd__(self, more):
-            for step in more:
-                self.append(step)
-            return self
+    def record(*done: dict) -> None:  # the summary after every step: a killed check keeps it
+        steps.extend(done)
+        summary(out, steps, info)
 
-    steps = Steps()
     # The data preparation runs on the CPU, beside the GPU tests.
     m30k_prep = start([sys.executable, "-m", "mt", "prepare", *multi30k_args(args, out)], out,
                       "multi30k_prepare", env)  # fmt: skip
     news_prep = prepare_news(out, env) if news_available(args) and not args.quick else None
     if not args.quick:
-        steps.append(run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p",
-                          "no:cacheprovider"], out, "tests", env, args.step_timeout))  # fmt: skip
+        record(run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p",
+                    "no:cacheprovider"], out, "tests", env, args.step_timeout))  # fmt: skip
     news_step = finish(news_prep, args.step_timeout) if news_prep else None
     prepared = finish(m30k_prep, args.step_timeout)
-    steps += [s for s in (news_step,) if s]
+    if news_step:
+        record(news_step)
     data = prepared_news(out, news_step)
     first = "small" if args.quick else "base"
-    steps.append(bench_train(args, out, env, data, first, compiled=False))
+    record(bench_train(args, out, env, data, first, compiled=False))
     if not args.quick:
-        steps.append(bench_train(args, out, env, data, "big", compiled=False))
+        record(bench_train(args, out, env, data, "big", compiled=False))
     if data is not None:
-        steps.append(bench_data(args, out, env, data))
-    steps += multi30k(args, out, env, prepared)
-    steps.append(profile(args, out, env))
+        record(bench_data(args, out, env, data))
+    record(*multi30k(args, out, env, prepared))
+    record(profile(args, out, env))
     if not args.quick:
-        steps.append(bench_train(args, out, env, data, "base", compiled=True))
-        steps.append(bench_train(args, out, env, data, "big", compiled=True))
+        record(bench_train(args, out, env, data, "base", compiled=True))
+        record(bench_train(args, out, env, data, "big", compiled=True))
     print(summary(out, steps, info))
     return 0 if all(s["status"] == 0 for s in steps) else 1
 

@@ -126,7 +126,9 @@ def collate_flat(
         raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
     src = _pad_flat(src_ids, src_lengths, bos=False, eos=True, multiple=pad_multiple)
     tgt_in = _pad_flat(tgt_ids, tgt_lengths, bos=True, eos=False, multiple=pad_multiple)
-    tgt_out = _pad_flat(tgt_ids, tgt_lengths, bos=False, eos=True, multiple=pad_multiple)
+    tgt_out = np.full_like(tgt_in, PAD)  # tgt_in one position left, EOS after each sentence
+    tgt_out[:, :-1] = tgt_in[:, 1:]
+    tgt_out[np.arange(len(tgt_lengths)), tgt_lengths] = EOS
     src_len, tgt_len = src_lengths + 1, tgt_lengths + 1  # + EOS; + BOS / EOS
     return Batch(
         src=torch.from_numpy(src),
