@@ -272,6 +272,26 @@ def test_gpu_check_runs_its_steps_in_miniature_on_a_cpu(real_data, tmp_path):
     assert (tmp_path / "out" / "profile.txt").read_text().strip()
 
 
+def test_gpu_check_runs_the_chosen_steps_in_the_given_order(tmp_path):
+    """``--steps`` picks and orders the steps (a short lent budget measures what was never
+    measured first); a name it does not know stops it before anything runs."""
+    script = str(REPO / "scripts" / "gpu_check.py")
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, script, "--device", "cpu", "--quick", "--out", str(out),
+         "--steps", "profile,base"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = (out / "summary.md").read_text()
+    assert text.index("| profile | 0 |") < text.index("| bench_small_eager | 0 |")
+    assert "multi30k" not in text
+    bad = subprocess.run([sys.executable, script, "--out", str(tmp_path / "bad"), "--steps",
+                          "base,bench"], capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 2 and "unknown bench" in bad.stderr
+    assert not (tmp_path / "bad").exists()
+
+
 def test_train_under_ddp_reports_the_whole_job(tmp_path):
     """``--ddp 2`` runs the step as two gloo ranks under torchrun; rank 0 alone reports, with
     the tokens of both ranks (each its own batches) in the job's figures."""
