@@ -20,9 +20,11 @@ start in time is listed as skipped:
    launches per update, and the GPU's busy share.
 
 The default order (``--steps`` picks and orders them): tests (beside the preparation of the
-corpora), base eager, big eager, the loader, Multi30k, the profile, base compiled, big compiled. The default budget, 540 s, fits one call
-of this workplace's device tool (10 minutes a call, 15 of device time a session); on an H200
-the first run of everything took 426 s (base compiled alone 180 s; big compiled was left out).
+corpora), base eager, big eager, the loader, Multi30k, the profile, base compiled, big
+compiled. The default budget, 540 s, fits one call of this workplace's device tool (10 minutes
+a call, 15 of device time a session); on an H200 the first run of everything took 426 s (base
+compiled alone 180 s; big compiled was left out), the second (all but Multi30k and big eager)
+476 s, of which base and big compiled 199 s and 187 s.
 
 Offline machines: the few packages the device image lacks travel as wheels (``.whl``, see
 README "When a GPU is lent") and the corpora as a folder (``--data-dir``); this script installs
