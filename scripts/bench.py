@@ -72,6 +72,10 @@ def _batch(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-len", type=int, default=40, help="longest random sentence")
     g.add_argument("--data", help="a prepared split: <cache dir>/<train|valid|test>")
     g.add_argument("--max-tokens", type=int, default=4096, help="batch size with --data")
+    g.add_argument(
+        "--pad-multiple", type=int, default=1,
+        help="with --data: lengths padded up to a multiple (train.pad_multiple; fewer shapes)",
+    )  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

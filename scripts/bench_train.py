@@ -242,7 +242,9 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
 
     n = args.warmup_steps + args.steps
     if args.data:
-        batches = real_batches(split, args.data, args.max_tokens, n, args.seed, rank, world)
+        batches = real_batches(
+            split, args.data, args.max_tokens, n, args.seed, rank, world, args.pad_multiple
+        )
         source = args.data
     else:  # each rank its own batches (seeds rank x 1000 on)
         batches = random_batches(
@@ -299,6 +301,7 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
             "min_len": args.min_len if not args.data else None,
             "max_len": args.max_len if not args.data else None,
             "max_tokens": args.max_tokens if args.data else None,
+            "pad_multiple": args.pad_multiple if args.data else None,
             "steps": args.steps,
             "warmup_steps": args.warmup_steps,
             "tgt_tok_per_s": tok_s,

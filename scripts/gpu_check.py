@@ -16,15 +16,19 @@ start in time is listed as skipped:
    GPU: test BLEU with its signature, wall time per stage (``--multi30k-minutes`` caps the
    training as ``train.max_minutes`` does).
 5. ``profile``: three updates of ``base`` under torch.profiler, each at lengths not met
-   before (as batches by tokens bring them: a per-shape cost shows): the top kernels, kernel
-   launches per update, and the GPU's busy share.
+   before (as batches by tokens bring them), then three of one batch seen before: the top
+   kernels, kernel launches per update, the GPU's busy share and the host's microseconds per
+   matrix product of each, so a per-shape cost on the host shows.
+6. ``base-pad8``: ``base`` eager again with the batches' lengths padded to multiples of 8
+   (``train.pad_multiple=8``): whether fewer distinct shapes buy back more than the padding.
 
 The default order (``--steps`` picks and orders them): tests (beside the preparation of the
-corpora), base eager, big eager, the loader, Multi30k, the profile, base compiled, big
-compiled. The default budget, 540 s, fits one call of this workplace's device tool (10 minutes
-a call, 15 of device time a session); on an H200 the first run of everything took 426 s (base
-compiled alone 180 s; big compiled was left out), the second (all but Multi30k and big eager)
-476 s, of which base and big compiled 199 s and 187 s.
+corpora), the profile, base eager with lengths padded to 8, base eager, the loader, big eager,
+Multi30k, base compiled, big compiled: what was never measured first. The default budget, 540 s,
+fits one call of this workplace's device tool (10 minutes a call, 15 of device time a session);
+on an H200 the first run of everything took 426 s (base compiled alone 180 s; big compiled was
+left out), the second (all but Multi30k and big eager) 476 s, of which base and big compiled 199
+s and 187 s.
 
 Offline machines: the few packages the device image lacks travel as wheels (``.whl``, see
 README "When a GPU is lent") and the corpora as a folder (``--data-dir``); this script installs
@@ -115,8 +119,9 @@ def environment(out: Path, env: dict) -> dict:
 
 
 def bench_train(args, out: Path, env: dict, data: Path | None, preset: str,
-                compiled: bool) -> dict:  # fmt: skip
-    """Training steps of one preset, bf16 (fp32 on a CPU), eager or compiled."""
+                compiled: bool, pad8: bool = False) -> dict:  # fmt: skip
+    """Training steps of one preset, bf16 (fp32 on a CPU), eager or compiled; ``pad8``: the
+    batches' lengths padded to multiples of 8 (fewer distinct shapes, a little more work)."""
     precision = "bf16" if args.device == "cuda" else "fp32"
     cmd = [sys.executable, "scripts/bench.py", "train", "--preset", preset,
            "--device", args.device, "--precision", precision, "--output",
@@ -128,7 +133,9 @@ def bench_train(args, out: Path, env: dict, data: Path | None, preset: str,
         cmd += ["--batch-size", "16"]
     if compiled:
         cmd.append("--compile")
-    name = f"bench_{preset}_{'compiled' if compiled else 'eager'}"
+    if pad8 and data is not None:
+        cmd += ["--pad-multiple", "8"]
+    name = f"bench_{preset}_{'compiled' if compiled else 'eager'}{'_pad8' if pad8 else ''}"
     return run(cmd, out, name, env, args.step_timeout, needs=150 if compiled else 45)
 
 
@@ -214,18 +221,39 @@ def make_batch():  # lengths new to every update, as batches by tokens bring the
     return collate(pairs).to(dev)
 
 
-warm, timed = [make_batch() for _ in range(2)], [make_batch() for _ in range(3)]
-for batch in warm:
-    update([batch], TrainState())
-if dev.type == "cuda":
-    torch.cuda.synchronize()
-acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-with profile(activities=acts) as prof:  # three updates, each at shapes not met before
-    for batch in timed:
-        update([batch], TrainState())
+def profiled(batches):  # one update per batch under the profiler: (key averages, summary)
     if dev.type == "cuda":
         torch.cuda.synchronize()
-averages = prof.key_averages()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for batch in batches:
+            update([batch], TrainState())
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    averages = prof.key_averages()
+    events = prof.events()
+    kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    busy = sum(getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0) for e in kernels)
+    span = max(e.time_range.end for e in events) - min(e.time_range.start for e in events)
+    mm = [a for a in averages if a.key in ("aten::mm", "aten::addmm")]
+    calls = sum(a.count for a in mm)
+    host_mm = sum(a.self_cpu_time_total for a in mm)
+    return averages, {
+        "updates": len(batches), "kernel_launches_per_update": len(kernels) / len(batches),
+        "gpu_busy_us": busy, "span_us": span, "ms_per_update": span / 1000 / len(batches),
+        "gpu_busy_share": busy / span if kernels and span else None,
+        "host_us_per_product": host_mm / calls if calls else None,
+        "tokens_per_update": [int(b.ntokens) for b in batches]}
+
+
+# Three updates at lengths new to each (as batches by tokens bring them), then three updates of
+# one batch seen before: the difference is what a new shape costs the host.
+for batch in [make_batch() for _ in range(2)]:
+    update([batch], TrainState())
+averages, summary = profiled([make_batch() for _ in range(3)])
+again = make_batch()
+update([again], TrainState())
+_, summary["same_shape"] = profiled([again] * 3)
 table = None
 for key in (("self_device_time_total", "self_cuda_time_total") if dev.type == "cuda" else ()) + (
         "self_cpu_time_total",):
@@ -234,16 +262,9 @@ for key in (("self_device_time_total", "self_cuda_time_total") if dev.type == "c
         break
     except (AttributeError, KeyError, ValueError):
         continue
-events = prof.events()
-kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
-busy = sum(getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0) for e in kernels)
-span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events))
 with open(out + "/profile.txt", "w") as f:
     f.write(table)
-summary = {"updates": len(timed), "kernel_launches_per_update": len(kernels) / len(timed),
-           "gpu_busy_us": busy, "span_us": span, "ms_per_update": span / 1000 / len(timed),
-           "gpu_busy_share": busy / span if kernels and span else None,
-           "tokens_per_update": [int(b.ntokens) for b in timed]}
+    f.write("\n" + averages.table(sort_by="self_cpu_time_total", row_limit=15))
 with open(out + "/profile.json", "w") as f:
     json.dump(summary, f, indent=2)
 """
@@ -271,7 +292,8 @@ def summary(out: Path, steps: list[dict], info: dict) -> str:
                 continue
             mfu = r.get("mfu_datasheet")
             lines.append(
-                f"| {r.get('d_model')}x{r.get('layers')} {r.get('precision')} | "
+                f"| {r.get('d_model')}x{r.get('layers')} {r.get('precision')}"
+                f"{' pad ' + str(r['pad_multiple']) if (r.get('pad_multiple') or 1) > 1 else ''} | "
                 f"{r.get('compile')} | {r['tgt_tok_per_s']:,.0f} | "
                 f"{'-' if mfu is None else f'{mfu:.1%}'} | "
                 f"{'-' if r.get('mfu') is None else format(r['mfu'], '.1%')} | "
@@ -289,14 +311,16 @@ def summary(out: Path, steps: list[dict], info: dict) -> str:
                   *log.read_text().splitlines()[-3:], "```"]  # fmt: skip
     prof = out / "profile.json"
     if prof.is_file():
-        lines += ["", f"profile of three updates: {prof.read_text()}"]
+        lines += ["", f"profile of three updates at new shapes, then three at one shape: "
+                  f"{prof.read_text()}"]
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)
     return text
 
 
 # The steps and their default order: the measurements never taken first where a budget is short.
-STEPS = ("tests", "base", "big", "data", "multi30k", "profile", "base-compiled", "big-compiled")
+STEPS = ("tests", "profile", "base-pad8", "base", "data", "big", "multi30k", "base-compiled",
+         "big-compiled")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     if "multi30k" in chosen:
         m30k_prep = start([sys.executable, "-m", "mt", "prepare", *multi30k_args(args, out)],
                           out, "multi30k_prepare", env)  # fmt: skip
-    benches = {"base", "big", "data", "base-compiled", "big-compiled"} & set(chosen)
+    benches = {"base", "big", "data", "base-compiled", "big-compiled", "base-pad8"} & set(chosen)
     news_prep = (prepare_news(out, env) if benches and news_available(args) and not args.quick
                  else None)  # fmt: skip
     if "tests" in chosen:
@@ -356,9 +380,10 @@ def main(argv: list[str] | None = None) -> int:
         record(news_step)
     data = prepared_news(out, news_step)
     for name in chosen:
-        if name in ("base", "big", "base-compiled", "big-compiled"):
+        if name in ("base", "big", "base-compiled", "big-compiled", "base-pad8"):
             preset = "small" if args.quick else name.split("-")[0]
-            record(bench_train(args, out, env, data, preset, compiled=name.endswith("compiled")))
+            record(bench_train(args, out, env, data, preset, compiled=name.endswith("compiled"),
+                               pad8=name.endswith("pad8")))  # fmt: skip
         elif name == "data" and data is not None:
             record(bench_data(args, out, env, data))
         elif name == "multi30k":

@@ -250,7 +250,28 @@ def test_data_and_train_from_prepared_split(prepared_dir, tmp_path):
     assert r["bench"] == "train" and r["max_tokens"] == 200 and r["batch_size"] is None
     assert r["vocab"] == Prepared(prepared_dir).vocab_size != 64
     # Each batch holds at most max_tokens padded target tokens.
-    assert 0 < r["tgt_tokens_per_step"] <= 200
+    assert 0 < r["tgt_tokens_per_step"] <= 200 and r["pad_multiple"] == 1
+
+
+def test_benchmark_batches_padded_to_a_multiple(prepared_dir, tmp_path):
+    """``--pad-multiple`` (gpu-check's ``base-pad8``) pads the benchmark's batches as
+    ``train.pad_multiple`` pads training's: the same sentences, lengths rounded up."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_data import load_prepared, real_batches
+
+    _, split = load_prepared(f"{prepared_dir}/train")
+    plain = real_batches(split, "x", 200, 6, seed=3)
+    padded = real_batches(split, "x", 200, 6, seed=3, pad_multiple=8)
+    for a, b in zip(plain, padded, strict=True):
+        assert b.src.shape[1] % 8 == 0 and b.tgt_in.shape[1] % 8 == 0
+        assert b.src.shape[1] - a.src.shape[1] < 8 and b.tgt_in.shape[1] - a.tgt_in.shape[1] < 8
+        assert b.ntokens == a.ntokens
+        width = a.src.shape[1]
+        assert (b.src[:, :width] == a.src).all() and (b.src[:, width:] == 0).all()
+    args = ["train", *TINY, "--data", f"{prepared_dir}/train", "--max-tokens", "200", "--steps",
+            "1", "--warmup-steps", "1", "--pad-multiple", "8"]  # fmt: skip
+    (r,), _ = run_bench(args, tmp_path)
+    assert r["pad_multiple"] == 8 and r["tgt_tokens_per_step"] > 0
 
 
 @pytest.mark.slow
@@ -270,6 +291,9 @@ def test_gpu_check_runs_its_steps_in_miniature_on_a_cpu(real_data, tmp_path):
         assert f"| {step} | 0 |" in text
     assert "Multi30k de->en test BLEU" in text and "tgt tok/s" in text
     assert (tmp_path / "out" / "profile.txt").read_text().strip()
+    profiled = json.loads((tmp_path / "out" / "profile.json").read_text())
+    assert profiled["updates"] == 3 and profiled["same_shape"]["updates"] == 3
+    assert len(set(profiled["same_shape"]["tokens_per_update"])) == 1
 
 
 def test_gpu_check_runs_the_chosen_steps_in_the_given_order(tmp_path):
