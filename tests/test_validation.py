@@ -107,3 +107,20 @@ def test_valid_bleu_uses_the_configured_bleu_tokenizer(real_data, tmp_path, monk
     got = valid_bleu(model, prepared, cfg, torch.device("cpu"))
     assert got == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs], tokenize="char").score)
     assert got != pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score)
+
+
+def test_validation_lets_go_of_the_decoding_copy(real_data, tmp_path, monkeypatch):
+    """The decoding copy validation builds (a second set of weights) is not kept through the
+    training that follows: it would be rebuilt at the next validation anyway, and kept it grew
+    the heap that training's temporaries then had to find room in."""
+    import mt.fast.decoding as decoding
+
+    monkeypatch.setenv("MT_DATA_DIR", str(real_data))
+    cfg = load_config([*OVERRIDES, f"run_dir={tmp_path / 'run'}"])
+    prepared = prepare(cfg)
+    model = model_for(cfg, prepared.vocab_size)
+    decoding.for_decoding(model)  # what translating outside training keeps for the next call
+    assert model in decoding._CACHE
+    first = valid_hypotheses(model, prepared, cfg, torch.device("cpu"))
+    assert model not in decoding._CACHE
+    assert valid_hypotheses(model, prepared, cfg, torch.device("cpu")) == first

@@ -65,6 +65,7 @@ def valid_hypotheses(
     order. With ``world_size`` > 1 every rank must call this: rank r decodes sentences r,
     r + W, ... and the translations are gathered, so every rank returns all of them."""
     from mt.decode.driver import translate_ids
+    from mt.fast.decoding import release_decoding_copies
 
     split = prepared.split("valid")
     n = len(split)
@@ -76,6 +77,7 @@ def valid_hypotheses(
     was_training = model.training
     model.eval()
     hyp_ids = translate_ids(model, src_ids, greedy, device) if src_ids else []
+    release_decoding_copies(model)  # rebuilt at the next validation: the weights will change
     model.train(was_training)
     if world_size == 1:
         return prepared.tokenizer.decode(hyp_ids, side="tgt")
