@@ -16,7 +16,9 @@ TF32), ``compile`` (``torch.compile`` and DDP), ``memory`` (glibc's freed-memory
 the fast loss (``loss``) that ``tests/test_loss.py`` holds equal to ``mt.model.loss``.
 """
 
-from mt.fast.decoding import DecodingModel, for_decoding
+from mt.fast.decoding import DecodingModel, for_decoding, release_decoding_copies
 from mt.fast.training import TrainingModel, for_training
 
-__all__ = ["DecodingModel", "TrainingModel", "for_decoding", "for_training"]
+__all__ = [
+    "DecodingModel", "TrainingModel", "for_decoding", "for_training", "release_decoding_copies",
+]

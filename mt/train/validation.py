@@ -10,6 +10,7 @@ import torch
 
 from mt import distributed
 from mt.data.batches import BatchSampler, iterate_batches
+from mt.fast import release_decoding_copies
 from mt.schema import Config
 from mt.train.update import batch_loss
 
@@ -65,7 +66,6 @@ def valid_hypotheses(
     order. With ``world_size`` > 1 every rank must call this: rank r decodes sentences r,
     r + W, ... and the translations are gathered, so every rank returns all of them."""
     from mt.decode.driver import translate_ids
-    from mt.fast.decoding import release_decoding_copies
 
     split = prepared.split("valid")
     n = len(split)
