@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from mt.allocator import launched_as_command, preload_allocator
 from mt.config import command_overrides, conf_dir, register_schema, to_config
 from mt.schema import Config
 
@@ -47,6 +48,11 @@ def _hydra_app(task: Callable[[Config], object], command: str) -> Callable[[], N
         import hydra
 
         tool = f"mt-{command}"
+        if launched_as_command():  # first: a library cannot replace malloc later
+            try:
+                preload_allocator()  # MT_ALLOCATOR: tcmalloc or jemalloc where installed
+            except ValueError as err:
+                sys.exit(f"{tool}: {err}")
         check_config_files(tool, [conf_dir(), *_extra_config_dirs(sys.argv[1:])])
         # A command's own settings as users type them: mt-translate input=x -> translate.input=x
         sys.argv[1:] = command_overrides(command, sys.argv[1:])

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mt.allocator import active_allocator
 from mt.schema import ModelConfig, attention_dropout
 
 log = logging.getLogger("bench")
@@ -100,6 +101,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
+        "allocator": active_allocator(),  # tcmalloc, jemalloc or system (MT_ALLOCATOR)
         "commit": git_commit(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }

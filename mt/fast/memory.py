@@ -1,6 +1,7 @@
-"""Memory: what a CPU training step frees, kept in the process for the next step (glibc), the
-kernels oneDNN keeps (:func:`bound_onednn_kernels`), and the process's resident memory for the
-log (:func:`resident_mb`)."""
+"""Memory: what a CPU training step frees, kept in the process for the next step (glibc; the
+allocator itself is chosen in :mod:`mt.allocator`), the kernels oneDNN keeps
+(:func:`bound_onednn_kernels`), and the process's resident memory for the log
+(:func:`resident_mb`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import ctypes
 import ctypes.util
 import logging
 import sys
+
+from mt.allocator import active_allocator
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +34,8 @@ def hold_freed_memory() -> bool:
     global _held
     if _held:
         return True
-    if not sys.platform.startswith("linux"):
-        return False
+    if not sys.platform.startswith("linux") or active_allocator() != "system":
+        return False  # tcmalloc or jemalloc serves malloc: glibc's settings would do nothing
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt

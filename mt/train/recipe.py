@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 
 from mt import distributed
+from mt.allocator import describe_allocator
 from mt.checkpoint import (
     load_checkpoint,
     save_checkpoint,
@@ -214,6 +215,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     raw.to(info.device)
     n_params = sum(p.numel() for p in raw.parameters())
     log.info("model: %s parameters, vocabulary %d", f"{n_params:,}", prepared.vocab_size)
+    log.info("memory allocator: %s", describe_allocator())
 
     log.info("budget: %s", describe_budget(tc))
     optimizer = build_optimizer(raw.parameters(), tc, info.device)
