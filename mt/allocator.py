@@ -38,8 +38,11 @@ JEMALLOC_CONF = (
     "dirty_decay_ms:-1,muzzy_decay_ms:-1"
 )
 AUTO_ORDER = ("tcmalloc", "jemalloc")
-# tcmalloc reports each allocation above 1 GB on stderr; a big model's CPU batch makes some
-TCMALLOC_REPORT = str(1 << 40)
+_SETTINGS = {  # the environment each allocator is started with (a user's own value wins)
+    "jemalloc": ("MALLOC_CONF", JEMALLOC_CONF),
+    # tcmalloc reports each allocation above 1 GB on stderr; a big model's CPU batch makes some
+    "tcmalloc": ("TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD", str(1 << 40)),
+}
 _LIBRARIES = {  # shared objects to look for, in order (the soname first)
     "jemalloc": ("libjemalloc.so.2", "libjemalloc.so"),
     "tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc.so"),
@@ -135,10 +138,7 @@ def preload_allocator(argv: list[str] | None = None) -> None:
     if path in preloads.split(":"):  # preloaded already and still not serving: leave it be
         return
     env = dict(os.environ, LD_PRELOAD=":".join(p for p in (path, preloads) if p))
-    if name == "jemalloc":
-        env.setdefault("MALLOC_CONF", JEMALLOC_CONF)
-    if name == "tcmalloc":
-        env.setdefault("TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD", TCMALLOC_REPORT)
+    env.setdefault(*_SETTINGS[name])
     argv = list(argv if argv is not None else sys.orig_argv)
     sys.stdout.flush()
     sys.stderr.flush()

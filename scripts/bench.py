@@ -36,7 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mt.allocator import preload_allocator  # noqa: E402  (imports nothing heavy)
 
 if __name__ == "__main__":
-    preload_allocator()  # the allocator mt's commands run under (MT_ALLOCATOR), before torch
+    try:  # the allocator mt's commands run under (MT_ALLOCATOR), before torch is imported
+        preload_allocator()
+    except ValueError as err:
+        sys.exit(f"bench: {err}")
 
 from bench_common import PRESETS, Recorder, pick_device, set_threads  # noqa: E402
 
