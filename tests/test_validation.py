@@ -124,3 +124,27 @@ def test_validation_lets_go_of_the_decoding_copy(real_data, tmp_path, monkeypatc
     first = valid_hypotheses(model, prepared, cfg, torch.device("cpu"))
     assert model not in decoding._CACHE
     assert valid_hypotheses(model, prepared, cfg, torch.device("cpu")) == first
+
+
+def test_validation_leaves_the_training_random_stream_alone(real_data, tmp_path, monkeypatch):
+    """Validating draws nothing from torch's global generator, also the first time in a process
+    (when the decoding path's one-off checks run): the dropout masks after a validation are the
+    same whether those checks ran earlier (an empty probe cache runs them before training) or
+    here, so a run's result does not depend on what its machine had cached."""
+    from mt.fast import onednn, probe
+    from mt.fast.quantize import quantize_int8
+
+    monkeypatch.setenv("MT_DATA_DIR", str(real_data))
+    cfg = load_config([*OVERRIDES, f"run_dir={tmp_path / 'run'}"])
+    prepared = prepare(cfg)
+    model = model_for(cfg, prepared.vocab_size)
+    monkeypatch.setenv("MT_CACHE_DIR", str(tmp_path / "probes"))  # the probes run here
+    monkeypatch.setattr(probe, "_DECIDED", {})
+    onednn.onednn_available.cache_clear()
+    onednn.onednn_bf16_available.cache_clear()
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    validate(model, prepared, cfg, torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), before)
+    quantize_int8(model)  # the int8 decoding copy (mt-translate precision=int8)
+    assert torch.equal(torch.get_rng_state(), before)

@@ -26,7 +26,7 @@ def quantize_int8(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 
     was_training = model.training
     weight = model.output_weight.detach()  # (V_padded, D), tied to the target embedding
-    head = nn.Linear(weight.size(1), weight.size(0), bias=False)
+    head = nn.Linear(weight.size(1), weight.size(0), bias=False, device="meta")  # no draw
     head.weight = nn.Parameter(weight.clone(), requires_grad=False)
     parts = nn.ModuleDict({"model": model, "head": head})
     try:
