@@ -104,6 +104,44 @@ def active_allocator() -> str:
     return "system"
 
 
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (malloc.h, glibc 2.33 and later)."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]  # fmt: skip
+
+
+def heap_in_use() -> int | None:
+    """Bytes the program holds from malloc now (allocated and not freed), as the allocator
+    serving the process counts them; None where it cannot tell. Resident memory above it is
+    freed memory the allocator keeps (or fragments of it), not memory the program uses.
+    """
+    try:
+        process = ctypes.CDLL(None)
+    except OSError:
+        return None
+    value = ctypes.c_size_t(0)
+    name = active_allocator()
+    if name == "tcmalloc":
+        get = process.MallocExtension_GetNumericProperty
+        ok = get(b"generic.current_allocated_bytes", ctypes.byref(value))
+        return int(value.value) if ok else None
+    if name == "jemalloc":
+        size = ctypes.c_size_t(ctypes.sizeof(value))
+        epoch = ctypes.c_uint64(1)  # its statistics are a snapshot, renewed by writing "epoch"
+        process.mallctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.sizeof(epoch))
+        if process.mallctl(b"stats.allocated", ctypes.byref(value), ctypes.byref(size), None, 0):
+            return None
+        return int(value.value)
+    mallinfo2 = getattr(process, "mallinfo2", None)
+    if mallinfo2 is None:  # not glibc, or older than 2.33
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return int(info.uordblks + info.hblkhd)  # in the heaps' chunks + in chunks of their own
+
+
 def describe_allocator() -> str:
     """The allocator serving this process, for the log."""
     name, setting = active_allocator(), os.environ.get(ALLOCATOR_ENV, "auto")

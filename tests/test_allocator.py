@@ -137,3 +137,39 @@ def test_a_bad_setting_stops_the_command_with_one_line(tmp_path):
     assert done.stderr.strip().splitlines()[-1] == (
         "mt-prepare: MT_ALLOCATOR='mimalloc': expected one of auto, tcmalloc, jemalloc, system"
     )
+
+
+HEAP_SCRIPT = """
+import ctypes, sys
+from mt.allocator import active_allocator, heap_in_use
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+base = heap_in_use()
+blocks = [libc.malloc(1 << 20) for _ in range(64)]  # 64 MB, held
+held = heap_in_use()
+for b in blocks:
+    libc.free(b)
+print(active_allocator(), base, held, heap_in_use())
+"""
+
+
+@pytest.mark.parametrize("name", ["system", "tcmalloc", "jemalloc"])
+def test_heap_in_use_counts_what_the_program_holds(name):
+    """64 MB taken from malloc raise the allocator's count of memory in use by 64 MB, and
+    freeing them takes it back down, whatever serves malloc (here: preloaded by hand)."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    if name != "system":
+        path = find_allocator(name)
+        if path is None:
+            pytest.skip(f"{name} is not installed")
+        env["LD_PRELOAD"] = path
+    if not sys.platform.startswith("linux"):
+        pytest.skip("Linux allocators")
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-c", HEAP_SCRIPT], capture_output=True, text=True,
+                         env=env, timeout=60, check=True).stdout.split()  # fmt: skip
+    assert out[0] == name
+    base, held, freed = (int(x) for x in out[1:])
+    assert 62 << 20 <= held - base <= 66 << 20  # (what the interpreter did meanwhile)
+    assert freed - base < 2 << 20

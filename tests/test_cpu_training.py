@@ -403,16 +403,22 @@ def test_hold_freed_memory_is_idempotent_and_harmless():
 def test_bound_onednn_kernels_sets_the_cap_unless_the_user_did(monkeypatch):
     from mt.fast.memory import ONEDNN_KERNELS, bound_onednn_kernels
 
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
-    monkeypatch.delenv("DNNL_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    caps = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's, ideep's
+    for name in (*caps, "DNNL_PRIMITIVE_CACHE_CAPACITY"):
+        monkeypatch.delenv(name, raising=False)
     assert bound_onednn_kernels()
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_KERNELS)
+    assert all(os.environ[name] == str(ONEDNN_KERNELS) for name in caps)
     for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"):
-        monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
-        monkeypatch.setenv(name, "500")  # the user's choice stands
-        assert not bound_onednn_kernels()
-        assert os.environ[name] == "500"
+        for cap in caps:
+            monkeypatch.delenv(cap, raising=False)
+        monkeypatch.setenv(name, "500")  # the user's choice stands; ideep's cap is still set
+        assert bound_onednn_kernels()
+        assert os.environ[name] == "500" and os.environ["LRU_CACHE_CAPACITY"] == str(ONEDNN_KERNELS)
         monkeypatch.delenv(name)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "500")
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "300")
+    assert not bound_onednn_kernels()  # both the user's: nothing set here
+    assert os.environ["LRU_CACHE_CAPACITY"] == "300"
 
 
 def test_for_training_picks_the_copy_on_cpu_only():
