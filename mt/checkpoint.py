@@ -240,16 +240,34 @@ def rotate_checkpoints(directory: str | Path, keep_last: int) -> list[Path]:
     return old
 
 
-def average_checkpoints(paths: list[str | Path]) -> dict[str, Any]:
+def _owned(value: Any) -> Any:
+    """``value`` with every tensor in it (in dicts and lists) copied out of a mapped file: one
+    tensor left in the file keeps its whole mapping, and the pages read from it, resident."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _owned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_owned(v) for v in value)
+    return value
+
+
+def average_checkpoints(
+    paths: list[str | Path], into: dict[str, torch.Tensor] | None = None
+) -> dict[str, Any]:
     """The element-wise mean of the models' parameters (the paper averages the last 5 or 20).
 
-    Floating-point tensors are averaged in float64 and cast back; other tensors (integer
-    buffers) are taken from the last checkpoint. The result carries the last checkpoint's
-    description (model_cfg, tokenizer, step, ...) but no training state, and an ``averaged``
-    list naming its inputs.
+    Floating-point tensors are averaged in float64 and cast back, or, with ``into``, summed
+    in ``into``'s own tensors (float32: 5 terms lose well under a unit in the last place);
+    other tensors (integer buffers) are taken from the last checkpoint. The result carries the
+    last checkpoint's description (model_cfg, tokenizer, step, ...) but no training state, and
+    an ``averaged`` list naming its inputs.
 
     Args:
         paths: checkpoint files of the same model.
+        into: a model's ``state_dict()`` to hold the average (a training run's own model: no
+            second copy of the weights is allocated); its tensors become the result's
+            ``model``. After an error they may hold a partial sum.
 
     Raises:
         CheckpointError: no paths, or models with different parameter names or shapes.
@@ -267,28 +285,31 @@ def average_checkpoints(paths: list[str | Path]) -> dict[str, Any]:
         # count as the process's resident memory until it is released.
         ckpt = load_checkpoint(path, mmap=True)
         weights = ckpt["model"]
-        if i > 0 and weights.keys() != total.keys():
-            raise CheckpointError(f"{path} holds different parameters from {paths[0]}")
+        reference = total if i > 0 else into  # names and shapes every file must have
+        if reference is not None and weights.keys() != reference.keys():
+            against = paths[0] if i > 0 else "the model averaged into"
+            raise CheckpointError(f"{path} holds different parameters from {against}")
         for k, v in weights.items():
-            if i > 0 and v.shape != total[k].shape:
+            if reference is not None and v.shape != reference[k].shape:
                 raise CheckpointError(
-                    f"{path}: {k} has shape {tuple(v.shape)}, not {tuple(total[k].shape)}"
+                    f"{path}: {k} has shape {tuple(v.shape)}, not {tuple(reference[k].shape)}"
                 )
-            if not v.is_floating_point():  # the last checkpoint's, not the file's storage
-                total[k] = v.clone()
-            elif i == 0:
-                total[k] = v.double()
+            if i == 0 or not v.is_floating_point():  # integers: the last checkpoint's
+                if into is not None:
+                    total[k] = into[k].copy_(v)
+                else:  # not the file's storage; float sums in float64
+                    total[k] = v.double() if v.is_floating_point() else v.clone()
             else:
-                total[k].add_(v)  # in float64
-            dtypes[k] = v.dtype
+                total[k].add_(v)
+            dtypes[k] = into[k].dtype if into is not None else v.dtype
         if i == len(paths) - 1:
             keep = {*MODEL_KEYS, "epoch", "train_cfg"} - {"model"}  # all but the weights
-            out = {k: v for k, v in ckpt.items() if k in keep}
+            out = {k: _owned(v) for k, v in ckpt.items() if k in keep}
         ckpt = weights = v = None  # the mapping goes before the next file is mapped
     n = len(paths)
     out["model"] = {}
     for k in list(total):  # each float64 sum goes once its mean is cast
-        t = total.pop(k)
+        t = total.pop(k)  # (.to of a sum in ``into``: its own tensor, no copy)
         out["model"][k] = t.div_(n).to(dtypes[k]) if t.is_floating_point() else t
     out["averaged"] = [str(p) for p in paths]
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 import subprocess
 import sys
@@ -184,13 +185,43 @@ def test_average_maps_its_inputs_and_keeps_nothing_of_them(tmp_path):
     mapped, read = load_checkpoint(paths[0], mmap=True), load_checkpoint(paths[0])
     for k, v in read["model"].items():
         assert torch.equal(mapped["model"][k], v)
+    del mapped
     avg = average_checkpoints(paths)
+    if Path("/proc/self/maps").is_file():  # Linux: no file stays mapped (its pages resident)
+        gc.collect()
+        maps = Path("/proc/self/maps").read_text()
+        assert not [p for p in paths if str(p) in maps]
     for p in paths:
         p.unlink()
     save_checkpoint(tmp_path / "averaged.pt", avg)
     again = load_checkpoint(tmp_path / "averaged.pt")
     torch.testing.assert_close(again["model"]["w"], torch.full((3, 2), 2.0))
     assert int(again["model"]["count"]) == int(read["model"]["count"])
+
+
+def test_average_into_a_model_sums_in_its_own_tensors(tmp_path):
+    """``into``: the mean lands in the given tensors (no second copy of the weights), equal to
+    the float64 mean to float32 rounding; integers are the last checkpoint's; a model of
+    another shape is refused by name."""
+    g = torch.Generator().manual_seed(0)
+    paths = []
+    for i in range(5):
+        state = _state(0.0, step=i + 1)
+        state["model"]["w"] = torch.randn(3, 2, generator=g) * 10 ** (i - 2)
+        paths.append(tmp_path / f"checkpoint_{i + 1}.pt")
+        save_checkpoint(paths[-1], state)
+    into = {"w": torch.zeros(3, 2), "b": torch.ones(2), "count": torch.tensor(0)}
+    held = {k: v.data_ptr() for k, v in into.items()}
+    avg = average_checkpoints(paths, into=into)
+    exact = average_checkpoints(paths)
+    for k in into:
+        assert avg["model"][k].data_ptr() == held[k]  # the same storage, not a copy
+        torch.testing.assert_close(avg["model"][k], exact["model"][k], rtol=2e-7, atol=0)
+    assert int(into["count"]) == 5 and avg["step"] == 5 and len(avg["averaged"]) == 5
+    with pytest.raises(CheckpointError, match="shape"):
+        average_checkpoints(paths, into={**into, "w": torch.zeros(4, 2)})
+    with pytest.raises(CheckpointError, match="the model averaged into"):
+        average_checkpoints(paths, into={"w": torch.zeros(3, 2)})
 
 
 def test_average_rejects_mismatch(tmp_path):
