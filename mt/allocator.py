@@ -128,10 +128,13 @@ def heap_in_use() -> int | None:
         ok = get(b"generic.current_allocated_bytes", ctypes.byref(value))
         return int(value.value) if ok else None
     if name == "jemalloc":
+        mallctl = process.mallctl  # (name, old value, its size, new value, its size)
+        mallctl.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                            ctypes.c_void_p, ctypes.c_size_t]  # fmt: skip
         size = ctypes.c_size_t(ctypes.sizeof(value))
         epoch = ctypes.c_uint64(1)  # its statistics are a snapshot, renewed by writing "epoch"
-        process.mallctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.sizeof(epoch))
-        if process.mallctl(b"stats.allocated", ctypes.byref(value), ctypes.byref(size), None, 0):
+        mallctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.sizeof(epoch))
+        if mallctl(b"stats.allocated", ctypes.byref(value), ctypes.byref(size), None, 0):
             return None
         return int(value.value)
     mallinfo2 = getattr(process, "mallinfo2", None)
