@@ -358,6 +358,6 @@ class _Pair(nn.Module):
 
     def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
         super().__init__()
-        self.w1, self.w2 = nn.Linear(1, 1, device="meta"), nn.Linear(1, 1, device="meta")  # no draw
+        self.w1, self.w2 = nn.Linear(1, 1), nn.Linear(1, 1)
         self.w1.weight, self.w1.bias = nn.Parameter(w1, requires_grad=False), None
         self.w2.weight, self.w2.bias = nn.Parameter(w2, requires_grad=False), None

@@ -83,15 +83,14 @@ def bound_onednn_kernels(capacity: int = ONEDNN_KERNELS) -> bool:
     """
     import os
 
-    caps = {  # the setting -> the names a user may have set it by
-        "ONEDNN_PRIMITIVE_CACHE_CAPACITY": ("ONEDNN_PRIMITIVE_CACHE_CAPACITY",
-                                            "DNNL_PRIMITIVE_CACHE_CAPACITY"),
-        "LRU_CACHE_CAPACITY": ("LRU_CACHE_CAPACITY",),
-    }  # fmt: skip
+    caps = (  # each setting under the names a user may have given it, the one set here first
+        ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"),
+        ("LRU_CACHE_CAPACITY",),
+    )
     set_here = False
-    for name, names in caps.items():
+    for names in caps:
         if not any(n in os.environ for n in names):  # else the user's choice stands
-            os.environ[name] = str(capacity)
+            os.environ[names[0]] = str(capacity)
             set_here = True
     return set_here
 

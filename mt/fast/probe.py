@@ -153,7 +153,10 @@ def choose(
         return hit["choice"]
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     start = time.perf_counter()
-    figures = measure(make, candidates, size, screen_size, sync)
+    # A probe runs at whatever moment first needs it (e.g. the first validation, when not
+    # cached); whatever its inputs or stand-in layers draw must not shift training's dropout.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        figures = measure(make, candidates, size, screen_size, sync)
     choice = fastest(figures, candidates)
     log.info("%s=auto: %s (probe at %s on %s, %.2f s: %s)", what, choice, shape, device,
              time.perf_counter() - start, _shown(figures))  # fmt: skip
