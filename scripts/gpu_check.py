@@ -118,6 +118,10 @@ def environment(out: Path, env: dict) -> dict:
     return info
 
 
+QUICK_SHAPE = ["--d-model", "64", "--layers", "1", "--heads", "4", "--d-ff", "128", "--vocab",
+               "1000"]  # fmt: skip
+
+
 def bench_train(args, out: Path, env: dict, data: Path | None, preset: str,
                 compiled: bool, pad8: bool = False) -> dict:  # fmt: skip
     """Training steps of one preset, bf16 (fp32 on a CPU), eager or compiled; ``pad8``: the
@@ -129,8 +133,8 @@ def bench_train(args, out: Path, env: dict, data: Path | None, preset: str,
            "1" if args.quick else "5"]  # fmt: skip
     if data is not None:
         cmd += ["--data", str(data), "--max-tokens", "2048" if args.quick else "25000"]
-    elif args.quick:
-        cmd += ["--batch-size", "16"]
+    elif args.quick:  # a miniature of the preset: the command, not the figure, is checked
+        cmd += ["--batch-size", "8", *QUICK_SHAPE]
     if compiled:
         cmd.append("--compile")
     if pad8:
@@ -202,7 +206,8 @@ from mt.train.update import Updater, build_optimizer
 device, preset, tokens, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 dev = torch.device(device)
 precision = "bf16" if dev.type == "cuda" else "fp32"
-cfg = load_config([f"model={preset}", f"train.precision={precision}", "train.clip_norm=1.0"])
+cfg = load_config([f"model={preset}", f"train.precision={precision}", "train.clip_norm=1.0",
+                   *sys.argv[5:]])
 torch.manual_seed(0)
 raw = build_model(cfg.model, 37000 if preset != "small" else 8000).to(dev)
 step_model = for_training(raw, dev, precision=precision)
@@ -272,10 +277,12 @@ with open(out + "/profile.json", "w") as f:
 
 
 def profile(args, out: Path, env: dict) -> dict:
-    preset, tokens = ("small", 512) if args.quick else ("base", 25000)
+    preset, tokens = ("small", 256) if args.quick else ("base", 25000)
     script = out / "profile_step.py"
     script.write_text(PROFILE)
     cmd = [sys.executable, str(script), args.device, preset, str(tokens), str(out)]
+    if args.quick:  # the preset in miniature, as the bench's --quick shape
+        cmd += ["model.N=1", "model.d_model=64", "model.d_ff=128", "model.h=4"]
     return run(cmd, out, "profile", env, args.step_timeout, needs=30)
 
 

@@ -71,11 +71,30 @@ def test_input_in_the_source_language_is_refused_naming_the_file(real_data, tmp_
     assert proc.returncode == 1 and len(errors) == 1 and "reads as de" in errors[0], proc.stderr
 
 
+def _stage_in_this_process(stage: str, overrides: list[str], log) -> None:
+    """A stage of the recipe as ``python -m mt STAGE overrides...`` runs it (the same entry
+    point, the same command line), in this process: the recipe's seven commands are what the
+    test checks, not seven interpreter start-ups."""
+    import mt.__main__
+
+    log.write(f"$ mt {stage} {' '.join(overrides)}\n")
+    argv = sys.argv
+    sys.argv = ["python -m mt", stage, *overrides]
+    try:
+        mt.__main__.main()
+    except SystemExit as end:
+        assert not end.code, f"mt {stage} exited with {end.code}"
+    finally:
+        sys.argv = argv
+
+
 @pytest.fixture(scope="module")
 def recipe(real_data, tmp_path_factory):
     """scripts/backtranslation.py on tiny models: reverse, synthetic corpus, forward."""
     import backtranslation
 
+    patch = pytest.MonkeyPatch()
+    patch.setattr(backtranslation, "run", _stage_in_this_process)
     work = tmp_path_factory.mktemp("bt")
     mono = work / "mono.en"
     lines = (real_data / "wmt_newstest_de-en/newstest2018.en").read_text().splitlines()[:150]
@@ -85,6 +104,7 @@ def recipe(real_data, tmp_path_factory):
         "--preset", "smoke", "--workdir", str(work), "--mono", str(mono), "--weight", "2",
         "--set", f"cache_dir={work / 'cache'}", *TINY, *quick,
     ])  # fmt: skip
+    patch.undo()
     return work, scores, lines
 
 
@@ -129,6 +149,18 @@ def test_sampled_synthetic_sources_do_not_depend_on_batching(recipe, real_data, 
         backtranslate(cfg)
         outs.append((tmp_path / str(size) / "bt.de").read_text())
     assert outs[0] == outs[1] and len(outs[0].splitlines()) > 30
+
+
+def test_each_stage_runs_as_the_command_it_prints_and_a_failure_ends_the_recipe(tmp_path):
+    """The recipe's stages are `python -m mt` commands, each printed and logged before it runs
+    (the test of the whole recipe runs them in its own process)."""
+    import backtranslation
+
+    with open(tmp_path / "commands.txt", "w") as log:
+        with pytest.raises(SystemExit) as end:
+            backtranslation.run("prepare", ["train.no_such_key=1"], log)
+    assert "`mt prepare train.no_such_key=1` failed" in str(end.value.code)
+    assert (tmp_path / "commands.txt").read_text() == "$ mt prepare train.no_such_key=1\n"
 
 
 def test_the_baseline_is_the_forward_run_without_the_synthetic_corpus(monkeypatch, tmp_path):

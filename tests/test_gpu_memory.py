@@ -27,7 +27,7 @@ def test_base_and_big_take_the_25k_batch_in_one_micro_batch_on_an_80_gb_gpu():
 
 
 def test_the_estimate_grows_with_the_batch():
-    cfg = load_config(["model=small"]).model
+    cfg = load_config(["model=small", "model.N=1"]).model
     small, large = (estimate_step_gb(cfg, 8000, n, "fp32")["total"] for n in (500, 2000))
     assert 0 < small < large
 
@@ -37,7 +37,7 @@ def test_the_peak_only_tracker_finds_the_stock_trackers_peak(monkeypatch):
     module's peak, finds the same figures."""
     from mt.fast import footprint
 
-    cfg = load_config(["model=small"]).model
+    cfg = load_config(["model=small", "model.N=1"]).model
     fast = estimate_step_gb(cfg, 8000, 1000, "fp32")
     monkeypatch.setattr(footprint, "_peak_only", lambda tracker_class: tracker_class)
     assert estimate_step_gb(cfg, 8000, 1000, "fp32") == fast and fast["total"] > 0

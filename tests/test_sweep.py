@@ -68,12 +68,20 @@ def test_empty_sweep_is_an_error(tmp_path):
     assert out.returncode == 1 and "no trials" in out.stderr
 
 
+@pytest.fixture(scope="module")
+def smoke_cache(tmp_path_factory) -> Path:
+    """One prepared-data cache for this file's sweeps (the same experiment): the first sweep
+    prepares the data, the second finds it, as the trials of one sweep do."""
+    return tmp_path_factory.mktemp("cache")
+
+
 @pytest.mark.slow
-def test_a_two_trial_multirun_trains_two_runs_and_summarises_them(real_data, tmp_path):
+def test_a_two_trial_multirun_trains_two_runs_and_summarises_them(real_data, tmp_path,
+                                                                   smoke_cache):  # fmt: skip
     """`mt-train -m` with no run_dir of its own per trial: each trial trains in its own run
     directory under the sweep directory (none resumes another), and the sweep ends with a
     summary table and plot naming both."""
-    env = dict(os.environ, MT_DATA_DIR=str(real_data), MT_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(os.environ, MT_DATA_DIR=str(real_data), MT_CACHE_DIR=str(smoke_cache))
     proc = subprocess.run(
         [sys.executable, "-m", "mt", "train", "-m", "experiment=smoke", "train.max_steps=3",
          "train.eval_every=3", "train.eval_max_sentences=10", "decode.max_len_b=5",
@@ -96,11 +104,11 @@ def test_a_two_trial_multirun_trains_two_runs_and_summarises_them(real_data, tmp
 
 
 @pytest.mark.slow
-def test_optuna_sweeper_optimises_the_best_valid_metric(real_data, tmp_path):
+def test_optuna_sweeper_optimises_the_best_valid_metric(real_data, tmp_path, smoke_cache):
     """hydra/sweeper=optuna: mt-train returns its best valid BLEU as the objective; the trials
     get their own run directories and the sweep its summary, as with the basic sweeper."""
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
-    env = dict(os.environ, MT_DATA_DIR=str(real_data), MT_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(os.environ, MT_DATA_DIR=str(real_data), MT_CACHE_DIR=str(smoke_cache))
     proc = subprocess.run(
         [sys.executable, "-m", "mt", "train", "-m", "hydra/sweeper=optuna",
          "hydra.sweeper.n_trials=2", "hydra.sweeper.direction=maximize",
