@@ -226,3 +226,16 @@ def test_hf_json_end_to_end(tmp_path):
     ]
     assert p.sources("valid")[2] == "validation 2 words"
     assert Tokenizer.from_bytes(p.tokenizer.to_bytes()).vocab_size == p.vocab_size
+
+
+def test_preparing_data_and_scoring_files_do_not_load_torch(tmp_path):
+    """mt-prepare (and the stage timings it records for the report) and mt-evaluate's scoring
+    of files need no torch: importing it cost 2-3 s of every start of those commands, most of a
+    prepare that finds its cache."""
+    import subprocess
+    import sys
+
+    code = ("import sys, mt.cli, mt.data.build, mt.evaluation.report, mt.evaluation.evaluate; "
+            "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mt.decode.alignment import plot_attention
 from mt.evaluation.report import (
     bleu_levels,
     load_metrics,
-    plot_attention,
     series,
     stage_times,
     time_to_levels,

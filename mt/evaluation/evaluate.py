@@ -25,8 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from mt import files
-from mt.decode.alignment import attention_map
-from mt.distributed import resolve_device
 from mt.evaluation.metrics import eval_kwargs, score
 from mt.schema import Config
 
@@ -137,6 +135,7 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
     from mt.checkpoint import CheckpointError, load_model
     from mt.data.build import prepare
     from mt.decode.driver import fit_to_model, resolve_decode, translate_ids
+    from mt.distributed import resolve_device
 
     if args.split not in ("valid", "test"):
         raise ValueError(f"split must be valid or test, got {args.split!r}")
@@ -204,6 +203,7 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
 
 def _write_report(run_dir, prepared, split, hyps, model, tokenizer, decode_cfg, device) -> None:
     """report.md with example translations and the first sentence's attention (best effort)."""
+    from mt.decode.alignment import attention_map
     from mt.evaluation.report import write_report
 
     sources = prepared.sources(split)

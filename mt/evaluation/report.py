@@ -32,7 +32,6 @@ from typing import Any
 
 import numpy as np
 
-from mt.decode.alignment import plot_attention, pyplot
 from mt.files import atomic_path, write_json, write_text
 
 log = logging.getLogger(__name__)
@@ -181,6 +180,8 @@ def plot_lines(
     curves = [c for c in curves if len(c[1])]
     if not curves:
         return None
+    from mt.decode.alignment import pyplot  # (torch, matplotlib: imported when drawing)
+
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for label, steps, values in curves:
@@ -464,6 +465,8 @@ def write_report(
     lines += _examples_section(hypotheses, examples)
 
     if attention is not None:
+        from mt.decode.alignment import plot_attention
+
         try:
             src_tokens, tgt_tokens, matrix = _attention_arg(attention)
             png = plot_attention(src_tokens, tgt_tokens, matrix, run_dir / "attention.png")
