@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from mt.allocator import launched_as_command, preload_allocator
+from mt.allocator import bound_onednn_kernels, launched_as_command, preload_allocator
 from mt.config import command_overrides, conf_dir, register_schema, to_config
 from mt.schema import Config
 
@@ -53,6 +53,7 @@ def _hydra_app(task: Callable[[Config], object], command: str) -> Callable[[], N
                 preload_allocator()  # MT_ALLOCATOR: tcmalloc or jemalloc where installed
             except ValueError as err:
                 sys.exit(f"{tool}: {err}")
+        bound_onednn_kernels()  # before this process's first oneDNN product
         check_config_files(tool, [conf_dir(), *_extra_config_dirs(sys.argv[1:])])
         # A command's own settings as users type them: mt-translate input=x -> translate.input=x
         sys.argv[1:] = command_overrides(command, sys.argv[1:])
@@ -220,11 +221,9 @@ def _prepare(cfg: Config) -> None:
 def _train(cfg: Config) -> float | None:
     """Train; returns the best validation value (what a Hydra sweeper such as Optuna's
     optimises: valid BLEU, or valid loss with ``train.best_metric=loss``)."""
-    from mt.fast.memory import bound_onednn_kernels
     from mt.train.preempt import exit_status
     from mt.train.recipe import train
 
-    bound_onednn_kernels()  # before the first oneDNN product of this process
     result = train(cfg)
     status = exit_status(result.get("signal"))
     if status:  # stopped by a signal after saving: 75 = requeue me, 130 = Ctrl-C

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mt.allocator import preload_allocator  # noqa: E402  (imports nothing heavy)
+from mt.allocator import bound_onednn_kernels, preload_allocator  # noqa: E402  (nothing heavy)
 
 if __name__ == "__main__":
     try:  # the allocator mt's commands run under (MT_ALLOCATOR), before torch is imported
@@ -253,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "ddp", 0) > 1 and "WORLD_SIZE" not in os.environ:
         return _under_torchrun(args.ddp, argv)
+    bound_onednn_kernels()  # as the mt commands do (before this process's first kernel)
     set_threads(args.threads)
     rec = Recorder(args.output)
     for one in _defaults_for_all(args) if args.command == "all" else [args]:

@@ -46,7 +46,6 @@ from torch import nn
 
 from mt import distributed
 from mt.fast.compile import compile_model
-from mt.fast.memory import bound_onednn_kernels
 from mt.fast.training import for_training
 from mt.model.loss import label_smoothed_nll_loss
 from mt.model.transformer import build_model, sinusoidal_positions
@@ -212,7 +211,6 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
 
     Under torchrun (``--ddp N``) every rank steps its own batches through DDP; a step's figure
     is the tokens of all ranks over the slowest rank's time, and rank 0 emits the records."""
-    bound_onednn_kernels()  # as mt-train does (takes effect before this process's first kernel)
     info = None
     if args.ddp > 1:
         if args.baseline != "none":

@@ -3,6 +3,7 @@ dropout statistics) and shares the model's parameters."""
 
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -401,7 +402,7 @@ def test_hold_freed_memory_is_idempotent_and_harmless():
 
 
 def test_bound_onednn_kernels_sets_the_cap_unless_the_user_did(monkeypatch):
-    from mt.fast.memory import ONEDNN_KERNELS, bound_onednn_kernels
+    from mt.allocator import ONEDNN_KERNELS, bound_onednn_kernels
 
     caps = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's, ideep's
     for name in (*caps, "DNNL_PRIMITIVE_CACHE_CAPACITY"):
@@ -419,6 +420,23 @@ def test_bound_onednn_kernels_sets_the_cap_unless_the_user_did(monkeypatch):
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "300")
     assert not bound_onednn_kernels()  # both the user's: nothing set here
     assert os.environ["LRU_CACHE_CAPACITY"] == "300"
+
+
+@pytest.mark.parametrize("command", ["translate", "serve", "evaluate", "train"])
+def test_every_command_bounds_onednn_before_its_task(monkeypatch, command):
+    """The caps are set as a command starts, before its configuration is even read (so a
+    decoding server holds 16 built products, not 1,024)."""
+    from mt import cli
+    from mt.allocator import ONEDNN_KERNELS
+
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY",
+                 "DNNL_PRIMITIVE_CACHE_CAPACITY"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "argv", [f"mt-{command}", "no_such_node.key=1"])
+    with pytest.raises(SystemExit):  # the bad key ends it before any task runs
+        getattr(cli, f"{command}_main")()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_KERNELS)
+    assert os.environ["LRU_CACHE_CAPACITY"] == str(ONEDNN_KERNELS)
 
 
 def test_for_training_picks_the_copy_on_cpu_only():

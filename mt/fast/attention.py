@@ -13,7 +13,7 @@ of a model holds its core as ``core``; :func:`install` swaps the cores of a mode
   lengths in bfloat16. Under bf16 autocast the core computes in float32 on the bfloat16 q, k,
   v: autocast would hand its batched products to oneDNN, which builds a kernel for every
   (rows, queries, keys) it meets, and batches of varying length meet new ones at nearly every
-  step; with oneDNN's cache bounded (``mt.fast.memory.bound_onednn_kernels``) they also push
+  step; with oneDNN's cache bounded (``mt.allocator.bound_onednn_kernels``) they also push
   the linear layers' kernels out, to be built again. Each build allocates anew, and the heap
   fragments around them. These products are small beside the linear layers' (queries x keys
   per head, against d_model x d_ff per token), so float32 costs no speed.
