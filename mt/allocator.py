@@ -16,6 +16,9 @@ jemalloc. A library replaces malloc only when it is loaded before the program (`
 so an mt command executes itself again with it preloaded (:func:`preload_allocator`), before
 importing torch; this module imports nothing heavy for that reason.
 
+Every mt command also bounds the caches of built products that oneDNN and torch's front end to
+it keep (:func:`bound_onednn_kernels`), likewise before torch is imported.
+
 ``MT_ALLOCATOR`` (environment): ``auto`` (default: tcmalloc, else jemalloc, where installed),
 ``tcmalloc``, ``jemalloc`` or ``system``. Installing tcmalloc: ``apt install
 libtcmalloc-minimal4`` (Debian, Ubuntu), ``dnf install gperftools-libs``, or ``conda install -c
@@ -239,7 +242,6 @@ def bound_onednn_kernels(capacity: int = ONEDNN_KERNELS) -> bool:
     MB throughout at 16, in the same time (test set 19.3 / 18.4 s against 15.3 / 19.9 s;
     requests 52.0 / 50.3 s against 52.6 / 54.1 s, two rounds).
     """
-
     caps = (  # each setting under the names a user may have given it, the one set here first
         ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"),
         ("LRU_CACHE_CAPACITY",),
