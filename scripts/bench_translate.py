@@ -6,7 +6,8 @@
 The checkpoint is exported with ``mt-export format=ctranslate2`` (once, into ``--workdir``); then
 each engine and setting (mt: fp32, int8, bf16; CTranslate2: float32, int8, each also with
 ``+mkl``, its ``CT2_USE_MKL=1``) decodes the whole file
-in a process of its own (so each peak RSS is its own), with the same beam, batches of
+in a process of its own (so each peak RSS is its own: CTranslate2's loads neither torch nor the
+mt checkpoint, only the export and its ``spm.model``), with the same beam, batches of
 ``--batch-size`` sentences, no length penalty, and the same length limit (``--max-len`` output
 tokens, absolute: CTranslate2 has one limit per call). A warm-up pass over the first batch is
 not timed. Rounds alternate the engines; each figure is the median over rounds of sentences/s
@@ -34,18 +35,18 @@ def worker(args) -> dict:
     """One engine, one setting, one beam: decode the file, report seconds and outputs."""
     import resource
 
-    import torch
+    from mt.data.tokenizer import Tokenizer
 
-    torch.set_num_threads(args.threads)
-    from mt.checkpoint import load_model
-    from mt.decode.driver import translate_ids
-    from mt.schema import DecodeConfig
-
-    model, tok, _ = load_model(args.checkpoint)
-    lines = Path(args.input).read_text(encoding="utf-8").splitlines()[: args.lines]
-    src = tok.encode([tok.normalize(s) for s in lines], side="src")
     n = args.batch_size
     if args.engine == "mt":
+        import torch
+
+        torch.set_num_threads(args.threads)
+        from mt.checkpoint import load_model
+        from mt.decode.driver import translate_ids
+        from mt.schema import DecodeConfig
+
+        model, tok, _ = load_model(args.checkpoint)
         quantize = "int8" if args.setting == "int8" else "none"
         precision = "bf16" if args.setting == "bf16" else "fp32"
         cfg = DecodeConfig(beam_size=args.beam, alpha=0.0, max_len_a=0.0, max_len_b=args.max_len,
@@ -53,9 +54,10 @@ def worker(args) -> dict:
 
         def decode(ids):
             return translate_ids(model, ids, cfg)
-    else:
+    else:  # CTranslate2 alone in its process (no torch, no mt model): its own memory
         import ctranslate2
 
+        tok = Tokenizer.load([Path(args.ct2_dir) / "spm.model"])  # the export's, mt's own
         translator = ctranslate2.Translator(
             args.ct2_dir,
             device="cpu",
@@ -74,6 +76,8 @@ def worker(args) -> dict:
             )  # fmt: skip
             return [[vocab[p] for p in r.hypotheses[0]] for r in results]
 
+    lines = Path(args.input).read_text(encoding="utf-8").splitlines()[: args.lines]
+    src = tok.encode([tok.normalize(s) for s in lines], side="src")
     decode(src[:n])  # warm-up: not timed
     start = time.perf_counter()
     out = decode(src)
