@@ -118,8 +118,9 @@ def environment(out: Path, env: dict) -> dict:
     return info
 
 
-QUICK_SHAPE = ["--d-model", "64", "--layers", "1", "--heads", "4", "--d-ff", "128", "--vocab",
-               "1000"]  # fmt: skip
+# --quick's miniature of a preset, for the bench's flags and the profile's overrides alike
+QUICK_MODEL = {"N": 1, "d_model": 64, "d_ff": 128, "h": 4}
+QUICK_FLAGS = {"N": "--layers", "d_model": "--d-model", "d_ff": "--d-ff", "h": "--heads"}
 
 
 def bench_train(args, out: Path, env: dict, data: Path | None, preset: str,
@@ -134,7 +135,8 @@ def bench_train(args, out: Path, env: dict, data: Path | None, preset: str,
     if data is not None:
         cmd += ["--data", str(data), "--max-tokens", "2048" if args.quick else "25000"]
     elif args.quick:  # a miniature of the preset: the command, not the figure, is checked
-        cmd += ["--batch-size", "8", *QUICK_SHAPE]
+        cmd += ["--batch-size", "8", "--vocab", "1000"]
+        cmd += [x for k, v in QUICK_MODEL.items() for x in (QUICK_FLAGS[k], str(v))]
     if compiled:
         cmd.append("--compile")
     if pad8:
@@ -281,8 +283,8 @@ def profile(args, out: Path, env: dict) -> dict:
     script = out / "profile_step.py"
     script.write_text(PROFILE)
     cmd = [sys.executable, str(script), args.device, preset, str(tokens), str(out)]
-    if args.quick:  # the preset in miniature, as the bench's --quick shape
-        cmd += ["model.N=1", "model.d_model=64", "model.d_ff=128", "model.h=4"]
+    if args.quick:  # the preset in miniature, as the bench's
+        cmd += [f"model.{k}={v}" for k, v in QUICK_MODEL.items()]
     return run(cmd, out, "profile", env, args.step_timeout, needs=30)
 
 
