@@ -261,6 +261,7 @@ def test_ddp_wrap_asks_for_no_buffer_sync_without_deprecation_warnings(tmp_path)
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    wrapped = None
     try:
         model = torch.nn.Linear(4, 2)
         with warnings.catch_warnings(record=True) as caught:
@@ -272,4 +273,7 @@ def test_ddp_wrap_asks_for_no_buffer_sync_without_deprecation_warnings(tmp_path)
         wrapped(torch.randn(3, 4)).sum().backward()
         assert model.weight.grad is not None
     finally:
+        # The DDP wrapper (its reducer holds the group) goes before the group: released after
+        # destroy_process_group, gloo's destructor once hung joining its thread (a CI run).
+        del wrapped
         dist.destroy_process_group()
