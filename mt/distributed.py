@@ -268,8 +268,15 @@ def no_sync(model: torch.nn.Module, skip: bool):
 
 
 def cleanup() -> None:
-    """Leave the process group (safe to call twice or without one)."""
+    """Leave the process group (safe to call twice or without one).
+
+    What still holds the group should be let go first (a DDP wrapper's reducer does): its
+    objects are collected here before the group is destroyed. Freed after it, gloo's
+    destructor once hung joining its thread (a test that wrapped a model in one process)."""
     global _CONTROL
     _CONTROL = None
     if is_initialized():
+        import gc
+
+        gc.collect()  # unreachable wrappers (in reference cycles) release the group now
         dist.destroy_process_group()

@@ -133,6 +133,7 @@ def train(cfg: Config) -> dict[str, Any]:
     file_log = None
     restore_signals = None
     lock = None
+    run = None
     try:
         lock = _lock_run_dir(Path(cfg.run_dir), info)
         if info.is_main:
@@ -155,6 +156,7 @@ def train(cfg: Config) -> dict[str, Any]:
             file_log.close()
         if lock is not None:
             lock.release()
+        run = restore_signals = None  # the DDP wrapper goes before the group (cleanup's note)
         distributed.cleanup()
 
 
