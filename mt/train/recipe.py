@@ -156,7 +156,8 @@ def train(cfg: Config) -> dict[str, Any]:
             file_log.close()
         if lock is not None:
             lock.release()
-        run = restore_signals = None  # the DDP wrapper goes before the group (cleanup's note)
+        # run and the signal handler's closure hold the DDP wrapper: it goes before the group
+        run = restore_signals = None
         distributed.cleanup()
 
 
