@@ -299,8 +299,8 @@ def average_checkpoints(
                     total[k] = into[k].copy_(v)
                 else:  # not the file's storage; float sums in float64
                     total[k] = v.double() if v.is_floating_point() else v.clone()
-            else:
-                total[k].add_(v)
+            else:  # the file is read on the CPU; ``into`` may be a GPU model's
+                total[k].add_(v.to(total[k].device))
             dtypes[k] = into[k].dtype if into is not None else v.dtype
         if i == len(paths) - 1:
             keep = {*MODEL_KEYS, "epoch", "train_cfg"} - {"model"}  # all but the weights
