@@ -18,7 +18,9 @@ start in time is listed as skipped:
 5. ``profile``: three updates of ``base`` under torch.profiler, each at lengths not met
    before (as batches by tokens bring them), then three of one batch seen before: the top
    kernels, kernel launches per update, the GPU's busy share and the host's microseconds per
-   matrix product of each, so a per-shape cost on the host shows.
+   matrix product of each, so a per-shape cost on the host shows; the copies of one update by
+   input shape; a product alone at new and at seen row counts with cuBLAS and with cuBLASLt
+   (which of the two keeps the per-shape cost low).
 6. ``base-pad8``: ``base`` eager again with the batches' lengths padded to multiples of 8
    (``train.pad_multiple=8``): whether fewer distinct shapes buy back more than the padding.
 
@@ -261,18 +263,75 @@ averages, summary = profiled([make_batch() for _ in range(3)])
 again = make_batch()
 update([again], TrainState())
 _, summary["same_shape"] = profiled([again] * 3)
-table = None
-for key in (("self_device_time_total", "self_cuda_time_total") if dev.type == "cuda" else ()) + (
-        "self_cpu_time_total",):
-    try:
-        table = averages.table(sort_by=key, row_limit=15)
-        break
-    except (AttributeError, KeyError, ValueError):
-        continue
+
+
+def device_table(averages, rows=15):  # sorted by the GPU's time where there is one
+    for key in (("self_device_time_total", "self_cuda_time_total") if dev.type == "cuda"
+                else ()) + ("self_cpu_time_total",):  # fmt: skip
+        try:
+            return averages.table(sort_by=key, row_limit=rows)
+        except (AttributeError, KeyError, ValueError):
+            continue
+
+
+# The copies by shape (casts between float32 and bf16 took 16% of an H100's kernel time): one
+# more update of the batch seen before, its shapes recorded.
+acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+with profile(activities=acts, record_shapes=True) as prof:
+    update([again], TrainState())
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+copies = [a for a in prof.key_averages(group_by_input_shape=True)
+          if a.key in ("aten::_to_copy", "aten::copy_")]
+
+
+def product_host_us(rows_seen, rows_new, d=cfg.model.d_model, f=cfg.model.d_ff):
+    # The host's microseconds to issue one (rows x d) @ (d x f) product in the step's dtype:
+    # the median over row counts never seen before, and over one row count seen before.
+    import time
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    w = torch.randn(f, d, device=dev, dtype=dtype)
+    xs = {r: torch.randn(r, d, device=dev, dtype=dtype) for r in (*rows_new, rows_seen)}
+
+    def issue(r):
+        t = time.perf_counter()
+        xs[r] @ w.t()
+        return (time.perf_counter() - t) * 1e6
+
+    issue(rows_seen)
+    new = sorted(issue(r) for r in rows_new)
+    same = sorted(issue(rows_seen) for _ in rows_new)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return {"new_shapes_us": new[len(new) // 2], "seen_shape_us": same[len(same) // 2]}
+
+
+# The per-shape cost of a product on the host, with each BLAS library torch can call on CUDA
+# (a library that keeps its choice per shape, or one that chooses again at every call).
+summary["products"] = {}
+libraries = [None]
+if dev.type == "cuda":
+    default = torch.backends.cuda.preferred_blas_library()
+    summary["products"]["default_library"] = str(default)
+    libraries = ["cublas", "cublaslt"]
+for i, library in enumerate(libraries):
+    if library is not None:
+        torch.backends.cuda.preferred_blas_library(library)
+    base_rows = tokens * 3 // 4 + 250 * i  # row counts no other library here has seen
+    summary["products"][library or "default"] = product_host_us(
+        base_rows, [base_rows + 8 * (k + 1) for k in range(24)])
+if dev.type == "cuda":
+    torch.backends.cuda.preferred_blas_library(default)
 with open(out + "/profile.txt", "w") as f:
-    f.write(table)
+    f.write(device_table(averages))
     if dev.type == "cuda":  # the host's side too (on a CPU the table above is already that)
         f.write("\n" + averages.table(sort_by="self_cpu_time_total", row_limit=15))
+    f.write("\n\nThe copies of one update by input shape (calls, device us, host us):\n")
+    for a in sorted(copies, key=lambda a: -(getattr(a, "self_device_time_total", 0) or 0)
+                    - a.self_cpu_time_total * 1e-9)[:25]:  # fmt: skip
+        device_us = getattr(a, "device_time_total", 0) or 0
+        f.write(f"{a.key} {a.input_shapes} {a.count} {device_us:.0f} "
+                f"{a.cpu_time_total:.0f}\n")
 with open(out + "/profile.json", "w") as f:
     json.dump(summary, f, indent=2)
 """

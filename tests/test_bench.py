@@ -292,10 +292,13 @@ def test_gpu_check_runs_its_steps_in_miniature_on_a_cpu(real_data, tmp_path):
     at = [text.index(f"| {step} | 0 |") for step in order]
     assert at == sorted(at)
     assert "Multi30k de->en test BLEU" in text and "tgt tok/s" in text
-    assert (tmp_path / "out" / "profile.txt").read_text().strip()
+    profile_text = (tmp_path / "out" / "profile.txt").read_text()
+    assert profile_text.strip() and "The copies of one update by input shape" in profile_text
     profiled = json.loads((tmp_path / "out" / "profile.json").read_text())
     assert profiled["updates"] == 3 and profiled["same_shape"]["updates"] == 3
     assert len(set(profiled["same_shape"]["tokens_per_update"])) == 1
+    assert profiled["products"]["default"]["new_shapes_us"] > 0
+    assert profiled["products"]["default"]["seen_shape_us"] > 0
 
 
 def test_gpu_check_refuses_an_unknown_step_before_running_anything(tmp_path):
