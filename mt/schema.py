@@ -182,6 +182,10 @@ class DecodeConfig:
     # CPU: Linear products through oneDNN (true), torch's own (false: the model as written), or
     # whichever measures faster here (null: auto, mt.fast.decoding.onednn_decodes)
     onednn: Optional[bool] = None
+    # CPU: batches decoded side by side in this many threads, torch's intra-op threads shared
+    # among them (CTranslate2's inter_threads, Marian's CPU workers); 0 = auto: one per
+    # intra-op thread on a CPU (at most one per batch), 1 on a GPU
+    workers: int = 0
     # Sampling (decode=sample): one draw per sentence instead of a search.
     sample: bool = False  # sample translations (beam_size is then ignored)
     temperature: float = 1.0  # p ~ exp(log p / temperature); 0 = greedy

@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     real.add_argument("--max-len", type=int, default=100, help="output tokens at most")
     real.add_argument("--rounds", type=int, default=3, help="alternating rounds (medians)")
     real.add_argument("--settings", nargs="*", help="e.g. mt:fp32 mt:int8 ct2:int8 (default all)")
+    real.add_argument("--workers", type=int, default=0, help="batches side by side, the threads "
+                      "shared among them: mt's decode.workers, CTranslate2's inter_threads "
+                      "(0: one per thread)")  # fmt: skip
     real.add_argument("--workdir", help="where the CTranslate2 export goes (default: a temp dir)")
 
     serve = sub.add_parser("serve", help="mt-serve on loopback: sentences/s, p50/p99 latency")

@@ -4,15 +4,16 @@
         --input $MT_DATA_DIR/multi30k/test_2016_flickr.de --beams 1 5 --rounds 3 --threads 2"
 
 The checkpoint is exported with ``mt-export format=ctranslate2`` (once, into ``--workdir``); then
-each engine and setting (mt: fp32, int8, bf16; CTranslate2: float32, int8, each also with
-``+mkl``, its ``CT2_USE_MKL=1``) decodes the whole file
-in a process of its own (so each peak RSS is its own: CTranslate2's loads neither torch nor the
-mt checkpoint, only the export and its ``spm.model``), with the same beam, batches of
-``--batch-size`` sentences, no length penalty, and the same length limit (``--max-len`` output
-tokens, absolute: CTranslate2 has one limit per call). A warm-up pass over the first batch is
-not timed. Rounds alternate the engines; each figure is the median over rounds of sentences/s
-and output tokens/s (pieces + EOS). Outputs are compared with mt fp32's: ``identical`` counts
-the sentences whose ids are the same.
+each engine and setting (mt: fp32, int8, bf16; CTranslate2: float32, int8, each also with ``+mkl``,
+its ``CT2_USE_MKL=1``) decodes the whole file in a process of its own (so each peak RSS is its own:
+CTranslate2's loads neither torch nor the mt checkpoint, only the export and its ``spm.model``),
+with the same beam, batches of ``--batch-size`` sentences, no length penalty, and the same length
+limit (``--max-len`` output tokens, absolute: CTranslate2 has one limit per call), and the same
+``--workers``: batches decoded side by side, ``--threads`` shared among them (mt's
+``decode.workers``, CTranslate2's ``inter_threads`` with ``intra_threads`` = threads / workers; 0:
+one worker per thread). A warm-up pass over the first batch is not timed. Rounds alternate the
+engines; each figure is the median over rounds of sentences/s and output tokens/s (pieces + EOS).
+Outputs are compared with mt fp32's: ``identical`` counts the sentences whose ids are the same.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def worker(args) -> dict:
     from mt.data.tokenizer import Tokenizer
 
     n = args.batch_size
+    workers = args.workers or args.threads
     if args.engine == "mt":
         import torch
 
@@ -50,7 +52,8 @@ def worker(args) -> dict:
         quantize = "int8" if args.setting == "int8" else "none"
         precision = "bf16" if args.setting == "bf16" else "fp32"
         cfg = DecodeConfig(beam_size=args.beam, alpha=0.0, max_len_a=0.0, max_len_b=args.max_len,
-                           batch_size=n, quantize=quantize, precision=precision)  # fmt: skip
+                           batch_size=n, quantize=quantize, precision=precision,
+                           workers=workers)  # fmt: skip
 
         def decode(ids):
             return translate_ids(model, ids, cfg)
@@ -62,7 +65,8 @@ def worker(args) -> dict:
             args.ct2_dir,
             device="cpu",
             compute_type=args.setting.removesuffix("+mkl"),
-            intra_threads=args.threads,
+            inter_threads=workers,
+            intra_threads=max(1, args.threads // workers),
         )
         sp = tok.model("src")
         vocab = {sp.id_to_piece(i): i for i in range(sp.vocab_size())}
@@ -95,6 +99,7 @@ def _one(args, engine: str, setting: str, beam: int) -> dict:
            "--beam", str(beam), "--checkpoint", args.checkpoint, "--input", args.input,
            "--lines", str(args.lines), "--batch-size", str(args.batch_size),
            "--max-len", str(args.max_len), "--threads", str(args.threads),
+           "--workers", str(args.workers),
            "--ct2-dir", args.ct2_dir]  # fmt: skip
     env = dict(os.environ, CT2_USE_MKL="1") if setting.endswith("+mkl") else None
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -138,7 +143,8 @@ def run_translate(args, rec) -> None:
                 "seconds": [round(x["seconds"], 6) for x in results],
                 "peak_rss_mb": round(max(x["peak_rss_mb"] for x in results), 1),
                 "identical_to_mt_fp32": same, "beam": beam, "max_len": args.max_len,
-                "batch_size": args.batch_size, "checkpoint": args.checkpoint,
+                "batch_size": args.batch_size, "workers": args.workers or args.threads,
+                "checkpoint": args.checkpoint,
                 "input": args.input, **env,
             })  # fmt: skip
 
@@ -150,7 +156,7 @@ def _worker_main(argv: list[str]) -> None:
     p.add_argument("--worker", action="store_true")
     for name in ("--engine", "--setting", "--checkpoint", "--input", "--ct2-dir"):
         p.add_argument(name)
-    for name in ("--beam", "--lines", "--batch-size", "--max-len", "--threads"):
+    for name in ("--beam", "--lines", "--batch-size", "--max-len", "--threads", "--workers"):
         p.add_argument(name, type=int)
     result = worker(p.parse_args(argv))
     print(json.dumps(result))

@@ -194,8 +194,9 @@ def test_translate_compares_mt_and_ctranslate2_on_one_export(tmp_path):
     args = ["translate", "--checkpoint", str(tmp_path / "m.pt"), "--input",
             str(tmp_path / "in.txt"), "--beams", "1", "--rounds", "2", "--batch-size", "5",
             "--max-len", "12", "--settings", "mt:fp32", "ct2:float32", *mkl,
-            "--workdir", str(tmp_path / "w")]  # fmt: skip
+            "--workdir", str(tmp_path / "w"), "--workers", "2"]  # fmt: skip
     records, out = run_bench(args, tmp_path)
+    assert {r["workers"] for r in records} == {2}
     impls = [("mt fp32", 1), ("ct2 float32", 1)] + [("ct2 float32+mkl", 1)] * len(mkl)
     assert [(r["impl"], r["beam"]) for r in records] == impls
     for r in records:

@@ -298,3 +298,67 @@ def test_auto_onednn_can_run_the_projection_alone(model, monkeypatch):
         want = model.decode(tgt, model.encode(src), model.new_cache())
     assert got.shape == want.shape == (3, 3, 45)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"beam_size": 1}, {"beam_size": 3, "nbest": 2}, {"beam_size": 2, "quantize": "int8"},
+     {"sample": True, "top_k": 5, "seed": 3}],
+)  # fmt: skip
+def test_batches_decoded_side_by_side_equal_one_worker(model, monkeypatch, settings):
+    """decode.workers=2: the same batches in two threads, each with half of the intra-op
+    threads, give the n-best lists of one worker; the thread count is restored after."""
+    import threading
+
+    import mt.decode.driver
+
+    ids = sources(7, [3, 9, 5, 12, 1, 7, 4, 10, 6, 2, 8, 11])
+    cfg = {"batch_size": 2, "max_len_a": 1.0, "max_len_b": 4, "onednn": False, **settings}
+    one = translate_nbest(model, ids, DecodeConfig(**cfg, workers=1))
+    seen, real = [], mt.decode.driver.search
+
+    def spy(*args, **kwargs):
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mt.decode.driver, "search", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        two = translate_nbest(model, ids, DecodeConfig(**cfg, workers=2))
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)
+    assert len(seen) == 6 and all(n.startswith("mt-decode") and t == 2 for n, t in seen)
+    assert_same_nbest(one, two)
+
+
+def test_an_error_in_a_decoding_worker_is_raised_and_the_threads_restored(model, monkeypatch):
+    import time
+
+    import mt.decode.driver
+
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        time.sleep(0.01)  # long enough for the other batches to be cancelled, not run
+        raise RuntimeError("out of memory in batch")
+
+    monkeypatch.setattr(mt.decode.driver, "search", failing)
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="out of memory in batch"):
+        translate_nbest(model, sources(8, [3] * 40), DecodeConfig(batch_size=1, workers=2))
+    assert torch.get_num_threads() == before and len(calls) < 40  # the rest were cancelled
+
+
+def test_decode_workers_auto_is_one_per_thread_on_a_cpu_and_one_on_a_gpu():
+    from mt.decode.driver import decode_workers
+
+    threads = torch.get_num_threads()
+    assert decode_workers(0, "cpu", 100) == threads
+    assert decode_workers(0, "cpu", 1) == 1  # never more workers than batches
+    assert decode_workers(3, "cpu", 2) == 2 and decode_workers(3, "cpu", 10) == 3
+    assert decode_workers(0, "cuda", 100) == 1 and decode_workers(4, "cuda", 100) == 1
+    with pytest.raises(ValueError, match="decode.workers"):
+        decode_workers(-1, "cpu", 10)
