@@ -126,6 +126,29 @@ def test_validation_lets_go_of_the_decoding_copy(real_data, tmp_path, monkeypatc
     assert valid_hypotheses(model, prepared, cfg, torch.device("cpu")) == first
 
 
+def test_validation_decodes_in_the_training_thread(real_data, tmp_path, monkeypatch):
+    """Validation decodes one batch at a time in the calling thread whatever decode.workers
+    says: worker threads would hold freed memory of their own in a training process."""
+    import threading
+
+    import mt.decode.driver
+
+    monkeypatch.setenv("MT_DATA_DIR", str(real_data))
+    cfg = load_config([*OVERRIDES, f"run_dir={tmp_path / 'run'}", "decode.workers=2",
+                       "decode.batch_size=2"])  # fmt: skip
+    prepared = prepare(cfg)
+    model = model_for(cfg, prepared.vocab_size)
+    threads, real = set(), mt.decode.driver.search
+
+    def spy(*args, **kwargs):
+        threads.add(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mt.decode.driver, "search", spy)
+    assert valid_hypotheses(model, prepared, cfg, torch.device("cpu"))
+    assert threads == {threading.current_thread().name}
+
+
 def test_validation_leaves_the_training_random_stream_alone(real_data, tmp_path, monkeypatch):
     """Validating draws nothing from torch's global generator, also the first time in a process
     (when the decoding path's one-off checks run): the dropout masks after a validation are the

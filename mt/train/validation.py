@@ -73,7 +73,11 @@ def valid_hypotheses(
         n = min(n, cfg.train.eval_max_sentences)
     mine = range(rank, n, world_size)
     src_ids = [split.src[i].tolist() for i in mine]
-    greedy = dataclasses.replace(cfg.decode, beam_size=1, nbest=1)
+    # One batch at a time on all threads: batches side by side (decode.workers) validated 1.4x
+    # faster, but each worker's thread held its freed memory in an arena of its own (this
+    # process keeps freed memory, mt.fast.memory): 600 updates of the default recipe ended at
+    # 1,141 MB against 948 (one arena for all threads: 1,056), AMD Zen 3, glibc.
+    greedy = dataclasses.replace(cfg.decode, beam_size=1, nbest=1, workers=1)
     was_training = model.training
     model.eval()
     hyp_ids = translate_ids(model, src_ids, greedy, device) if src_ids else []
