@@ -25,14 +25,14 @@ start in time is listed as skipped:
    (``train.pad_multiple=8``): whether fewer distinct shapes buy back more than the padding.
 
 The default order (``--steps`` picks and orders them): tests (beside the preparation of the
-corpora), the profile, Multi30k, base eager, big eager, the loader, base eager with lengths
-padded to 8, base compiled, big compiled: the open questions first (the profile's new parts,
-Multi30k's test score, which the H100's run lost to a bug at its end), then what was measured
-on both GPUs. The default budget, 540 s,
-fits one call of this workplace's device tool (10 minutes a call, 15 of device time a session);
-on an H200 the first run of everything took 426 s (base compiled alone 180 s; big compiled was
-left out), the second (all but Multi30k and big eager) 476 s, of which base and big compiled 199
-s and 187 s.
+corpora), the profile, Multi30k, base eager, big eager, the loader, base eager with lengths padded
+to 8, base compiled, big compiled: the open questions first (the profile's new parts, Multi30k's
+test score, which the H100's run lost to a bug at its end), then what was measured on both GPUs.
+The default budget, 540 s, fits one call of this workplace's device tool (10 minutes a call, 15 of
+device time a session); on an H200 the first run of everything took 426 s (base compiled alone 180
+s; big compiled was left out), the second (all but Multi30k and big eager) 476 s, of which base and
+big compiled 199 s and 187 s; on an H100 (tree 68626a4) everything but big compiled took 438 s,
+big compiled alone 238 s in a second call.
 
 Offline machines: the few packages the device image lacks travel as wheels (``.whl``, see
 README "When a GPU is lent") and the corpora as a folder (``--data-dir``); this script installs

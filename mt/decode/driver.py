@@ -159,8 +159,8 @@ def decode_workers(workers: int, device: torch.device | str, batches: int) -> in
 def side_by_side(workers: int) -> Iterator[ThreadPoolExecutor]:
     """``workers`` threads that share this process's intra-op threads between them, each
     running its own batch's small products on its own cores: at decoding's few rows, two
-    batches on one thread each outran one batch on two threads by 1.1-1.4x (AMD Zen 3, greedy and
-    beam 5, float32 and int8), the threads' waits at every product gone. Restored after."""
+    batches on one thread each outran one batch on two threads by 1.06-1.48x (AMD Zen 3, greedy
+    and beam 5, float32 and int8), the threads' waits at every product gone. Restored after."""
     total = torch.get_num_threads()
     each = max(1, total // workers)
     torch.set_num_threads(each)
