@@ -39,7 +39,7 @@ def worker(args) -> dict:
     from mt.data.tokenizer import Tokenizer
 
     n = args.batch_size
-    workers = args.workers or args.threads
+    workers = args.workers  # resolved by run_translate, as threads
     if args.engine == "mt":
         import torch
 
@@ -116,6 +116,10 @@ def run_translate(args, rec) -> None:
 
     if not args.checkpoint or not args.input:
         raise SystemExit("bench translate needs --checkpoint and --input")
+    import torch
+
+    args.threads = args.threads or torch.get_num_threads()  # 0: the count bench.py left in force
+    args.workers = args.workers or args.threads  # 0: one per thread
     work = Path(args.workdir or tempfile.mkdtemp(prefix="mt-bench-translate-"))
     args.ct2_dir = str(work / "ct2")
     if not (work / "ct2" / "model.bin").is_file():
@@ -143,7 +147,7 @@ def run_translate(args, rec) -> None:
                 "seconds": [round(x["seconds"], 6) for x in results],
                 "peak_rss_mb": round(max(x["peak_rss_mb"] for x in results), 1),
                 "identical_to_mt_fp32": same, "beam": beam, "max_len": args.max_len,
-                "batch_size": args.batch_size, "workers": args.workers or args.threads,
+                "batch_size": args.batch_size, "workers": args.workers,
                 "checkpoint": args.checkpoint,
                 "input": args.input, **env,
             })  # fmt: skip

@@ -232,16 +232,16 @@ def make_batch():  # lengths new to every update, as batches by tokens bring the
     return collate(pairs).to(dev)
 
 
-def profiled(batches):  # one update per batch under the profiler: (key averages, summary)
-    if dev.type == "cuda":
+def profiled(batches, shapes=False):  # one update per batch under the profiler:
+    if dev.type == "cuda":  # (key averages, summary; by input shape too with ``shapes``)
         torch.cuda.synchronize()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=shapes) as prof:
         for batch in batches:
             update([batch], TrainState())
         if dev.type == "cuda":
             torch.cuda.synchronize()
-    averages = prof.key_averages()
+    averages = prof.key_averages(group_by_input_shape=shapes)
     events = prof.events()
     kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
     busy = sum(getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0) for e in kernels)
@@ -278,13 +278,12 @@ def device_table(averages, rows=15):  # sorted by the GPU's time where there is 
 
 # The copies by shape (casts between float32 and bf16 took 16% of an H100's kernel time): one
 # more update of the batch seen before, its shapes recorded.
-acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-with profile(activities=acts, record_shapes=True) as prof:
-    update([again], TrainState())
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-copies = [a for a in prof.key_averages(group_by_input_shape=True)
-          if a.key in ("aten::_to_copy", "aten::copy_")]
+by_shape, _ = profiled([again], shapes=True)
+copies = [a for a in by_shape if a.key in ("aten::_to_copy", "aten::copy_")]
+
+
+def device_us(a):  # an operator's time on the GPU, kernels included (0 on a CPU)
+    return getattr(a, "device_time_total", 0) or 0
 
 
 def product_host_us(rows_seen, rows_new, d=cfg.model.d_model, f=cfg.model.d_ff):
@@ -329,11 +328,8 @@ with open(out + "/profile.txt", "w") as f:
     if dev.type == "cuda":  # the host's side too (on a CPU the table above is already that)
         f.write("\n" + averages.table(sort_by="self_cpu_time_total", row_limit=15))
     f.write("\n\nThe copies of one update by input shape (calls, device us, host us):\n")
-    for a in sorted(copies, key=lambda a: -(getattr(a, "self_device_time_total", 0) or 0)
-                    - a.self_cpu_time_total * 1e-9)[:25]:  # fmt: skip
-        device_us = getattr(a, "device_time_total", 0) or 0
-        f.write(f"{a.key} {a.input_shapes} {a.count} {device_us:.0f} "
-                f"{a.cpu_time_total:.0f}\n")
+    for a in sorted(copies, key=lambda a: (device_us(a), a.cpu_time_total), reverse=True)[:25]:
+        f.write(f"{a.key} {a.input_shapes} {a.count} {device_us(a):.0f} {a.cpu_time_total:.0f}\n")
 with open(out + "/profile.json", "w") as f:
     json.dump(summary, f, indent=2)
 """

@@ -165,6 +165,7 @@ def side_by_side(workers: int) -> Iterator[ThreadPoolExecutor]:
     each = max(1, total // workers)
     torch.set_num_threads(each)
     try:
+        # set in each worker too: OpenMP keeps the count per thread
         with ThreadPoolExecutor(workers, "mt-decode", torch.set_num_threads, (each,)) as pool:
             yield pool
     finally:
@@ -223,16 +224,10 @@ def translate_nbest(
     if workers == 1:
         for batch in batches:
             decode(batch)
-    else:  # the same batches, so the same outputs
-        with side_by_side(workers) as pool:
-            futures = [pool.submit(decode, batch) for batch in batches]
-            try:
-                for future in futures:
-                    future.result()
-            except BaseException:  # the first error, raised here once the running ones end
-                for future in futures:
-                    future.cancel()
-                raise
+    else:  # the same batches, so the same outputs; map raises the first error and cancels
+        with side_by_side(workers) as pool:  # the batches not yet started
+            for _ in pool.map(decode, batches):
+                pass
     return out
 
 
