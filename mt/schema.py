@@ -143,6 +143,9 @@ class TrainConfig:
     # fp32 | bf16 | fp16 (a dynamic loss scale) | auto (bf16 where the device has native
     # bfloat16: CUDA Ampere+, CPUs with AVX512-BF16 or AMX; fp32 elsewhere, e.g. AVX2 CPUs)
     precision: str = "fp32"
+    # bf16/fp16: the passes on a 16-bit copy of the model, Adam on float32 master weights
+    # (fairseq's --bf16, apex O2; mt.fast.master) instead of autocast over float32 weights
+    master_weights: bool = False
     compile: bool = False  # torch.compile the model
     pad_multiple: int = 0  # pad batch lengths to a multiple of this (0 or 1: none)
     tf32: bool = True  # CUDA: float32 matrix products on TF32 tensor cores

@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, default=20, help="timed steps")
     train.add_argument("--compile", action="store_true", help="torch.compile the model")
     train.add_argument(
+        "--master-weights", action="store_true",
+        help="bf16: a 16-bit model and float32 master weights (train.master_weights), no autocast",
+    )  # fmt: skip
+    train.add_argument(
         "--cpu-kernels",
         action=argparse.BooleanOptionalAction,
         default=True,

@@ -165,17 +165,19 @@ class Runner:
     ) -> None:  # fmt: skip
         self.name, self.device = name, device
         self.model = model.to(device).train()
-        self.n_params = sum(p.numel() for p in self.model.parameters())
+        # what the optimiser updates: the model's parameters, or the float32 master weights
+        # that a 16-bit working copy follows (train.master_weights)
+        master = getattr(model, "master", None)
+        params = master.params if master is not None else list(self.model.parameters())
+        self.n_params = sum(p.numel() for p in params)
         run_cfg = Config(model=cfg)
         tc = run_cfg.train
         tc.label_smoothing, tc.precision, tc.compile = args.smoothing, args.precision, args.compile
         tc.warmup, tc.clip_norm = args.noam_warmup, 0.0
         if textbook:  # the baseline: torch's default Adam and the textbook loss (fairseq's)
-            opt = torch.optim.Adam(
-                self.model.parameters(), lr=1.0, betas=(tc.beta1, tc.beta2), eps=tc.eps
-            )
+            opt = torch.optim.Adam(params, lr=1.0, betas=(tc.beta1, tc.beta2), eps=tc.eps)
         else:  # mt: the training code's own optimiser (fused Adam) and loss
-            opt = build_optimizer(self.model.parameters(), tc, device)
+            opt = build_optimizer(params, tc, device)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, noam_lambda(cfg.d_model, tc.warmup, tc.factor, tc.lr)
         )
@@ -185,7 +187,7 @@ class Runner:
         if info is not None and info.distributed:  # as mt.train.recipe: compiled, then DDP
             forward, world = distributed.wrap(forward, info), info.world_size
         self.update = Updater(
-            forward, self.model.parameters(), opt, sched, scaler, run_cfg, world,
+            forward, params, opt, sched, scaler, run_cfg, world,
             textbook_loss if textbook else None,
         )  # fmt: skip
         self.state = TrainState()
@@ -228,10 +230,11 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
         args.vocab = prepared.vocab_size
     cfg = model_config(args)
     torch.manual_seed(args.seed)
-    mt_model = build_model(cfg, args.vocab)
+    mt_model = build_model(cfg, args.vocab).to(device)  # before any copy for_training makes
     p_enc, p_dec = mt_stack_params(mt_model)
     mt_forward = for_training(  # as mt.train
-        mt_model, device, args.cpu_kernels, args.precision, args.compile
+        mt_model, device, args.cpu_kernels, args.precision, args.compile,
+        master_weights=args.master_weights,
     )
     runners = [Runner("mt", mt_forward, args, cfg, device, info=info)]
     if args.baseline == "torch":
@@ -293,6 +296,7 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
             "params": r.n_params,
             "precision": args.precision,
             "compile": args.compile,
+            "master_weights": bool(args.master_weights and r.name == "mt"),
             "cpu_kernels": bool(args.cpu_kernels and device.type == "cpu" and r.name == "mt"),
             "source": source,
             "batch_size": args.batch_size if not args.data else None,

@@ -23,11 +23,17 @@ start in time is listed as skipped:
    (which of the two keeps the per-shape cost low).
 6. ``base-pad8``: ``base`` eager again with the batches' lengths padded to multiples of 8
    (``train.pad_multiple=8``): whether fewer distinct shapes buy back more than the padding.
+7. ``base-master``, ``big-master``: the same eager benches with a bf16 model and float32 master
+   weights (``train.master_weights=true``) instead of autocast: whether leaving out autocast's
+   casts (16% of the kernels' time and a quarter of the launches of an update on the H100)
+   makes the step faster.
 
 The default order (``--steps`` picks and orders them): tests (beside the preparation of the
-corpora), the profile, Multi30k, base eager, big eager, the loader, base eager with lengths padded
-to 8, base compiled, big compiled: the open questions first (the profile's new parts, Multi30k's
-test score, which the H100's run lost to a bug at its end), then what was measured on both GPUs.
+corpora), base eager, base with master weights, big eager, big with master weights, the
+profile, Multi30k, the loader, base eager with lengths padded to 8, base compiled, big
+compiled: the open question first (master weights, each beside its autocast twin on the same
+warm GPU), then the profile and Multi30k's test score (which the H100's run lost to a bug at
+its end), then what was measured on both GPUs.
 The default budget, 540 s, fits one call of this workplace's device tool (10 minutes a call, 15 of
 device time a session); on an H200 the first run of everything took 426 s (base compiled alone 180
 s; big compiled was left out), the second (all but Multi30k and big eager) 476 s, of which base and
@@ -128,10 +134,12 @@ QUICK_FLAGS = {"N": "--layers", "d_model": "--d-model", "d_ff": "--d-ff", "h": "
 
 
 def bench_train(args, out: Path, env: dict, data: Path | None, preset: str,
-                compiled: bool, pad8: bool = False) -> dict:  # fmt: skip
+                compiled: bool, pad8: bool = False, master: bool = False) -> dict:  # fmt: skip
     """Training steps of one preset, bf16 (fp32 on a CPU), eager or compiled; ``pad8``: the
-    batches' lengths padded to multiples of 8 (fewer distinct shapes, a little more work)."""
-    precision = "bf16" if args.device == "cuda" else "fp32"
+    batches' lengths padded to multiples of 8 (fewer distinct shapes, a little more work);
+    ``master``: a bf16 model and float32 master weights instead of autocast (bf16 on a CPU
+    too, where it may be emulated: the miniature checks the command, not the figure)."""
+    precision = "bf16" if args.device == "cuda" or master else "fp32"
     cmd = [sys.executable, "scripts/bench.py", "train", "--preset", preset,
            "--device", args.device, "--precision", precision, "--output",
            str(out / "bench.jsonl"), "--steps", "3" if args.quick else "30", "--warmup-steps",
@@ -145,7 +153,10 @@ def bench_train(args, out: Path, env: dict, data: Path | None, preset: str,
         cmd.append("--compile")
     if pad8:
         cmd += ["--pad-multiple", "8"]
-    name = f"bench_{preset}_{'compiled' if compiled else 'eager'}{'_pad8' if pad8 else ''}"
+    if master:
+        cmd.append("--master-weights")
+    name = (f"bench_{preset}_{'compiled' if compiled else 'eager'}{'_pad8' if pad8 else ''}"
+            f"{'_master' if master else ''}")  # fmt: skip
     return run(cmd, out, name, env, args.step_timeout, needs=150 if compiled else 45)
 
 
@@ -360,7 +371,8 @@ def summary(out: Path, steps: list[dict], info: dict) -> str:
             mfu = r.get("mfu_datasheet")
             lines.append(
                 f"| {r.get('d_model')}x{r.get('layers')} {r.get('precision')}"
-                f"{' pad ' + str(r['pad_multiple']) if (r.get('pad_multiple') or 1) > 1 else ''} | "
+                f"{' pad ' + str(r['pad_multiple']) if (r.get('pad_multiple') or 1) > 1 else ''}"
+                f"{', master weights' if r.get('master_weights') else ''} | "
                 f"{r.get('compile')} | {r['tgt_tok_per_s']:,.0f} | "
                 f"{'-' if mfu is None else f'{mfu:.1%}'} | "
                 f"{'-' if r.get('mfu') is None else format(r['mfu'], '.1%')} | "
@@ -386,9 +398,10 @@ def summary(out: Path, steps: list[dict], info: dict) -> str:
 
 
 # The steps and their default order: the open questions first where a budget is short.
-STEPS = ("tests", "profile", "multi30k", "base", "big", "data", "base-pad8", "base-compiled",
-         "big-compiled")
-TRAIN_BENCHES = ("base-pad8", "base", "big", "base-compiled", "big-compiled")  # bench train
+STEPS = ("tests", "base", "base-master", "big", "big-master", "profile", "multi30k", "data",
+         "base-pad8", "base-compiled", "big-compiled")
+TRAIN_BENCHES = ("base-pad8", "base", "big", "base-compiled", "big-compiled", "base-master",
+                 "big-master")  # bench train
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -431,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         summary(out, steps, info)
 
     if args.quick:  # the miniature: one small preset, eager, on random batches
-        chosen = [s for s in chosen if s in ("base", "multi30k", "profile")]
+        chosen = [s for s in chosen if s in ("base", "base-master", "multi30k", "profile")]
     # The data preparation runs on the CPU, beside the GPU tests.
     m30k_prep = None
     if "multi30k" in chosen:
@@ -453,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
         if name in TRAIN_BENCHES:
             preset = "small" if args.quick else name.split("-")[0]
             record(bench_train(args, out, env, data, preset, compiled=name.endswith("compiled"),
-                               pad8=name.endswith("pad8")))  # fmt: skip
+                               pad8=name.endswith("pad8"),
+                               master=name.endswith("master")))  # fmt: skip
         elif name == "data" and data is not None:
             record(bench_data(args, out, env, data))
         elif name == "multi30k":

@@ -283,16 +283,17 @@ def test_gpu_check_runs_its_steps_in_miniature_on_a_cpu(real_data, tmp_path):
     env = dict(os.environ, MT_DATA_DIR=str(real_data))
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--device", "cpu", "--quick",
-         "--out", str(tmp_path / "out"), "--steps", "multi30k,base,profile"],
+         "--out", str(tmp_path / "out"), "--steps", "multi30k,base,base-master,profile"],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = (tmp_path / "out" / "summary.md").read_text()
     order = ("multi30k_prepare", "multi30k_train", "multi30k_evaluate", "bench_small_eager",
-             "profile")  # fmt: skip
+             "bench_small_eager_master", "profile")  # fmt: skip
     at = [text.index(f"| {step} | 0 |") for step in order]
     assert at == sorted(at)
     assert "Multi30k de->en test BLEU" in text and "tgt tok/s" in text
+    assert text.count("| 64x1 ") == 2 and "| 64x1 bf16, master weights |" in text
     profile_text = (tmp_path / "out" / "profile.txt").read_text()
     assert profile_text.strip() and "The copies of one update by input shape" in profile_text
     profiled = json.loads((tmp_path / "out" / "profile.json").read_text())

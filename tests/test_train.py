@@ -380,19 +380,24 @@ def test_accumulation_equals_one_big_batch(tmp_path):
     assert got == pytest.approx(total / ntok, rel=1e-5)
 
 
+@pytest.mark.parametrize("master", [False, True], ids=["autocast", "master-weights"])
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_trains(tmp_path, precision):
-    """bf16 autocast and fp16 with a dynamic loss scale run, log finite losses and save the
-    scaler state (fp16) for resume."""
+def test_mixed_precision_trains(tmp_path, precision, master):
+    """bf16 and fp16 (a dynamic loss scale), under autocast or on a 16-bit copy with float32
+    master weights, run, log finite losses and save float32 weights and the scaler state
+    (fp16) for resume."""
     run = tmp_path / precision
-    result = train(_cfg(run, "train.max_steps=6", f"train.precision={precision}"))
+    result = train(_cfg(run, "train.max_steps=6", f"train.precision={precision}",
+                        f"train.master_weights={str(master).lower()}"))  # fmt: skip
     losses = _losses(run)
     assert result["step"] == 6 and all(math.isfinite(v) for v in losses.values())
-    scaler = load_checkpoint(run / "checkpoints" / "last.pt", require_training=True)["scaler"]
+    assert losses[6] < losses[1]
+    ckpt = load_checkpoint(run / "checkpoints" / "last.pt", require_training=True)
+    assert all(v.dtype == torch.float32 for v in ckpt["model"].values() if v.is_floating_point())
     if precision == "fp16":
-        assert scaler["scale"] > 0
+        assert ckpt["scaler"]["scale"] > 0
     else:
-        assert not scaler
+        assert not ckpt["scaler"]
 
 
 @pytest.mark.parametrize("native", [False, True])

@@ -12,7 +12,8 @@ that shares the model's parameters (the caller's model is never modified):
 A layer reaches a kernel one way: the copy's modules are replaced (``nn.Linear``,
 ``nn.Dropout``, ``FeedForward``, and the attention ``core`` every attention layer holds).
 The other modules hold device-wide settings: ``precision`` (``train.precision=auto``, autocast,
-TF32), ``compile`` (``torch.compile`` and DDP), ``memory`` (glibc's freed-memory settings), and
+TF32), ``master`` (16-bit training on a copy with float32 master weights), ``compile``
+(``torch.compile`` and DDP), ``memory`` (glibc's freed-memory settings), and
 the fast loss (``loss``) that ``tests/test_loss.py`` holds equal to ``mt.model.loss``.
 """
 

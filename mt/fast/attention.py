@@ -10,13 +10,14 @@ of a model holds its core as ``core``; :func:`install` swaps the cores of a mode
   batches of 250-piece sentences that is 20 MB against 48 MB per attention layer. On a CPU,
   SDPA with dropout takes its unfused reference path and draws its mask through ``bernoulli_``;
   without dropout it takes a flash kernel that is slower than the written-out form at sentence
-  lengths in bfloat16. Under bf16 autocast the core computes in float32 on the bfloat16 q, k,
-  v: autocast would hand its batched products to oneDNN, which builds a kernel for every
-  (rows, queries, keys) it meets, and batches of varying length meet new ones at nearly every
-  step; with oneDNN's cache bounded (``mt.allocator.bound_onednn_kernels``) they also push
-  the linear layers' kernels out, to be built again. Each build allocates anew, and the heap
-  fragments around them. These products are small beside the linear layers' (queries x keys
-  per head, against d_model x d_ff per token), so float32 costs no speed.
+  lengths in bfloat16. Under bf16 autocast, and in a 16-bit model (``train.master_weights``), the
+  core computes in float32 on the bfloat16 q, k, v: in bfloat16 its batched products would go to
+  oneDNN, which builds a kernel for every (rows, queries, keys) it meets, and batches of varying
+  length meet new ones at nearly every step; with oneDNN's cache bounded
+  (``mt.allocator.bound_onednn_kernels``) they also push the linear layers' kernels out, to be built
+  again. Each build allocates anew, and the heap fragments around them. These products are small
+  beside the linear layers' (queries x keys per head, against d_model x d_ff per token), so float32
+  costs no speed.
 * :class:`ShortQueryAttention` (CPU decoding): short queries (one per row in incremental
   self-attention, one per beam in encoder-decoder attention, short sources in the encoder)
   through the written-out formula with batched matrix products: 40-70% of the time of SDPA's
@@ -111,6 +112,11 @@ class CPUTrainingAttention(ScaledDotProduct):
     def forward(self, q, k, v, mask=None, is_causal=False, dropout_p=0.0, need_weights=False):
         if need_weights:
             return attention(q, k, v, mask, is_causal, dropout_p, self.dropout)
+        if q.dtype in (torch.bfloat16, torch.float16) and not torch.is_autocast_enabled("cpu"):
+            # a 16-bit model: in float32, as under autocast (module docstring), 16 bits out
+            q32, k32, v32 = q.float(), k.float(), v.float()
+            out = _WrittenOutAttention.apply(q32, k32, v32, mask, is_causal, dropout_p)
+            return out.to(q.dtype), None
         return _WrittenOutAttention.apply(q, k, v, mask, is_causal, dropout_p), None
 
 

@@ -45,6 +45,7 @@ import mt.fast.probe as probe
 from mt.fast.attention import CPUTrainingAttention, gpu_attention, install
 from mt.fast.dropout import Dropout
 from mt.fast.loss import label_smoothed_cross_entropy, projected_cross_entropy
+from mt.fast.master import MasterWeights
 from mt.fast.memory import hold_freed_memory
 from mt.fast.modules import replace_modules, shared_copy
 from mt.fast.onednn import BucketedLinear, Linear, bucketed_linear, linear, onednn_available
@@ -67,6 +68,9 @@ class TrainingModel(nn.Module):
         product: ``(x, w, bias) -> x w^T (+ bias)`` for the blockwise projection.
         in_flight: where the model's packed FFNs find the real rows of each batch
             (``mt.fast.packing.pack``); None: nothing is packed.
+        master: with ``train.master_weights``, the float32 parameters that ``model`` (a 16-bit
+            working copy) follows (``mt.fast.master``); the update step moves values and
+            gradients between them. None: ``model``'s parameters are the model's own.
     """
 
     def __init__(
@@ -75,10 +79,11 @@ class TrainingModel(nn.Module):
         blockwise: bool = False,
         product: Callable = F.linear,
         in_flight: InFlight | None = None,
+        master: MasterWeights | None = None,
     ) -> None:
         super().__init__()
         self.model, self.blockwise, self.product = model, blockwise, product
-        self.in_flight = in_flight
+        self.in_flight, self.master = in_flight, master
 
     def forward(
         self,
@@ -147,6 +152,7 @@ def for_training(
     compiled: bool = False,
     tokens: int = 2048,
     cache_dir: str | Path | None = None,
+    master_weights: bool = False,
 ) -> TrainingModel:
     """What the training step runs (``mt.train`` and ``make bench``).
 
@@ -161,24 +167,36 @@ def for_training(
     (:func:`gpu_attention`); elsewhere, and for a ``compiled`` step on a CPU, the model with the
     fused loss over its logits: Inductor cannot compile the copy (oneDNN's training products
     want frozen weights, the 16-bit dropout masks' in-place ``random_`` breaks the graph).
-    ``model`` is never modified.
+    With ``master_weights`` and a 16-bit ``precision`` all of that runs on a 16-bit working
+    copy of ``model`` whose parameters follow ``model``'s (``mt.fast.master``), without
+    autocast. ``model`` is never modified.
     """
+    master = None
+    if master_weights and precision != "fp32":
+        master = MasterWeights(model, precision)
+        model = master.model
+        log.info("train.master_weights: the passes run on a %s copy, Adam on float32 masters",
+                 precision)  # fmt: skip
+    elif master_weights:
+        log.info("train.master_weights: nothing to do in fp32")
     if device.type == "cuda":  # the projection and the loss in blocks of thousands of rows
         gpu_attention(device)
-        return TrainingModel(model, blockwise=True)
+        return TrainingModel(model, blockwise=True, master=master)
     if device.type != "cpu" or not cpu_kernels:
-        return TrainingModel(model)
+        return TrainingModel(model, master=master)
     if compiled:  # Inductor compiles the model as written, not the copy's kernels (see above)
         log.info("train.compile=true on a CPU: the model as written, Inductor's own kernels "
                  "(not train.cpu_kernels' copy)")  # fmt: skip
-        return TrainingModel(model)
+        return TrainingModel(model, master=master)
     hold_freed_memory()
     products = precision == "fp32" and onednn_products(model, device, tokens, cache_dir)
-    bucketed = precision != "fp32"  # autocast's products run on oneDNN: few row counts
+    bucketed = precision != "fp32"  # 16-bit products run on oneDNN: few row counts
     copy = training_copy(model, products=products, bucketed=bucketed)
     in_flight = pack(copy)
     product = linear if products else (bucketed_linear if bucketed else F.linear)
-    return TrainingModel(copy, blockwise=True, product=product, in_flight=in_flight)
+    return TrainingModel(
+        copy, blockwise=True, product=product, in_flight=in_flight, master=master
+    )
 
 
 def onednn_products(

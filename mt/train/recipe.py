@@ -234,9 +234,11 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
             keep_best_of_best_pt(state, ckpt_dir / "best.pt", metric_key(cfg))
 
     # The module the training step runs: on a CPU, a copy with faster kernels sharing raw's
-    # parameters (mt.fast.for_training); compiled, then wrapped in DDP.
+    # parameters (mt.fast.for_training), with train.master_weights a 16-bit copy following
+    # them; compiled, then wrapped in DDP.
     forward = for_training(
-        raw, info.device, tc.cpu_kernels, tc.precision, tc.compile, tc.max_tokens, cfg.cache_dir
+        raw, info.device, tc.cpu_kernels, tc.precision, tc.compile, tc.max_tokens, cfg.cache_dir,
+        tc.master_weights,
     )
     model = compile_model(forward, tc)
     model = distributed.wrap(model, info)

@@ -122,6 +122,8 @@ class Updater:
         self._streak: Optional[torch.Tensor] = None  # consecutive skipped updates (device)
         self._skipped: Optional[torch.Tensor] = None  # skipped updates in all (device)
         self._reported = 0  # of those, how many the log has told
+        # train.master_weights: the passes run on a 16-bit working copy of ``params``
+        self.master = getattr(distributed.unwrap(model), "master", None)
 
     def __call__(self, batches: list[Batch], state: TrainState) -> Optional[UpdateResult]:
         """Forward/backward every batch, then step; None when the update was skipped.
@@ -145,13 +147,17 @@ class Updater:
         local_tokens = float(sum(b.ntokens * b.weight for b in batches))  # from the host
         sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, NLL, tokens
         self.optimizer.zero_grad(set_to_none=True)
+        autocast = self.tc.precision
+        if self.master is not None:  # the working copy takes the master weights' values
+            self.master.pull()
+            autocast = "fp32"  # it is 16-bit itself: no autocast
         for i, batch in enumerate(batches):
             with distributed.no_sync(self.model, skip=i < len(batches) - 1):
-                loss, nll = self.loss_fn(
-                    self.model, batch, self.tc.label_smoothing, self.tc.precision
-                )
+                loss, nll = self.loss_fn(self.model, batch, self.tc.label_smoothing, autocast)
                 self.scaler.scale(loss * c).backward()
             sums[:2] += torch.stack([loss.detach(), nll.detach()]).double()
+        if self.master is not None:  # the master weights take its gradients, as float32
+            self.master.push_grads()
         sums[2].fill_(local_tokens)  # a fill kernel: assigning a float copies from the host
         distributed.all_reduce_sum(sums)  # the update's figures over all ranks
         total = sums[2:].clamp_min(1.0)  # (1,) target tokens of the update, all ranks
