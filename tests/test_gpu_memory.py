@@ -32,6 +32,16 @@ def test_the_estimate_grows_with_the_batch():
     assert 0 < small < large
 
 
+def test_master_weights_hold_a_16_bit_copy_and_less_activation_memory():
+    """With master weights the step holds the float32 masters and a 16-bit copy (1.5x the
+    parameters' bytes) and keeps its activations in 16 bits (fewer bytes than autocast's)."""
+    cfg = load_config(["model=small", "model.N=1"]).model
+    autocast = estimate_step_gb(cfg, 8000, 2000, "bf16")
+    master = estimate_step_gb(cfg, 8000, 2000, "bf16", master_weights=True)
+    assert master["parameter"] == pytest.approx(1.5 * autocast["parameter"], rel=1e-3)
+    assert master["activation"] < autocast["activation"]
+
+
 def test_the_peak_only_tracker_finds_the_stock_trackers_peak(monkeypatch):
     """The estimate keeps only the overall peak (fast); torch's tracker, which also keeps each
     module's peak, finds the same figures."""

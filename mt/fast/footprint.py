@@ -3,34 +3,43 @@
 from __future__ import annotations
 
 
-def estimate_step_gb(model_cfg, vocab_size: int, tokens: int, precision: str = "bf16") -> dict:
+def estimate_step_gb(
+    model_cfg, vocab_size: int, tokens: int, precision: str = "bf16", master_weights: bool = False
+) -> dict:
     """The peak memory of one training step (forward, the blockwise loss, backward, Adam) of
     a model at ``tokens`` padded tokens per batch, computed without running it: the step runs
     on fake tensors (no storage) under torch's memory tracker, which counts parameters,
     activations, gradients and optimizer state as they live and die. Returns GiB per kind
-    (``total``: the peak). Sentences of 25 tokens; autocast's dtype for ``precision``.
+    (``total``: the peak). Sentences of 25 tokens; autocast's dtype for ``precision``, or with
+    ``master_weights`` a 16-bit working copy and float32 masters (``mt.fast.master``).
     """
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from mt.fast.master import MasterWeights
     from mt.fast.precision import autocast
     from mt.fast.training import TrainingModel
     from mt.model.transformer import build_model
 
     with FakeTensorMode():
         model = build_model(model_cfg, vocab_size)
-        step = TrainingModel(model, blockwise=True)
+        master = MasterWeights(model, precision) if master_weights else None
+        step = TrainingModel(model if master is None else master.model, blockwise=True)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
         tracker = _peak_only(MemTracker)()
-        tracker.track_external(model, opt)
+        tracker.track_external(model, opt, *([master.model] if master else []))
         B, L = max(1, tokens // 25), 25
         src, tgt = (torch.randint(4, vocab_size, (B, L)) for _ in range(2))
         with tracker:
-            with autocast("cpu", precision):
+            if master is not None:
+                master.pull()
+            with autocast("cpu", precision if master is None else "fp32"):
                 h = step(src, tgt, None, project=False).reshape(-1, model_cfg.d_model)
                 loss, _ = step.loss(h, tgt.reshape(-1), 0.1)
             loss.backward()
+            if master is not None:
+                master.push_grads()
             opt.step()
         peak = tracker.get_tracker_snapshot("peak")
     totals: dict[str, float] = {}

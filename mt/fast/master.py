@@ -45,7 +45,7 @@ class MasterWeights:
                 f"train.master_weights needs train.precision bf16 or fp16, got {precision!r}"
             )
         self.params = list(model.parameters())
-        self.model = copy.deepcopy(model).to(DTYPES[precision])
+        self.model = _copy_in(model, DTYPES[precision])
         self._working = list(self.model.parameters())
         if [p.shape for p in self._working] != [p.shape for p in self.params]:
             raise RuntimeError("the working copy's parameters do not match the model's")
@@ -78,3 +78,15 @@ class MasterWeights:
             torch._foreach_copy_(to, frm)
         for p in self._working:
             p.grad = None
+
+
+def _copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``model`` whose parameters and floating-point buffers are new ``dtype`` tensors
+    (tied ones stay tied; other buffers are shared). Each tensor is converted once, not copied
+    first: no float32 double of the model, and fake tensors stay in their fake mode."""
+    memo: dict[int, object] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = b.detach().to(dtype) if b.is_floating_point() else b
+    return copy.deepcopy(model, memo)
