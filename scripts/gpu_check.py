@@ -26,19 +26,19 @@ start in time is listed as skipped:
 7. ``base-master``, ``big-master``: the same eager benches with a bf16 model and float32 master
    weights (``train.master_weights=true``) instead of autocast: whether leaving out autocast's
    casts (16% of the kernels' time and a quarter of the launches of an update on the H100)
-   makes the step faster.
+   makes the step faster; ``base-master-compiled`` the same, compiled.
 
 The default order (``--steps`` picks and orders them): tests (beside the preparation of the
-corpora), base eager, base with master weights, big eager, big with master weights, the
-profile, Multi30k, the loader, base eager with lengths padded to 8, base compiled, big
-compiled: the open question first (master weights, each beside its autocast twin on the same
-warm GPU), then the profile and Multi30k's test score (which the H100's run lost to a bug at
-its end), then what was measured on both GPUs.
-The default budget, 540 s, fits one call of this workplace's device tool (10 minutes a call, 15 of
-device time a session); on an H200 the first run of everything took 426 s (base compiled alone 180
-s; big compiled was left out), the second (all but Multi30k and big eager) 476 s, of which base and
-big compiled 199 s and 187 s; on an H100 (tree 68626a4) everything but big compiled took 438 s,
-big compiled alone 238 s in a second call.
+corpora), base eager, base with master weights, big eager, big with master weights, the profile,
+Multi30k, the loader, base eager with lengths padded to 8, base compiled, big compiled, base
+compiled with master weights: the open question first (master weights, each beside its autocast
+twin on the same warm GPU), then the profile and Multi30k's test score (which the H100's run
+lost to a bug at its end), then what was measured on both GPUs. The default budget, 540 s, fits
+one call of this workplace's device tool (10 minutes a call, 15 of device time a session); on an
+H200 the first run of everything took 426 s (base compiled alone 180 s; big compiled was left
+out), the second (all but Multi30k and big eager) 476 s, of which base and big compiled 199 s
+and 187 s; on an H100 (tree 68626a4) everything but big compiled took 438 s, big compiled alone
+238 s in a second call.
 
 Offline machines: the few packages the device image lacks travel as wheels (``.whl``, see
 README "When a GPU is lent") and the corpora as a folder (``--data-dir``); this script installs
@@ -399,9 +399,17 @@ def summary(out: Path, steps: list[dict], info: dict) -> str:
 
 # The steps and their default order: the open questions first where a budget is short.
 STEPS = ("tests", "base", "base-master", "big", "big-master", "profile", "multi30k", "data",
-         "base-pad8", "base-compiled", "big-compiled")
+         "base-pad8", "base-compiled", "big-compiled", "base-master-compiled")
+# bench train: a preset, then what differs from eager autocast (pad8, master, compiled)
 TRAIN_BENCHES = ("base-pad8", "base", "big", "base-compiled", "big-compiled", "base-master",
-                 "big-master")  # bench train
+                 "big-master", "base-master-compiled")
+
+
+def bench_variant(name: str) -> tuple[str, dict]:
+    """A bench step's preset and how it differs from eager autocast: ``base-master-compiled``
+    -> ``("base", {"compiled": True, "pad8": False, "master": True})``."""
+    preset, *how = name.split("-")
+    return preset, {flag: flag in how for flag in ("compiled", "pad8", "master")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -464,10 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         if name == "base-pad8" and data is None:
             continue  # padding needs the corpus's lengths (random batches would repeat base)
         if name in TRAIN_BENCHES:
-            preset = "small" if args.quick else name.split("-")[0]
-            record(bench_train(args, out, env, data, preset, compiled=name.endswith("compiled"),
-                               pad8=name.endswith("pad8"),
-                               master=name.endswith("master")))  # fmt: skip
+            preset, how = bench_variant(name)
+            record(bench_train(args, out, env, data, "small" if args.quick else preset, **how))
         elif name == "data" and data is not None:
             record(bench_data(args, out, env, data))
         elif name == "multi30k":

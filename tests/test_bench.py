@@ -283,17 +283,16 @@ def test_gpu_check_runs_its_steps_in_miniature_on_a_cpu(real_data, tmp_path):
     env = dict(os.environ, MT_DATA_DIR=str(real_data))
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--device", "cpu", "--quick",
-         "--out", str(tmp_path / "out"), "--steps", "multi30k,base,base-master,profile"],
+         "--out", str(tmp_path / "out"), "--steps", "multi30k,base,profile"],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = (tmp_path / "out" / "summary.md").read_text()
     order = ("multi30k_prepare", "multi30k_train", "multi30k_evaluate", "bench_small_eager",
-             "bench_small_eager_master", "profile")  # fmt: skip
+             "profile")  # fmt: skip
     at = [text.index(f"| {step} | 0 |") for step in order]
     assert at == sorted(at)
     assert "Multi30k de->en test BLEU" in text and "tgt tok/s" in text
-    assert text.count("| 64x1 ") == 2 and "| 64x1 bf16, master weights |" in text
     profile_text = (tmp_path / "out" / "profile.txt").read_text()
     assert profile_text.strip() and "The copies of one update by input shape" in profile_text
     profiled = json.loads((tmp_path / "out" / "profile.json").read_text())
@@ -301,6 +300,31 @@ def test_gpu_check_runs_its_steps_in_miniature_on_a_cpu(real_data, tmp_path):
     assert len(set(profiled["same_shape"]["tokens_per_update"])) == 1
     assert profiled["products"]["default"]["new_shapes_us"] > 0
     assert profiled["products"]["default"]["seen_shape_us"] > 0
+
+
+def test_gpu_check_bench_steps_name_their_variant_and_the_summary_shows_it(monkeypatch, tmp_path):
+    """Each bench step's name gives its flags (``base-master-compiled``: bf16 master weights,
+    compiled), and the summary's row names master weights (the miniature above runs the
+    plain bench only; ``bench train --master-weights`` itself runs in the DDP test below)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import gpu_check
+
+    seen = {}
+    monkeypatch.setattr(gpu_check, "run", lambda cmd, out, name, *a, **k: seen.update(
+        {name: cmd}) or {"step": name, "status": 0, "seconds": 0.0})  # fmt: skip
+    args = gpu_check.argparse.Namespace(device="cuda", quick=False, step_timeout=60)
+    for name in gpu_check.TRAIN_BENCHES:
+        preset, how = gpu_check.bench_variant(name)
+        gpu_check.bench_train(args, tmp_path, {}, None, preset, **how)
+    cmd = seen["bench_base_compiled_master"]
+    assert "--master-weights" in cmd and "--compile" in cmd and "bf16" in cmd
+    assert "--master-weights" not in seen["bench_base_compiled"]
+    assert "--pad-multiple" in seen["bench_base_eager_pad8"]
+    assert len(seen) == len(gpu_check.TRAIN_BENCHES) == 8
+    record = {"bench": "train", "d_model": 512, "layers": 6, "precision": "bf16",
+              "compile": False, "tgt_tok_per_s": 1.0, "master_weights": True}  # fmt: skip
+    (tmp_path / "bench.jsonl").write_text(json.dumps(record) + "\n")
+    assert "| 512x6 bf16, master weights | False |" in gpu_check.summary(tmp_path, [], {})
 
 
 def test_gpu_check_refuses_an_unknown_step_before_running_anything(tmp_path):
@@ -313,13 +337,16 @@ def test_gpu_check_refuses_an_unknown_step_before_running_anything(tmp_path):
 
 def test_train_under_ddp_reports_the_whole_job(tmp_path):
     """``--ddp 2`` runs the step as two gloo ranks under torchrun; rank 0 alone reports, with
-    the tokens of both ranks (each its own batches) in the job's figures."""
+    the tokens of both ranks (each its own batches) in the job's figures. The step trains a
+    bf16 working copy with float32 master weights (``--master-weights``), so DDP all-reduces
+    the copy's bf16 gradients (``tests/test_distributed.py`` holds fp32 DDP equal to one rank)."""
     args = ["train", *TINY, "--batch-size", "3", "--min-len", "2", "--max-len", "5"]
     args += ["--steps", "2", "--warmup-steps", "1", "--ddp", "2"]
+    args += ["--precision", "bf16", "--master-weights"]  # DDP over a bf16 working copy
     records, stdout = run_bench(args, tmp_path)
     assert len(records) == 1 and stdout.count("tgt tok/s") == 1
     r = records[0]
-    assert r["impl"] == "mt" and r["ranks"] == 2
+    assert r["impl"] == "mt" and r["ranks"] == 2 and r["master_weights"]
     assert r["tgt_tok_per_s_per_rank"] == pytest.approx(r["tgt_tok_per_s"] / 2)
     # Two ranks x 3 pairs of 2..5 tokens, +EOS each, per step.
     assert 2 * 3 * 3 <= r["tgt_tokens_per_step"] <= 2 * 3 * 6

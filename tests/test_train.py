@@ -380,12 +380,12 @@ def test_accumulation_equals_one_big_batch(tmp_path):
     assert got == pytest.approx(total / ntok, rel=1e-5)
 
 
-@pytest.mark.parametrize("master", [False, True], ids=["autocast", "master-weights"])
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize(("precision", "master"), [("bf16", False), ("fp16", False),
+                                                 ("bf16", True)])  # fmt: skip
 def test_mixed_precision_trains(tmp_path, precision, master):
-    """bf16 and fp16 (a dynamic loss scale), under autocast or on a 16-bit copy with float32
-    master weights, run, log finite losses and save float32 weights and the scaler state
-    (fp16) for resume."""
+    """bf16 and fp16 (a dynamic loss scale) under autocast, and bf16 on a 16-bit copy with
+    float32 master weights, run, log finite losses and save float32 weights and the scaler
+    state (fp16) for resume (fp16 with master weights: ``tests/test_master.py``)."""
     run = tmp_path / precision
     result = train(_cfg(run, "train.max_steps=6", f"train.precision={precision}",
                         f"train.master_weights={str(master).lower()}"))  # fmt: skip
