@@ -503,3 +503,49 @@ def test_copy_rows_equals_reorder(real_model):
     for got, want in zip(cache.layers, expected.layers):
         for a, b in zip(got.self_attn.filled(), want.self_attn.filled()):
             assert a.size(2) == 4 and torch.equal(a, b)
+
+
+def test_int8_linear_is_the_symmetric_per_channel_product_of_its_formula():
+    """``Int8Linear`` against an independent computation: its int8 weights are the rows
+    rounded with one scale each (largest magnitude / 127.5; float32's eps for a zero row), and
+    its output is the float product within the error of 7-bit activations and those
+    weights."""
+    import warnings
+
+    from mt.fast.quantize import Int8Linear
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
+    w[3] = 0.0
+    x = torch.randn(7, 40, generator=g)
+    layer = Int8Linear(w, b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q, bias = torch.ops.quantized.linear_unpack(layer._packed)
+    scale = (w.abs().amax(dim=1) / 127.5).clamp(min=torch.finfo(torch.float32).eps)
+    torch.testing.assert_close(q.q_per_channel_scales().float(), scale)
+    # rounded times the inverse scale in float32, as the kernel does (a largest magnitude
+    # lands on -127.49999 by division, on -127.5 -> -128 by the inverse)
+    rounded = torch.round(w * (1 / scale)[:, None]).clamp(-128, 127).to(torch.int8)
+    assert torch.equal(q.int_repr(), rounded)
+    assert torch.equal(bias, b)
+    step = float(x.max() - min(float(x.min()), 0.0)) / 127  # the activations' quantum
+    bound = (x.abs() @ (scale / 2).expand(40, 24)) + (step / 2) * w.abs().sum(dim=1)
+    assert ((layer(x) - (x @ w.t() + b)).abs() <= bound * 1.01 + 1e-5).all()
+
+
+def test_int8_linear_equals_torchs_deprecated_dynamic_quantization_to_the_bit():
+    """What ``torch.ao.quantization.quantize_dynamic`` made before (while torch still ships
+    it): the same outputs, bit for bit, weight and bias alike."""
+    import warnings
+
+    from mt.fast.quantize import Int8Linear
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ao = pytest.importorskip("torch.ao.quantization")
+        lin = nn.Linear(40, 24)
+        ref = ao.quantize_dynamic(nn.Sequential(lin), {nn.Linear: ao.per_channel_dynamic_qconfig},
+                                  dtype=torch.qint8)[0]  # fmt: skip
+    x = torch.randn(9, 40)
+    assert torch.equal(Int8Linear(lin.weight, lin.bias)(x), ref(x))

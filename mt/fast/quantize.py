@@ -1,8 +1,19 @@
 """int8 decoding: every ``nn.Linear`` and the tied pre-softmax projection as dynamically
-quantized int8 products (weights int8 per output channel, activations quantized per call from
-their observed range, int32 accumulation, float32 output; ``torch.ao.quantization``'s
-``quantize_dynamic`` with fbgemm's VNNI kernels). Embeddings, LayerNorm, softmax and attention
-stay float32."""
+quantized int8 products (weights int8 per output channel, symmetric; activations quantized per
+call from their observed range; int32 accumulation, float32 output), on fbgemm's kernels
+(``quantized::linear_dynamic``, VNNI where the CPU has it). Embeddings, LayerNorm, softmax and
+attention stay float32.
+
+The products are ATen's own operators, called directly (:class:`Int8Linear`). They were reached
+through ``torch.ao.quantization.quantize_dynamic`` before, the first part of torch's quantization
+to be deprecated (its notice: "will be removed in 2.10"; still present in 2.13) in favour of the
+separate torchao package; :class:`Int8Linear` computes what that path computed, to the bit
+(``tests/test_search.py``), without it. Its quantized weight tensor (``quantize_per_channel``)
+is deprecated too, "in a future release", with no date. The core operators that are not
+deprecated are no substitute on a CPU without VNNI: on a 2-core AMD Zen 3 at 32 rows x 512 ->
+2048, fbgemm's product took 285 us, ``torch._weight_int8pack_mm`` (int8 weights, float
+activations) 40,434 us and ``torch._int_mm`` 35,290 us.
+"""
 
 from __future__ import annotations
 
@@ -11,30 +22,52 @@ import warnings
 import torch
 from torch import nn
 
+from mt.fast.modules import replace_modules, shared_copy
+
+
+class Int8Linear(nn.Module):
+    """``x W^T + b`` for float32 ``x``, with ``W`` held as int8 per output channel.
+
+    The weight's scales are those of torch's per-channel symmetric weight observer (the
+    largest magnitude of each row over 127.5, at least float32's eps; zero points 0); each
+    call quantizes ``x`` per tensor from its range (fbgemm's reduced range, 7 bits) and
+    accumulates in int32. Not trainable; the float32 weight is not kept.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        largest = torch.maximum(-w.amin(dim=1).clamp(max=0), w.amax(dim=1).clamp(min=0))
+        scale = torch.clamp(largest / 127.5, min=torch.finfo(torch.float32).eps)
+        zero = torch.zeros(w.size(0), dtype=torch.int64)
+        b = None if bias is None else bias.detach().float()
+        with warnings.catch_warnings():  # quantized tensors' own deprecation notice (below)
+            warnings.simplefilter("ignore")
+            q = torch.quantize_per_channel(w, scale.double(), zero, 0, torch.qint8)
+            self._packed = torch.ops.quantized.linear_prepack(q, b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., in) float32 -> (..., out) float32."""
+        return torch.ops.quantized.linear_dynamic(x, self._packed, True)  # reduce_range
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int8 per channel"
+
 
 def quantize_int8(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """An int8 dynamically quantized copy of ``model`` and of its projection, for decoding.
+    """An int8 copy of ``model`` and of its projection, for decoding.
 
     Args:
         model: an ``mt.model.transformer.Transformer`` (``output_weight``: the projection).
 
     Returns:
-        ``(copy, head)`` in eval mode: the quantized model and the int8 pre-softmax projection
-        (all ``padded_vocab`` rows); ``model`` is not modified.
+        ``(copy, head)`` in eval mode: the model with every ``nn.Linear`` an
+        :class:`Int8Linear` (its other parameters shared with ``model``, not copied) and the
+        int8 pre-softmax projection (all ``padded_vocab`` rows); ``model`` is not modified.
     """
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-    was_training = model.training
-    weight = model.output_weight.detach()  # (V_padded, D), tied to the target embedding
-    head = nn.Linear(weight.size(1), weight.size(0), bias=False, device="meta")  # no draw
-    head.weight = nn.Parameter(weight.clone(), requires_grad=False)
-    parts = nn.ModuleDict({"model": model, "head": head})
-    try:
-        with warnings.catch_warnings():  # torch.ao.quantization's deprecation notices
-            warnings.simplefilter("ignore")
-            quantized = quantize_dynamic(
-                parts.eval(), {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8
-            )
-    finally:
-        model.train(was_training)
-    return quantized["model"].eval(), quantized["head"].eval()
+    clone = shared_copy(model)
+    replace_modules(
+        clone, lambda m: Int8Linear(m.weight, m.bias) if type(m) is nn.Linear else None
+    )
+    return clone.eval(), Int8Linear(model.output_weight).eval()
