@@ -12,7 +12,8 @@ separate torchao package; :class:`Int8Linear` computes what that path computed, 
 is deprecated too, "in a future release", with no date. The core operators that are not
 deprecated are no substitute on a CPU without VNNI: on a 2-core AMD Zen 3 at 32 rows x 512 ->
 2048, fbgemm's product took 285 us, ``torch._weight_int8pack_mm`` (int8 weights, float
-activations) 40,434 us and ``torch._int_mm`` 35,290 us.
+activations) 40,434 us, ``torch._int_mm`` 35,290 us and oneDNN's ``qlinear_pointwise`` (with the
+activations quantized in torch) 801 us against fbgemm's 447 in a second run.
 """
 
 from __future__ import annotations
