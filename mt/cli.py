@@ -22,7 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mt.allocator import bound_onednn_kernels, launched_as_command, preload_allocator
-from mt.config import command_overrides, conf_dir, register_schema, to_config
 from mt.schema import Config
 
 log = logging.getLogger("mt")
@@ -45,14 +44,18 @@ def _hydra_app(task: Callable[[Config], object], command: str) -> Callable[[], N
     """Wrap a stage function ``task(cfg)`` as the Hydra command-line app ``mt-<command>``."""
 
     def main() -> None:
-        import hydra
-
         tool = f"mt-{command}"
         if launched_as_command():  # first: a library cannot replace malloc later
             try:
                 preload_allocator()  # MT_ALLOCATOR: tcmalloc or jemalloc where installed
             except ValueError as err:
                 sys.exit(f"{tool}: {err}")
+        # Hydra after the allocator's decision: a process that is executed again under the
+        # allocator would import it twice (~0.3 s of a command's start)
+        import hydra
+
+        from mt.config import command_overrides, conf_dir, register_schema, to_config
+
         bound_onednn_kernels()  # before this process's first oneDNN product
         check_config_files(tool, [conf_dir(), *_extra_config_dirs(sys.argv[1:])])
         # A command's own settings as users type them: mt-translate input=x -> translate.input=x
