@@ -83,11 +83,11 @@ def test_master_weights_need_a_16_bit_precision():
         MasterWeights(tiny_model(), "fp32")
 
 
-def _updater(step, model, precision: str, sgd: bool = True) -> Updater:
+def _updater(step, model, precision: str, device: str = "cpu") -> Updater:
     cfg = load_config([f"train.precision={precision}", "train.clip_norm=0"])
     opt = torch.optim.SGD(model.parameters(), lr=1.0)  # the update is -(the master gradient)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
+    scaler = torch.amp.GradScaler(device, enabled=precision == "fp16")
     return Updater(step, model.parameters(), opt, sched, scaler, cfg, 1)
 
 
@@ -164,11 +164,7 @@ def test_master_weights_on_the_gpu_give_the_cpu_reference_gradient(precision):
     textbook gradient of a 16-bit copy computed on the CPU."""
     model = tiny_model().cuda()
     step = for_training(model, torch.device("cuda"), precision=precision, master_weights=True)
-    cfg = load_config([f"train.precision={precision}", "train.clip_norm=0"])
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
-    update = Updater(step, model.parameters(), opt, sched, scaler, cfg, 1)
+    update = _updater(step, model, precision, "cuda")
     batch = padded_batch()
     want = _textbook_gradient(copy.deepcopy(model).cpu(), batch, DTYPES[precision])
     before = [p.detach().to("cpu", copy=True) for p in model.parameters()]

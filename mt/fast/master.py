@@ -53,17 +53,16 @@ class MasterWeights:
 
     @torch.no_grad()
     def pull(self) -> None:
-        """The working copy takes the masters' values (rounded to 16 bits); its gradients are
-        cleared. Before an update's passes."""
-        for p in self._working:
-            p.grad = None
+        """The working copy takes the masters' values (rounded to 16 bits). Before an update's
+        passes (its gradients are None then: :meth:`push_grads` took them)."""
         torch._foreach_copy_(self._working, self.params)
 
     @torch.no_grad()
     def push_grads(self) -> None:
         """The masters take the working copy's gradients, as float32 (kept buffers, one per
         parameter, so nothing is allocated after the first update). After the backward
-        passes; a parameter without a gradient keeps none."""
+        passes; a parameter without a gradient keeps none. The working copy's gradients are
+        let go (None), so its next passes start afresh."""
         to, frm = [], []
         for i, (master, work) in enumerate(zip(self.params, self._working)):
             if work.grad is None:
