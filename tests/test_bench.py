@@ -320,7 +320,16 @@ def test_gpu_check_bench_steps_name_their_variant_and_the_summary_shows_it(monke
     assert "--master-weights" in cmd and "--compile" in cmd and "bf16" in cmd
     assert "--master-weights" not in seen["bench_base_compiled"]
     assert "--pad-multiple" in seen["bench_base_eager_pad8"]
-    assert len(seen) == len(gpu_check.TRAIN_BENCHES) == 8
+    assert len(seen) == len(gpu_check.TRAIN_BENCHES) == 9
+    # Multi30k's bf16 twin: master weights, its own run directory, the preparation not repeated
+    args.multi30k_minutes = None
+    prepared = {"step": "multi30k_prepare", "status": 0, "seconds": 1.0}
+    steps = gpu_check.multi30k(args, tmp_path, {}, prepared, master=True)
+    assert [s["step"] for s in steps] == ["multi30k_master_train", "multi30k_master_evaluate"]
+    cmd = seen["multi30k_master_train"]
+    assert {"train.precision=bf16", "train.master_weights=true"} <= set(cmd)
+    assert f"run_dir={tmp_path / 'multi30k_master'}" in cmd
+    assert f"cache_dir={tmp_path / 'cache'}" in cmd  # the corpus prepared once, for both
     record = {"bench": "train", "d_model": 512, "layers": 6, "precision": "bf16",
               "compile": False, "tgt_tok_per_s": 1.0, "master_weights": True}  # fmt: skip
     (tmp_path / "bench.jsonl").write_text(json.dumps(record) + "\n")
