@@ -549,3 +549,21 @@ def test_int8_linear_equals_torchs_deprecated_dynamic_quantization_to_the_bit():
                                   dtype=torch.qint8)[0]  # fmt: skip
     x = torch.randn(9, 40)
     assert torch.equal(Int8Linear(lin.weight, lin.bias)(x), ref(x))
+
+
+def test_int8_feed_forward_fuses_the_relu_and_equals_the_unfused_blocks_to_the_bit():
+    """The int8 copy's feed-forward blocks put the ReLU inside fbgemm's first product: the
+    same output, bit for bit, as ``w2(relu(w1(x)))`` through two plain int8 products."""
+    from mt.fast.quantize import Int8FeedForward, Int8Linear, quantize_int8
+    from mt.model.transformer import FeedForward
+
+    torch.manual_seed(0)
+    ffn = FeedForward(32, 64)
+    fused = Int8FeedForward(ffn)
+    w1, w2 = Int8Linear(ffn.w1.weight, ffn.w1.bias), Int8Linear(ffn.w2.weight, ffn.w2.bias)
+    x = torch.randn(2, 7, 32)
+    hidden = w1(x)
+    assert (hidden < 0).any()  # the ReLU has work to do
+    assert torch.equal(fused(x), w2(torch.relu(hidden)))
+    copy, _ = quantize_int8(sharp_random_model())
+    assert all(type(layer.ffn) is Int8FeedForward for layer in (*copy.encoder, *copy.decoder))

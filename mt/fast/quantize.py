@@ -24,9 +24,10 @@ import torch
 from torch import nn
 
 from mt.fast.modules import replace_modules, shared_copy
-
+from mt.model.transformer import FeedForward
 
 _LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default
+_LINEAR_RELU_DYNAMIC = torch.ops.quantized.linear_relu_dynamic.default
 
 
 class Int8Linear(nn.Module):
@@ -62,8 +63,28 @@ class Int8Linear(nn.Module):
         with torch._C.DisableTorchFunctionSubclass():
             return _LINEAR_DYNAMIC(x, self._packed, True)  # reduce_range
 
+    def relu(self, x: torch.Tensor) -> torch.Tensor:
+        """``max(0, x W^T + b)``, the ReLU inside fbgemm's product (on its float32 output, so
+        the same to the bit as ``relu(self(x))``, one pass over the output fewer)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return _LINEAR_RELU_DYNAMIC(x, self._packed, True)
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int8 per channel"
+
+
+class Int8FeedForward(nn.Module):
+    """FFN(x) = W2 relu(W1 x + b1) + b2 in int8, the ReLU fused into the first product (for
+    decoding; ``ffn`` is an ``mt.model.transformer.FeedForward``)."""
+
+    def __init__(self, ffn: nn.Module) -> None:
+        super().__init__()
+        self.w1 = Int8Linear(ffn.w1.weight, ffn.w1.bias)
+        self.w2 = Int8Linear(ffn.w2.weight, ffn.w2.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., D) -> (..., D)."""
+        return self.w2(self.w1.relu(x))
 
 
 def quantize_int8(model: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -74,11 +95,15 @@ def quantize_int8(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 
     Returns:
         ``(copy, head)`` in eval mode: the model with every ``nn.Linear`` an
-        :class:`Int8Linear` (its other parameters shared with ``model``, not copied) and the
+        :class:`Int8Linear` (each feed-forward block an :class:`Int8FeedForward`; the other
+        parameters shared with ``model``, not copied) and the
         int8 pre-softmax projection (all ``padded_vocab`` rows); ``model`` is not modified.
     """
+    def rule(child: nn.Module) -> nn.Module | None:
+        if isinstance(child, FeedForward):
+            return Int8FeedForward(child)
+        return Int8Linear(child.weight, child.bias) if type(child) is nn.Linear else None
+
     clone = shared_copy(model)
-    replace_modules(
-        clone, lambda m: Int8Linear(m.weight, m.bias) if type(m) is nn.Linear else None
-    )
+    replace_modules(clone, rule)
     return clone.eval(), Int8Linear(model.output_weight).eval()
