@@ -50,9 +50,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install $(PIP_OPTS) -e ".[all,dev]"
 	@touch $@
 
-test: install  ## lint (ruff) and the whole test suite
+# Test files in this many processes (pytest-xdist; a file's tests stay together, so its
+# fixtures are made once); TEST_WORKERS=0 runs them in this process, one after the other.
+TEST_WORKERS ?= 2
+
+test: install  ## lint (ruff) and the whole test suite (TEST_WORKERS processes)
 	$(PY) -m ruff check mt tests scripts
-	$(PY) -m pytest -q --durations=10 $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10 $(ARGS)
 
 lint: install  ## ruff alone
 	$(PY) -m ruff check mt tests scripts
