@@ -567,3 +567,22 @@ def test_int8_feed_forward_fuses_the_relu_and_equals_the_unfused_blocks_to_the_b
     assert torch.equal(fused(x), w2(torch.relu(hidden)))
     copy, _ = quantize_int8(sharp_random_model())
     assert all(type(layer.ffn) is Int8FeedForward for layer in (*copy.encoder, *copy.decoder))
+
+
+def test_row_max_is_torchs_max_first_occurrence_and_nan_included():
+    """Greedy's per-row maximum (NumPy's argmax on a CPU) gives what ``torch.max`` gives: the
+    value and the index of its first occurrence, a row of -inf and a NaN included, and on a
+    non-contiguous view."""
+    from mt.decode.strategies import row_max
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 5, (9, 40), generator=g).float()  # many ties
+    x[1] = float("-inf")
+    x[2, 7] = float("nan")
+    x[3, [4, 30]] = 9.0
+    for block in (x, x[:, ::2], x.t().contiguous().t()):
+        values, index = row_max(block)
+        ref_values, ref_index = block.max(dim=-1)
+        assert torch.equal(index, ref_index) and index.dtype == torch.long
+        assert torch.allclose(values, ref_values, equal_nan=True)
+    assert row_max(x)[1][3] == 4
