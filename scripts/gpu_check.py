@@ -204,16 +204,16 @@ def multi30k_args(args, out: Path) -> list[str]:
 
 def multi30k(args, out: Path, env: dict, prepared: dict, master: bool = False) -> list[dict]:
     """train -> evaluate on Multi30k de->en, as `make train` runs them, after ``prepared``
-    (the prepare step, run beside the tests). ``master``: in bf16 with float32 master weights
-    (``train.master_weights``, the WMT experiments' choice) in a run directory of its own,
-    the recipe otherwise the same: what the bf16 model does to the test score."""
+    (the prepare step's record: it ran beside the tests). ``master``: in bf16 with float32
+    master weights (``train.master_weights``, the WMT experiments' choice) in a run directory of
+    its own, the recipe otherwise the same: what the bf16 model does to the test score."""
     common = multi30k_args(args, out)
     name = "multi30k_master" if master else "multi30k"
     if master:
         common = [f"run_dir={out / name}", *common[1:]]
         if not args.quick:  # (the miniature keeps fp32: a CPU may only emulate bf16)
             common += ["train.precision=bf16", "train.master_weights=true"]
-    steps = [] if master else [prepared]
+    steps: list[dict] = []
     for stage, needs in (("train", 60), ("evaluate", 20)):
         if (steps or [prepared])[-1]["status"] != 0:
             break
@@ -495,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         elif name.startswith("multi30k"):
             if m30k_prep and not isinstance(m30k_prep, dict):  # the preparation, once
                 m30k_prep = finish(m30k_prep, args.step_timeout)
+                record(m30k_prep)
             record(*multi30k(args, out, env, m30k_prep, master=name == "multi30k-master"))
         elif name == "profile":
             record(profile(args, out, env))
