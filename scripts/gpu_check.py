@@ -190,8 +190,10 @@ def prepared_news(out: Path, step: dict | None) -> Path | None:
     return found[0].parent / "train" if step and step["status"] == 0 and found else None
 
 
-def multi30k_args(args, out: Path) -> list[str]:
-    common = [f"run_dir={out / 'multi30k'}", f"cache_dir={out / 'cache'}",
+def multi30k_args(args, out: Path, run: str = "multi30k") -> list[str]:
+    """The Multi30k commands' settings; ``run``: the run directory's name under ``out`` (the
+    prepared corpus is shared through ``out/cache``)."""
+    common = [f"run_dir={out / run}", f"cache_dir={out / 'cache'}",
               f"train.device={args.device}"]  # fmt: skip
     if args.multi30k_minutes:
         common.append(f"train.max_minutes={args.multi30k_minutes}")
@@ -207,18 +209,17 @@ def multi30k(args, out: Path, env: dict, prepared: dict, master: bool = False) -
     (the prepare step's record: it ran beside the tests). ``master``: in bf16 with float32
     master weights (``train.master_weights``, the WMT experiments' choice) in a run directory of
     its own, the recipe otherwise the same: what the bf16 model does to the test score."""
-    common = multi30k_args(args, out)
     name = "multi30k_master" if master else "multi30k"
-    if master:
-        common = [f"run_dir={out / name}", *common[1:]]
-        if not args.quick:  # (the miniature keeps fp32: a CPU may only emulate bf16)
-            common += ["train.precision=bf16", "train.master_weights=true"]
-    steps: list[dict] = []
+    common = multi30k_args(args, out, name)
+    if master and not args.quick:  # (the miniature keeps fp32: a CPU may only emulate bf16)
+        common += ["train.precision=bf16", "train.master_weights=true"]
+    steps, previous = [], prepared
     for stage, needs in (("train", 60), ("evaluate", 20)):
-        if (steps or [prepared])[-1]["status"] != 0:
+        if previous["status"] != 0:
             break
         cmd = [sys.executable, "-m", "mt", stage, *common]
-        steps.append(run(cmd, out, f"{name}_{stage}", env, args.step_timeout, needs))
+        previous = run(cmd, out, f"{name}_{stage}", env, args.step_timeout, needs)
+        steps.append(previous)
     return steps
 
 
@@ -470,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [s for s in chosen
                   if s in ("base", "base-master", "multi30k", "multi30k-master", "profile")]
     # The data preparation runs on the CPU, beside the GPU tests.
-    m30k_prep = None
+    m30k_prep, m30k_prepared = None, None
     if {"multi30k", "multi30k-master"} & set(chosen):
         m30k_prep = start([sys.executable, "-m", "mt", "prepare", *multi30k_args(args, out)],
                           out, "multi30k_prepare", env)  # fmt: skip
@@ -493,10 +494,10 @@ def main(argv: list[str] | None = None) -> int:
         elif name == "data" and data is not None:
             record(bench_data(args, out, env, data))
         elif name.startswith("multi30k"):
-            if m30k_prep and not isinstance(m30k_prep, dict):  # the preparation, once
-                m30k_prep = finish(m30k_prep, args.step_timeout)
-                record(m30k_prep)
-            record(*multi30k(args, out, env, m30k_prep, master=name == "multi30k-master"))
+            if m30k_prepared is None:  # the preparation's end, waited for once
+                m30k_prepared = finish(m30k_prep, args.step_timeout)
+                record(m30k_prepared)
+            record(*multi30k(args, out, env, m30k_prepared, master=name == "multi30k-master"))
         elif name == "profile":
             record(profile(args, out, env))
     print(summary(out, steps, info))

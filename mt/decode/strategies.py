@@ -137,10 +137,9 @@ class Sampling:
 
     def step(self, scores: torch.Tensor, lprobs: torch.Tensor) -> Step:
         """scores (n, 1); lprobs (n, 1, V)."""
-        lp = lprobs[:, 0]
         if self.temperature == 0:
-            best, token = lp.max(dim=-1)
-            return _one_token_step(scores, best, token)
+            return Greedy().step(scores, lprobs)
+        lp = lprobs[:, 0]
         probs = self.distribution(lp.float()).cpu()
         u = torch.cat([torch.rand(1, generator=self.generators[s]) for s in self.sents])
         cdf = probs.cumsum(dim=-1)

@@ -53,21 +53,22 @@ class Int8Linear(nn.Module):
             self._packed = torch.ops.quantized.linear_prepack(q, b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., in) float32 -> (..., out) float32.
-
-        Called with subclasses' ``__torch_function__`` off: torch's Python binding asks every
-        argument for that attribute, and the packed weight (a TorchScript object) answers by
-        throwing a C++ exception, caught and turned into Python's AttributeError at every
-        call; on an AMD Zen 3 that was 25-55 us of the 67-120 us of a 32-row, 256-wide product.
-        """
-        with torch._C.DisableTorchFunctionSubclass():
-            return _LINEAR_DYNAMIC(x, self._packed, True)  # reduce_range
+        """(..., in) float32 -> (..., out) float32."""
+        return self._product(_LINEAR_DYNAMIC, x)
 
     def relu(self, x: torch.Tensor) -> torch.Tensor:
         """``max(0, x W^T + b)``, the ReLU inside fbgemm's product (on its float32 output, so
         the same to the bit as ``relu(self(x))``, one pass over the output fewer)."""
+        return self._product(_LINEAR_RELU_DYNAMIC, x)
+
+    def _product(self, op, x: torch.Tensor) -> torch.Tensor:
+        """fbgemm's ``op`` (reduced range), called with subclasses' ``__torch_function__`` off:
+        torch's Python binding asks every argument for that attribute, and the packed weight
+        (a TorchScript object) answers by throwing a C++ exception, caught and turned into
+        Python's AttributeError at every call; on an AMD Zen 3 that was 25-55 us of the
+        67-120 us of a 32-row, 256-wide product."""
         with torch._C.DisableTorchFunctionSubclass():
-            return _LINEAR_RELU_DYNAMIC(x, self._packed, True)
+            return op(x, self._packed, True)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int8 per channel"
