@@ -106,7 +106,8 @@ def _textbook_gradient(model, batch, dtype) -> list[torch.Tensor]:
 def test_each_update_gives_the_masters_the_gradient_of_the_16_bit_model(precision, cpu_kernels):
     """Two updates (SGD at rate 1, so each moves the masters by minus their gradient): each
     gradient is the textbook gradient of a 16-bit copy of the masters as they were before it
-    (the working copy takes the new values), within 16-bit rounding; the masters stay float32.
+    (the working copy takes the new values), within 16-bit rounding (torch's, or no farther from
+    the exact float64 gradient than torch's); the masters stay float32.
     ``cpu-copy`` is the CPU training copy (its fused loss in blocks, packed FFNs, written-out
     attention); ``model`` the model with its blockwise loss, as on a GPU."""
     model = tiny_model()
@@ -117,11 +118,19 @@ def test_each_update_gives_the_masters_the_gradient_of_the_16_bit_model(precisio
     for seed in (0, 1):
         batch = padded_batch(seed)
         want = _textbook_gradient(model, batch, DTYPES[precision])
+        exact = _textbook_gradient(model, batch, torch.float64)
         before = [p.detach().clone() for p in model.parameters()]
         assert update([batch], TrainState()) is not None
-        for b, p, g in zip(before, model.parameters(), want):
+        for b, p, g, x in zip(before, model.parameters(), want, exact):
             assert p.dtype == torch.float32
-            assert relative_error(b - p.detach(), g) < 0.03, (precision, seed)
+            got = b - p.detach()
+            # Either torch's 16-bit rounding (the textbook's, to 3%) or another kernel's: the
+            # CPU copy's products run on oneDNN's native bf16 where the CPU has AVX512-BF16,
+            # and land 5% from the textbook while as close to the exact gradient as it is.
+            # A wrong gradient (scale, sign, stale masters) is far from both.
+            same_rounding = relative_error(got, g) < 0.03
+            as_exact = relative_error(got, x) <= 1.5 * relative_error(g, x) + 0.01
+            assert same_rounding or as_exact, (precision, seed, relative_error(got, x))
 
 
 class CountCasts(TorchDispatchMode):
