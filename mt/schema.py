@@ -83,6 +83,10 @@ class TokenizerConfig:
     byte_fallback: bool = True  # unknown characters become UTF-8 byte pieces (no <unk>)
     # Pieces kept whole wherever they occur, e.g. [<BT>], the tag of back-translated sources
     user_symbols: list = field(default_factory=list)
+    # Subword regularisation of the training split (valid, test and decoding never): bpe,
+    # BPE-dropout (each merge skipped with this probability); unigram, sampling smoothed by it
+    sampling_alpha: float = 0.0  # 0 = off (one deterministic encoding)
+    sampled_copies: int = 16  # sampled encodings made when preparing; epoch e reads e mod this
 
 
 @dataclass

@@ -34,7 +34,13 @@ from pathlib import Path
 
 import numpy as np
 
-from mt.data.cleaning import Cleaner, NormSpec, filter_encoded_pairs, normalize_pairs
+from mt.data.cleaning import (
+    Cleaner,
+    NormSpec,
+    drop_encoded,
+    filter_encoded_pairs,
+    normalize_pairs,
+)
 from mt.data.corpus import (
     ROLES,
     Corpus,
@@ -43,7 +49,7 @@ from mt.data.corpus import (
     open_corpus,
     split_names,
 )
-from mt.data.encode import encode_files
+from mt.data.encode import Sampling, encode_files
 from mt.data.store import FORMAT_VERSION, CacheError, Prepared
 from mt.data.tokenizer import SIDES, Tokenizer, TokenizerError, num_threads
 from mt.files import file_crc, write_json
@@ -60,6 +66,8 @@ def cache_key(cfg: Config) -> str:
     data.pop("corpus_temperature")
     tok = dataclasses.asdict(cfg.tokenizer)
     tok.pop("threads")  # changes speed, not the result
+    if not tok["sampling_alpha"]:  # off: the keys of data prepared before sampling existed
+        del tok["sampling_alpha"], tok["sampled_copies"]
     if tok.pop("reuse"):  # the model's bytes, not its path, decide the output
         tok = {"reuse_sha256": Tokenizer.from_reference(cfg.tokenizer.reuse).sha256()}
     blob = {
@@ -86,6 +94,7 @@ def prepare(cfg: Config, build: bool = True) -> Prepared:
     Raises:
         mt.data.corpus.DataError: missing or malformed input (nothing is cached then).
     """
+    sampling_copies(cfg)  # a setting out of range fails now, not after the build's first stages
     key = cache_key(cfg)
     root = Path(cfg.cache_dir)
     final = root / f"{cfg.data.name}-{key[:16]}"
@@ -154,14 +163,19 @@ def _build(cfg: Config, out: Path, key: str, root: Path) -> None:
     stage("spm")
     dtype = "uint16" if tokenizer.vocab_size <= 1 << 16 else "int32"
     encode_splits(tokenizer, work, out, specs, dtype, cfg.data.clean.normalize, workers)
-    shutil.rmtree(work)
     stage("encode")
+    copies = encode_sampled(cfg, tokenizer, work, out, dtype, workers)
+    if copies:
+        counts["train"]["sampled_copies"] = copies
+    shutil.rmtree(work)
+    stage("sample")
     filter_pieces(cfg, out, dtype, counts["train"])
     stage("piece_filter")
     write_meta(cfg, out, key, tokenizer, dtype, counts, seconds)
     log.info(
-        "prepared %s in %.1fs (read+clean %.1fs, SentencePiece %.1fs, encode %.1fs, piece "
-        "filter %.1fs): %s", cfg.data.name, sum(seconds.values()), *seconds.values(),
+        "prepared %s in %.1fs (read+clean %.1fs, SentencePiece %.1fs, encode %.1fs, sampled "
+        "encodings %.1fs, piece filter %.1fs): %s", cfg.data.name, sum(seconds.values()),
+        *seconds.values(),
         ", ".join(f"{r} {c['pairs']} pairs" for r, c in counts.items()),
     )  # fmt: skip
 
@@ -253,14 +267,72 @@ def encode_splits(
     encode_files(tokenizer, jobs, dtype, nfc, workers)
 
 
+def sampling_copies(cfg: Config) -> int:
+    """How many sampled encodings of the training split ``cfg.tokenizer`` asks for (0: none,
+    ``tokenizer.sampling_alpha=0``).
+
+    Raises:
+        ValueError: naming the setting, when alpha or the count is out of range.
+    """
+    tok = cfg.tokenizer
+    top = 1.0 if tok.type == "unigram" else 0.999  # bpe: alpha 1 would drop every merge
+    if not 0.0 <= tok.sampling_alpha <= top:
+        raise ValueError(
+            f"tokenizer.sampling_alpha={tok.sampling_alpha}: expected 0 (off) or a value in "
+            f"(0, {'1]' if tok.type == 'unigram' else '1)'} for tokenizer.type={tok.type} "
+            "(0.1 is BPE-dropout's usual setting)"
+        )
+    if tok.sampling_alpha == 0.0:
+        return 0
+    if tok.sampled_copies < 1:
+        raise ValueError(
+            f"tokenizer.sampled_copies={tok.sampled_copies}: expected at least 1 (the number "
+            "of sampled encodings of the training split that the epochs take in turn)"
+        )
+    return tok.sampled_copies
+
+
+def sampled_prefix(out: Path, copy: int, side: str) -> Path:
+    """Where sampled encoding ``copy`` of the training split's ``side`` lives in ``out``."""
+    return out / f"train.sampled{copy}.{side}"
+
+
+def encode_sampled(
+    cfg: Config, tokenizer: Tokenizer, work: Path, out: Path, dtype: str, workers: int
+) -> int:
+    """Stage 4b, with ``tokenizer.sampling_alpha``: the cleaned training text encoded
+    ``tokenizer.sampled_copies`` more times with subword regularisation (BPE-dropout or
+    unigram sampling, :meth:`Tokenizer.sample`) into ``out/train.sampled<k>.<side>.{ids,off}``;
+    epoch e trains on copy e mod their number (``mt.train.state.TrainBatches``). The copies are
+    drawn once, here (seeded by ``tokenizer.seed``, the copy and the side, but SentencePiece's
+    draws differ between processes): every rank and every resume reads these same files.
+    Returns the number of copies."""
+    copies = sampling_copies(cfg)
+    alpha = cfg.tokenizer.sampling_alpha
+    jobs = []
+    for k in range(copies):
+        for j, side in enumerate(SIDES):
+            seed = int(np.random.SeedSequence([cfg.tokenizer.seed, k, j]).generate_state(1)[0])
+            jobs.append((work / f"train.{side}", side, sampled_prefix(out, k, side), None,
+                         Sampling(alpha, seed)))  # fmt: skip
+    if jobs:
+        encode_files(tokenizer, jobs, dtype, cfg.data.clean.normalize, workers)  # as train's
+        log.info("train: %d sampled encodings (tokenizer.sampling_alpha=%g)", copies, alpha)
+    return copies
+
+
 def filter_pieces(cfg: Config, out: Path, dtype: str, counts: dict) -> None:
     """Stage 5: ``clean-corpus-n`` on SentencePiece pieces (``data.clean.max_pieces``,
-    ``max_piece_ratio``), in place; ``counts`` (the training split's) is updated."""
+    ``max_piece_ratio``), in place; ``counts`` (the training split's) is updated. The pairs
+    are judged by the plain encoding; the sampled ones keep the same pairs."""
     clean = cfg.data.clean
     if not (clean.max_pieces or clean.max_piece_ratio):
         return
     prefixes = [str(out / f"train.{side}") for side in SIDES]
     keep, dropped = filter_encoded_pairs(prefixes, clean, dtype)
+    if not keep.all():
+        for k in range(counts.get("sampled_copies", 0)):
+            drop_encoded([str(sampled_prefix(out, k, side)) for side in SIDES], keep, dtype)
     counts["clean"].update(dropped)
     counts["pairs"] = int(keep.sum())
     bounds = np.cumsum([0] + [c["pairs"] for c in counts["corpora"]])  # each corpus's range
@@ -327,5 +399,3 @@ def _write_pairs(
             if per_corpus is not None:
                 per_corpus[rest[0]] += 1
     return n
-
-

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing as mp
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -18,6 +19,13 @@ from mt.data.tokenizer import Tokenizer
 
 CHUNK_BYTES = 4 << 20  # text per encoding task
 _WORKER: dict = {}
+
+
+class Sampling(NamedTuple):
+    """Subword regularisation of one file (:meth:`mt.data.tokenizer.Tokenizer.sample`)."""
+
+    alpha: float
+    seed: int
 
 
 def _init_worker(blobs: list[bytes], dtype: str, nfc: bool) -> None:
@@ -33,20 +41,29 @@ def _normalizer(spec: NormSpec | None):
 
 
 def _encode_chunk(
-    task: tuple[str, str, int, int, NormSpec | None],
+    task: tuple[str, str, int, int, NormSpec | None, Sampling | None],
 ) -> tuple[np.ndarray, np.ndarray]:
     """Encode the lines in bytes [start, end) of a file -> (flat ids, lengths)."""
-    path, side, start, end, spec = task
+    path, side, start, end, spec, sampling = task
     with open(path, "rb") as f:
         f.seek(start)
         text = f.read(end - start).decode("utf-8")
     lines = list(map(_normalizer(spec), text.split("\n")[:-1]))
-    ids = _WORKER["tokenizer"].encode(lines, side=side)
+    if sampling is None:
+        ids = _WORKER["tokenizer"].encode(lines, side=side)
+    else:  # each chunk its own seed, from the file's and where the chunk starts
+        alpha, seed = sampling
+        ids = _WORKER["tokenizer"].sample(lines, side, alpha, _chunk_seed(seed, start))
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     flat = np.fromiter(
         itertools.chain.from_iterable(ids), dtype=_WORKER["dtype"], count=int(lengths.sum())
     )
     return flat, lengths
+
+
+def _chunk_seed(seed: int, start: int) -> int:
+    """SentencePiece's seed (32 bits) for the chunk that begins at byte ``start``."""
+    return int(np.random.SeedSequence([seed, start]).generate_state(1)[0])
 
 
 def _byte_ranges(path: Path, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -75,20 +92,23 @@ def encode_files(
 
     Args:
         tokenizer: encodes each line (after :func:`mt.data.cleaning.normalize_line`).
-        jobs: (text file, side, output prefix) triples, or quadruples with a
-            :class:`mt.data.cleaning.NormSpec` that replaces the plain normalisation for that file.
+        jobs: (text file, side, output prefix) triples, or with a fourth item, a
+            :class:`mt.data.cleaning.NormSpec` that replaces the plain normalisation for that
+            file (or None), and a fifth, a :class:`Sampling` (subword regularisation: that
+            file's pieces drawn at random, :meth:`mt.data.tokenizer.Tokenizer.sample`).
         dtype: numpy dtype of the flat ids.
         nfc: NFC-normalise lines before encoding (jobs without a NormSpec).
         workers: processes; 1 (or a small input) encodes in this process.
         chunk_bytes: text per task.
     """
     tasks, owner = [], []
-    for j, (path, side, _, *spec) in enumerate(jobs):
+    for j, (path, side, _, *extra) in enumerate(jobs):
+        spec, sampling = (list(extra) + [None, None])[:2]
         for start, end in _byte_ranges(path, chunk_bytes):
-            tasks.append((str(path), side, start, end, spec[0] if spec else None))
+            tasks.append((str(path), side, start, end, spec, sampling))
             owner.append(j)
     init = (tokenizer.to_bytes(), dtype, nfc)
-    total = sum(end - start for _, _, start, end, _ in tasks)
+    total = sum(task[3] - task[2] for task in tasks)
     if workers > 1 and total > chunk_bytes:  # else a pool's start-up costs more than it saves
         pool = mp.get_context("spawn").Pool(min(workers, len(tasks)), _init_worker, init)
         results = pool.imap(_encode_chunk, tasks)  # in order, a few chunks in flight

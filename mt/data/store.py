@@ -9,6 +9,8 @@ Layout of a prepared directory (written by ``mt.data.build``)::
     spm.model | spm.{src,tgt}.model
     <role>.<side>.ids              flat ids of all sentences (uint16 if V <= 65536 else int32)
     <role>.<side>.off              int64 offsets (n + 1): sentence i is ids[off[i]:off[i+1]]
+    train.sampled<k>.<side>.{ids,off}  with tokenizer.sampling_alpha: the training pairs'
+                                   sampled encodings (subword regularisation), k = 0, 1, ...
     {valid,test}.raw.{src,tgt}     the raw lines exactly as read (for sacreBLEU)
 """
 
@@ -129,17 +131,34 @@ class Prepared:
     def split(self, role: str) -> EncodedSplit:
         """The encoded ``role`` ("train", "valid" or "test"), memory-mapped."""
         _check_role(role)
-        if role not in self._splits:
+        return self._open(role)
+
+    def _open(self, name: str) -> EncodedSplit:
+        """``<name>.{src,tgt}.{ids,off}``, memory-mapped once."""
+        if name not in self._splits:
             arrays = [
                 TokenArray.open(
-                    self.dir / f"{role}.{side}.ids",
-                    self.dir / f"{role}.{side}.off",
+                    self.dir / f"{name}.{side}.ids",
+                    self.dir / f"{name}.{side}.off",
                     self.meta["dtype"],
                 )
                 for side in SIDES
             ]
-            self._splits[role] = EncodedSplit(*arrays)
-        return self._splits[role]
+            self._splits[name] = EncodedSplit(*arrays)
+        return self._splits[name]
+
+    @property
+    def sampled_copies(self) -> int:
+        """Sampled encodings of the training split (``tokenizer.sampling_alpha``; 0: none)."""
+        return int(self.meta.get("counts", {}).get("train", {}).get("sampled_copies", 0))
+
+    def train_split(self, epoch: int) -> EncodedSplit:
+        """The training pairs as ``epoch`` reads them: sampled encoding ``epoch`` mod
+        :attr:`sampled_copies` (subword regularisation), else the one plain encoding."""
+        copies = self.sampled_copies
+        if copies == 0:
+            return self.split("train")
+        return self._open(f"train.sampled{epoch % copies}")
 
     def corpus_sizes(self) -> list[int] | None:
         """Pairs of each training corpus (``data.splits.train``'s entries, in order), as

@@ -295,6 +295,24 @@ class Tokenizer:
         """Piece ids of each text, no BOS/EOS. Texts should already be :meth:`normalize`-d."""
         return self.model(side).encode(list(texts), out_type=int)
 
+    def sample(self, texts: list[str], side: str, alpha: float, seed: int) -> list[list[int]]:
+        """:meth:`encode` with subword regularisation: each text split into one of its
+        segmentations drawn at random (BPE-dropout, Provilkov et al. 2020, for a ``bpe`` model:
+        each merge skipped with probability ``alpha``; for a ``unigram`` model, a segmentation
+        drawn from the model's distribution smoothed by ``alpha``, Kudo 2018). The pieces
+        decode to the same text as :meth:`encode`'s.
+
+        ``seed`` seeds SentencePiece's generator for this call (its generator is per thread, on
+        a thread of its own here): the same call in one process draws the same pieces, but
+        SentencePiece 0.2 draws other pieces in another process from the same seed, so a draw
+        is kept (``mt.data.build.encode_sampled``), never repeated.
+        """
+        spm.set_random_generator_seed(seed)
+        return self.model(side).encode(
+            list(texts), out_type=int, enable_sampling=True, alpha=alpha, nbest_size=-1,
+            num_threads=1,
+        )  # fmt: skip
+
     def decode(self, ids: list[list[int]], side: str = "tgt") -> list[str]:
         """Text of each id sequence: stops at the first EOS, drops PAD and BOS.
 

@@ -37,7 +37,7 @@ from mt.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from mt.data.batches import BatchSampler, batch_plan, iterate_batches
+from mt.data.batches import batch_plan, iterate_batches
 from mt.data.build import prepare
 from mt.data.prefetch import Prefetcher
 from mt.fast import for_training
@@ -59,6 +59,7 @@ from mt.train.schedule import (
 )
 from mt.train.snapshots import average_into_best, checkpoint_of, restore, save
 from mt.train.state import (
+    TrainBatches,
     TrainState,
     agree_on_resume,
     better,
@@ -71,7 +72,6 @@ from mt.train.state import (
     record_config,
     seed_everything,
     set_rng_state,
-    train_sampler,
 )
 from mt.train.tracking import MetricsLog
 from mt.train.update import Updater, UpdateResult, build_optimizer
@@ -93,7 +93,7 @@ class Run:
     raw_model: torch.nn.Module  # unwrapped, uncompiled: what is saved and decoded
     training_model: torch.nn.Module  # mt.fast.TrainingModel, unwrapped: validation's loss
     update: Updater
-    sampler: BatchSampler
+    data: TrainBatches  # each epoch's pairs and batch sampler
     state: TrainState
     metrics: MetricsLog
     key: str  # valid_bleu or valid_loss
@@ -242,8 +242,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     )
     model = compile_model(forward, tc)
     model = distributed.wrap(model, info)
-    split = prepared.split("train")
-    sampler = train_sampler(split, cfg, info.rank, info.world_size, prepared.corpus_sizes())
+    data = TrainBatches(prepared, cfg, info.rank, info.world_size)
     metrics = MetricsLog(run_dir, state.step, enabled=info.is_main)
     update = Updater(model, raw.parameters(), optimizer, scheduler, scaler, cfg, info.world_size)
     # RNG last: from here on the resumed run draws exactly what the uninterrupted one drew.
@@ -257,13 +256,12 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     else:
         seed_everything(tc.seed + info.rank)  # different dropout masks on each rank
     key = metric_key(cfg)
-    return Run(cfg, info, run_dir, prepared, raw, forward, update, sampler, state, metrics, key)
+    return Run(cfg, info, run_dir, prepared, raw, forward, update, data, state, metrics, key)
 
 
 def train_loop(run: Run) -> str:
     """Updates until a limit, a signal or patience stops training; returns the reason."""
     tc, state = run.cfg.train, run.state
-    split = run.prepared.split("train")
     bar = progress(
         "train", total=tc.max_steps or None, initial=state.step, disable=not run.info.is_main
     )
@@ -272,15 +270,16 @@ def train_loop(run: Run) -> str:
     t_log, paused = t0, 0.0  # when that record was written; time validating/saving since
     stop = _limits(run)
     while stop is None:
-        n_batches = len(run.sampler.batches(state.epoch))
+        split, sampler = run.data.at(state.epoch)
+        n_batches = len(sampler.batches(state.epoch))
         if n_batches == 0:
             raise RuntimeError("no training batches: check the data and train.max_tokens")
-        counts = run.sampler.corpus_counts(state.epoch)
+        counts = sampler.corpus_counts(state.epoch)
         if counts is not None:
-            log.info("epoch %d pairs by corpus: %s", state.epoch, run.sampler.mix.describe(counts))
+            log.info("epoch %d pairs by corpus: %s", state.epoch, sampler.mix.describe(counts))
         batches = run.prefetch(
             iterate_batches(
-                split, run.sampler, state.epoch, start=state.batch, pad_multiple=pad_multiple(tc)
+                split, sampler, state.epoch, start=state.batch, pad_multiple=pad_multiple(tc)
             )
         )
         for group in _groups(batches, tc.accum_steps):

@@ -4,9 +4,10 @@
   what a checkpoint of the run holds (:func:`training_state`), RNG states included
   (:func:`rng_state`, :func:`set_rng_state`), so that a resumed run draws what the uninterrupted
   one drew.
-- The batch plan of an epoch (:func:`data_plan`, :func:`train_sampler`) and the checks a resume
-  makes: a checkpoint's model fits the configuration (:func:`check_compatible`), its position in
-  an epoch means the same under today's plan (:func:`check_data_plan`).
+- The batch plan of an epoch (:func:`data_plan`, :func:`train_sampler`; each epoch's pairs and
+  sampler, :class:`TrainBatches`) and the checks a resume makes: a checkpoint's model fits the
+  configuration (:func:`check_compatible`), its position in an epoch means the same under
+  today's plan (:func:`check_data_plan`).
 - Which checkpoint resumes a run directory (:func:`resume_checkpoint`: ``last.pt``, or when it
   is unreadable the newest readable periodic checkpoint), agreed by every rank
   (:func:`agree_on_resume`); ``best.pt``'s value kept as the bar (:func:`keep_best_of_best_pt`).
@@ -73,6 +74,8 @@ def data_plan(cfg: Config, world_size: int) -> dict[str, Any]:
     if cfg.data.corpus_temperature != 1.0 or any(s.weight != 1.0 for s in specs):
         plan["mix"] = [[s.name, s.weight] for s in specs]  # absent when every weight is 1
         plan["temperature"] = cfg.data.corpus_temperature
+    if cfg.tokenizer.sampling_alpha:  # each epoch reads its own sampled encoding
+        plan["sampling"] = [cfg.tokenizer.sampling_alpha, cfg.tokenizer.sampled_copies]
     return plan
 
 
@@ -102,7 +105,8 @@ def check_data_plan(ckpt: dict, cfg: Config, world_size: int, path: Path) -> Non
              "max_len": "model.max_positions / train.skip_long",
              "group": "batches per update (ranks x train.accum_steps)",
              "mix": "corpus weights (data.splits.train)",
-             "temperature": "data.corpus_temperature"}  # fmt: skip
+             "temperature": "data.corpus_temperature",
+             "sampling": "[tokenizer.sampling_alpha, tokenizer.sampled_copies]"}  # fmt: skip
     shown = "; ".join(
         f"{names.get(k, k)}: {a} in the checkpoint, {b} now" for k, (a, b) in diff.items()
     )
@@ -133,6 +137,26 @@ def train_sampler(
         group=world_size * tc.accum_steps,
         mix=train_mix(cfg.data, corpus_sizes),
     )
+
+
+class TrainBatches:
+    """This rank's training batches, epoch by epoch: the pairs an epoch reads (with
+    ``tokenizer.sampling_alpha``, sampled encoding ``epoch`` mod their number,
+    ``Prepared.train_split``) and their :func:`train_sampler`, one per encoding."""
+
+    def __init__(self, prepared, cfg: Config, rank: int = 0, world_size: int = 1) -> None:
+        self.prepared, self.cfg, self.rank, self.world_size = prepared, cfg, rank, world_size
+        self._samplers: dict[int, BatchSampler] = {}
+
+    def at(self, epoch: int) -> tuple[Any, BatchSampler]:
+        """``(split, sampler)`` of ``epoch``: ``iterate_batches(split, sampler, epoch)``."""
+        split = self.prepared.train_split(epoch)
+        copy = epoch % max(self.prepared.sampled_copies, 1)
+        if copy not in self._samplers:
+            self._samplers[copy] = train_sampler(
+                split, self.cfg, self.rank, self.world_size, self.prepared.corpus_sizes()
+            )
+        return split, self._samplers[copy]
 
 
 def check_compatible(
