@@ -106,6 +106,11 @@ def test_settings_are_checked_and_only_sampling_changes_the_cache_key(real_data,
     cfg = m30k_cfg(real_data, tmp_path)
     assert cache_key(m30k_cfg(real_data, tmp_path, "tokenizer.sampled_copies=5")) == cache_key(cfg)
     assert cache_key(m30k_cfg(real_data, tmp_path, *SAMPLED)) != cache_key(cfg)
+    spm_model = next(Path(prepare(cfg).dir).glob("spm.model"))  # a reused tokenizer too
+    reuse = m30k_cfg(real_data, tmp_path, f"tokenizer.reuse={spm_model}")
+    assert cache_key(m30k_cfg(real_data, tmp_path, f"tokenizer.reuse={spm_model}", *SAMPLED)) != (
+        cache_key(reuse)
+    )
     for bad, name in [
         ("tokenizer.sampling_alpha=1.0", "tokenizer.sampling_alpha=1.0"),  # bpe: every merge
         ("tokenizer.sampling_alpha=-0.1", "tokenizer.sampling_alpha=-0.1"),
@@ -113,7 +118,7 @@ def test_settings_are_checked_and_only_sampling_changes_the_cache_key(real_data,
     ]:
         with pytest.raises(ValueError, match=name):
             prepare(m30k_cfg(real_data, tmp_path, "tokenizer.sampling_alpha=0.1", bad))
-    assert not list(Path(cfg.cache_dir).glob("multi30k-*"))  # refused before building
+    assert len(list(Path(cfg.cache_dir).glob("multi30k-*"))) == 1  # refused before building
 
 
 def test_each_epoch_batches_every_pair_once_in_its_own_encoding(sampled):

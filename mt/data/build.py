@@ -66,10 +66,11 @@ def cache_key(cfg: Config) -> str:
     data.pop("corpus_temperature")
     tok = dataclasses.asdict(cfg.tokenizer)
     tok.pop("threads")  # changes speed, not the result
-    if not tok["sampling_alpha"]:  # off: the keys of data prepared before sampling existed
-        del tok["sampling_alpha"], tok["sampled_copies"]
+    sampling = {name: tok.pop(name) for name in ("sampling_alpha", "sampled_copies")}
     if tok.pop("reuse"):  # the model's bytes, not its path, decide the output
         tok = {"reuse_sha256": Tokenizer.from_reference(cfg.tokenizer.reuse).sha256()}
+    if sampling["sampling_alpha"]:  # absent when off: the keys of data prepared before it
+        tok.update(sampling)
     blob = {
         "format": FORMAT_VERSION,
         "data": data,
