@@ -167,3 +167,11 @@ def test_a_run_resumed_mid_epoch_trains_on_the_same_encoding(real_data, tmp_path
     assert sorted(losses(split)) == list(range(1, end + 1))
     assert losses(split) == pytest.approx(losses(whole), rel=1e-6)
     assert data_plan(c, 1)["sampling"] == [0.1, 3]  # a mid-epoch resume needs the same
+
+
+def test_a_unigram_model_samples_segmentations_of_the_same_text(real_data, tmp_path):
+    p = prepare(m30k_cfg(real_data, tmp_path, "tokenizer.type=unigram", *SAMPLED))
+    plain, copy = p.split("train"), p.train_split(0)
+    assert _texts(p, copy) == _texts(p, plain)
+    ids = [a.tolist() for a in copy.src]
+    assert sum(a != b.tolist() for a, b in zip(ids, plain.src)) > len(ids) // 5
