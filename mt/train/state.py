@@ -150,13 +150,12 @@ class TrainBatches:
 
     def at(self, epoch: int) -> tuple[Any, BatchSampler]:
         """``(split, sampler)`` of ``epoch``: ``iterate_batches(split, sampler, epoch)``."""
-        split = self.prepared.train_split(epoch)
-        copy = epoch % max(self.prepared.sampled_copies, 1)
-        if copy not in self._samplers:
-            self._samplers[copy] = train_sampler(
+        split = self.prepared.train_split(epoch)  # one object per encoding (Prepared caches)
+        if id(split) not in self._samplers:
+            self._samplers[id(split)] = train_sampler(
                 split, self.cfg, self.rank, self.world_size, self.prepared.corpus_sizes()
             )
-        return split, self._samplers[copy]
+        return split, self._samplers[id(split)]
 
 
 def check_compatible(
