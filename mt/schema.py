@@ -193,6 +193,13 @@ class DecodeConfig:
     # among them (CTranslate2's inter_threads, Marian's CPU workers); 0 = auto: one per
     # intra-op thread on a CPU (at most one per batch), 1 on a GPU
     workers: int = 0
+    # A vocabulary shortlist (Marian's lexical shortlist, CTranslate2's vocabulary map): each
+    # batch searches only the target pieces its sources can become (mt.decode.shortlist). A
+    # lexicon file, or "train": the prepared training data's, built on first use (mt-evaluate,
+    # mt-translate, mt-serve); null = the whole vocabulary.
+    shortlist: Optional[str] = None
+    shortlist_k: int = 50  # per source piece, its most probable translations (IBM model 1)
+    shortlist_frequent: int = 500  # and the most frequent target pieces, always
     # Sampling (decode=sample): one draw per sentence instead of a search.
     sample: bool = False  # sample translations (beam_size is then ignored)
     temperature: float = 1.0  # p ~ exp(log p / temperature); 0 = greedy

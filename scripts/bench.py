@@ -179,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "shared among them: mt's decode.workers, CTranslate2's inter_threads "
                       "(0: one per thread)")  # fmt: skip
     real.add_argument("--workdir", help="where the CTranslate2 export goes (default: a temp dir)")
+    real.add_argument("--shortlist", help="a lexicon file (mt.decode.shortlist; mt-evaluate "
+                      "decode.shortlist=train makes one): mt's fp32 and int8 again with it")
+    real.add_argument("--shortlist-k", type=int, default=50, help="decode.shortlist_k")
+    real.add_argument("--shortlist-frequent", type=int, default=500,
+                      help="decode.shortlist_frequent")  # fmt: skip
 
     serve = sub.add_parser("serve", help="mt-serve on loopback: sentences/s, p50/p99 latency")
     _common(serve)

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 ENGINES = {"mt": ("fp32", "int8", "bf16"), "ct2": ("float32", "int8", "float32+mkl", "int8+mkl")}
+# With --shortlist FILE (a lexicon, mt.decode.shortlist): mt's settings again with it ("+sl").
+SHORTLISTED = ("fp32+sl", "int8+sl")
 # CTranslate2 uses Intel MKL's products only on Intel CPUs unless CT2_USE_MKL=1 asks for them
 # (elsewhere oneDNN's): "+mkl" sets it, so that CTranslate2's best setting is measured on AMD too.
 
@@ -49,11 +51,15 @@ def worker(args) -> dict:
         from mt.schema import DecodeConfig
 
         model, tok, _ = load_model(args.checkpoint)
-        quantize = "int8" if args.setting == "int8" else "none"
-        precision = "bf16" if args.setting == "bf16" else "fp32"
+        setting, _, extra = args.setting.partition("+")
+        quantize = "int8" if setting == "int8" else "none"
+        precision = "bf16" if setting == "bf16" else "fp32"
         cfg = DecodeConfig(beam_size=args.beam, alpha=0.0, max_len_a=0.0, max_len_b=args.max_len,
                            batch_size=n, quantize=quantize, precision=precision,
-                           workers=workers)  # fmt: skip
+                           workers=workers,
+                           shortlist=args.shortlist if extra == "sl" else None,
+                           shortlist_k=args.shortlist_k,
+                           shortlist_frequent=args.shortlist_frequent)  # fmt: skip
 
         def decode(ids):
             return translate_ids(model, ids, cfg)
@@ -100,7 +106,9 @@ def _one(args, engine: str, setting: str, beam: int) -> dict:
            "--lines", str(args.lines), "--batch-size", str(args.batch_size),
            "--max-len", str(args.max_len), "--threads", str(args.threads),
            "--workers", str(args.workers),
-           "--ct2-dir", args.ct2_dir]  # fmt: skip
+           "--ct2-dir", args.ct2_dir, "--shortlist", str(args.shortlist or ""),
+           "--shortlist-k", str(args.shortlist_k),
+           "--shortlist-frequent", str(args.shortlist_frequent)]  # fmt: skip
     env = dict(os.environ, CT2_USE_MKL="1") if setting.endswith("+mkl") else None
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -124,7 +132,10 @@ def run_translate(args, rec) -> None:
     args.ct2_dir = str(work / "ct2")
     if not (work / "ct2" / "model.bin").is_file():
         export(args.checkpoint, "ctranslate2", args.ct2_dir)
-    settings = [(e, s) for e, ss in ENGINES.items() for s in ss
+    engines = dict(ENGINES)
+    if args.shortlist:
+        engines["mt"] = ENGINES["mt"] + SHORTLISTED
+    settings = [(e, s) for e, ss in engines.items() for s in ss
                 if not args.settings or f"{e}:{s}" in args.settings]  # fmt: skip
     env = environment(args.device_obj)
     for beam in args.beams:
@@ -148,6 +159,8 @@ def run_translate(args, rec) -> None:
                 "peak_rss_mb": round(max(x["peak_rss_mb"] for x in results), 1),
                 "identical_to_mt_fp32": same, "beam": beam, "max_len": args.max_len,
                 "batch_size": args.batch_size, "workers": args.workers,
+                "shortlist": [args.shortlist, args.shortlist_k, args.shortlist_frequent]
+                if setting.endswith("+sl") else None,
                 "checkpoint": args.checkpoint,
                 "input": args.input, **env,
             })  # fmt: skip
@@ -158,9 +171,10 @@ def _worker_main(argv: list[str]) -> None:
 
     p = argparse.ArgumentParser()
     p.add_argument("--worker", action="store_true")
-    for name in ("--engine", "--setting", "--checkpoint", "--input", "--ct2-dir"):
+    for name in ("--engine", "--setting", "--checkpoint", "--input", "--ct2-dir", "--shortlist"):
         p.add_argument(name)
-    for name in ("--beam", "--lines", "--batch-size", "--max-len", "--threads", "--workers"):
+    for name in ("--beam", "--lines", "--batch-size", "--max-len", "--threads", "--workers",
+                 "--shortlist-k", "--shortlist-frequent"):  # fmt: skip
         p.add_argument(name, type=int)
     result = worker(p.parse_args(argv))
     print(json.dumps(result))

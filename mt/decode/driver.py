@@ -21,7 +21,8 @@ import torch
 
 from mt.data.batches import make_src
 from mt.decode.ensemble import Ensemble
-from mt.decode.search import Hypothesis, IncrementalDecoder, search
+from mt.decode.search import Hypothesis, IncrementalDecoder, prefix_tensor, search
+from mt.decode.shortlist import check_settings, load_lexicon
 from mt.fast import for_decoding
 from mt.fast.decoding import DecodingModel, needs_autocast, resolve_precision
 from mt.fast.precision import autocast
@@ -193,8 +194,9 @@ def translate_nbest(
         src_ids: source ids per sentence, without EOS (``make_src`` appends it); sources
             longer than the model's ``max_positions`` are truncated with a warning (callers
             with a stricter policy check first with :func:`fit_to_model`).
-        decode_cfg: beam size, alpha, lengths, sampling, batch size / max tokens, and the
-            kernels (precision, quantize, onednn: see mt.fast.decoding).
+        decode_cfg: beam size, alpha, lengths, sampling, batch size / max tokens, the
+            kernels (precision, quantize, onednn: see mt.fast.decoding) and the shortlist
+            (a lexicon file: see mt.decode.shortlist).
         device: where the batches go.
         min_len: EOS is forbidden until this many tokens are out.
         prefix: per sentence, target ids forced at the start of the output.
@@ -206,6 +208,10 @@ def translate_nbest(
     """
     src_ids = fit_to_model(src_ids, model.max_positions, "truncate")
     searcher, precision = decoding_model(model, decode_cfg)
+    lexicon = None
+    if decode_cfg.shortlist:
+        check_settings(decode_cfg.shortlist_k, decode_cfg.shortlist_frequent)
+        lexicon = load_lexicon(decode_cfg.shortlist, model.vocab_size)
     indices = list(range(len(src_ids))) if indices is None else indices
     lengths = [len(ids) for ids in src_ids]
     out: list[list[Hypothesis]] = [[] for _ in src_ids]
@@ -214,8 +220,12 @@ def translate_nbest(
         src = make_src([list(src_ids[i]) for i in batch]).to(device)
         forced = [list(prefix[i]) for i in batch] if prefix is not None else None
         seeds = [sample_seed(decode_cfg.seed, indices[i]) for i in batch]
+        shortlist = None
+        if lexicon is not None:
+            k, frequent = decode_cfg.shortlist_k, decode_cfg.shortlist_frequent
+            shortlist = lexicon.shortlist(src, k, frequent, prefix_tensor(forced, device))
         with autocast(device, precision):
-            results = search(searcher, src, decode_cfg, min_len, forced, seeds)
+            results = search(searcher, src, decode_cfg, min_len, forced, seeds, shortlist)
         for i, hyps in zip(batch, results):
             out[i] = hyps
 

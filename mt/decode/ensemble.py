@@ -56,6 +56,7 @@ class Ensemble(nn.Module):
         if len(sizes) > 1:
             raise ValueError(f"ensemble members have different vocabulary sizes: {sorted(sizes)}")
         self.members = nn.ModuleList(members)
+        self.vocab_size: int = sizes.pop()
         limits = [m.max_positions for m in members if m.max_positions is not None]
         self.max_positions: int | None = min(limits) if limits else None
 
@@ -67,12 +68,21 @@ class Ensemble(nn.Module):
         return EnsembleCache([m.new_cache() for m in self.members])
 
     def decode(
-        self, tgt_in: torch.Tensor, enc: EnsembleEncoded, cache: EnsembleCache | None = None
+        self,
+        tgt_in: torch.Tensor,
+        enc: EnsembleEncoded,
+        cache: EnsembleCache | None = None,
+        vocab: Any = None,
     ) -> torch.Tensor:
-        """(B, T) target ids -> (B, T, V) averaged log-probabilities (used as logits)."""
+        """(B, T) target ids -> (B, T, V) averaged log-probabilities (used as logits); with
+        ``vocab`` (a shortlist), over its C columns."""
         total = None
         for i, member in enumerate(self.members):
-            logits = member.decode(tgt_in, enc[i], None if cache is None else cache.caches[i])
+            state = None if cache is None else cache.caches[i]
+            if vocab is None:
+                logits = member.decode(tgt_in, enc[i], state)
+            else:
+                logits = member.decode(tgt_in, enc[i], state, vocab=vocab)
             lprobs = F.log_softmax(logits.float(), dim=-1)
             total = lprobs if total is None else total + lprobs
         return total / len(self.members)

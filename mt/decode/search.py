@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from mt.decode.rows import Rows
+from mt.decode.shortlist import Shortlist
 from mt.decode.strategies import NEG_INF, Beam, Greedy, Sampling
 from mt.schema import DecodeConfig
 from mt.vocab import BOS, EOS, PAD
@@ -55,7 +56,9 @@ class IncrementalDecoder(Protocol):
     ``new_cache()`` an empty decoder state with ``select(rows, sents)`` and ``copy_rows(dst,
     src)`` (see ``mt.model.kv_cache.DecoderCache``); ``decode(tgt_in, enc, cache)`` the logits
     (B, T, V) of T new tokens per row, where the B rows may hold G consecutive rows per
-    encoder row (the K beams of a sentence share its encoder state).
+    encoder row (the K beams of a sentence share its encoder state). With a shortlist
+    (``mt.decode.shortlist``) search calls ``decode(tgt_in, enc, cache, vocab=shortlist)`` and
+    takes (B, T, C) logits over its C columns.
     """
 
     max_positions: int | None
@@ -119,13 +122,19 @@ def _next_lprobs(
     step: int,
     min_len: int,
     prefix: torch.Tensor | None,
+    shortlist: Shortlist | None = None,
 ) -> torch.Tensor:
     """Log-probabilities (n, width, V) of the next token of each model row.
 
     PAD and BOS are forbidden, EOS before ``min_len``; where ``prefix`` (B, P) holds a token
-    (>= 0) for this step, every other token is forbidden.
+    (>= 0) for this step, every other token is forbidden. With a ``shortlist`` the last
+    dimension is its columns (C), and ``prefix`` holds columns.
     """
-    logits = model.decode(rows.last, rows.enc, rows.cache)  # (N, 1, V)
+    if shortlist is None:
+        logits = model.decode(rows.last, rows.enc, rows.cache)  # (N, 1, V)
+    else:
+        logits = model.decode(rows.last, rows.enc, rows.cache, vocab=shortlist)  # (N, 1, C)
+        logits = shortlist.restrict(logits, rows.sents, rows.width)
     lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)  # (N, V)
     lprobs[:, PAD] = NEG_INF
     lprobs[:, BOS] = NEG_INF
@@ -165,6 +174,7 @@ def generate(
     alpha: float = 0.0,
     prefix: list[list[int]] | None = None,
     settle: bool = True,
+    shortlist: Shortlist | None = None,
 ) -> list[list[Hypothesis]]:
     """Search a batch of sentences with ``strategy``.
 
@@ -180,6 +190,8 @@ def generate(
         settle: end a sentence once no live hypothesis can enter its n-best list (the same
             result, fewer steps; see the module docstring). False: only at ``K`` finished
             hypotheses or the maximum length (fairseq's stop).
+        shortlist: search only this batch's candidate pieces (``mt.decode.shortlist``; the
+            model's ``decode`` takes it as ``vocab``); None: the whole vocabulary.
 
     Returns:
         For each sentence (input order), up to ``nbest`` hypotheses, best first.
@@ -189,6 +201,8 @@ def generate(
         raise ValueError(f"nbest must be between 1 and beam_size={K}, got {nbest}")
     limits = max_lengths(src, max_len_a, max_len_b, model)
     forced = prefix_tensor(prefix, src.device)
+    if forced is not None and shortlist is not None:
+        forced = shortlist.columns(forced)
     rows = Rows(model, src, K)
     finished: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
     out: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
@@ -214,7 +228,8 @@ def generate(
                 break
         if isinstance(strategy, Sampling):
             strategy.sents = rows.sents
-        chosen = strategy.step(rows.scores, _next_lprobs(model, rows, step, min_len, forced))
+        lprobs = _next_lprobs(model, rows, step, min_len, forced, shortlist)
+        chosen = strategy.step(rows.scores, lprobs)
         step += 1
         for i, k, logprob in chosen.done:
             finished[rows.sents[i]].append(_hyp(rows.hyp(i, k), logprob, step, alpha))
@@ -224,7 +239,8 @@ def generate(
         alive = torch.isfinite(chosen.score).any(dim=1)  # all beams dead: nothing more to find
         if not bool(alive.all()):
             ended |= {i for i, a in enumerate(alive.tolist()) if not a}
-        rows.advance(chosen.beam, chosen.token, chosen.score)
+        token = chosen.token if shortlist is None else shortlist.ids[chosen.token]
+        rows.advance(chosen.beam, token, chosen.score)
         if ended:
             finish(ended)
     return out
@@ -263,6 +279,7 @@ def greedy_search(
     min_len: int = 0,
     alpha: float = 0.0,
     prefix: list[list[int]] | None = None,
+    shortlist: Shortlist | None = None,
 ) -> list[Hypothesis]:
     """Greedy decoding of a batch: the most probable token at each step.
 
@@ -273,11 +290,13 @@ def greedy_search(
         min_len: EOS is forbidden until this many tokens are out.
         alpha: length penalty exponent for the reported score (0: plain log-probability).
         prefix: per sentence, output tokens forced at the start.
+        shortlist: the batch's candidate pieces (see :func:`generate`), or None.
 
     Returns:
         One hypothesis per sentence, in input order.
     """
-    hyps = generate(model, src, Greedy(), max_len_a, max_len_b, 1, min_len, alpha, prefix)
+    hyps = generate(model, src, Greedy(), max_len_a, max_len_b, 1, min_len, alpha, prefix,
+                    shortlist=shortlist)  # fmt: skip
     return [h[0] for h in hyps]
 
 
@@ -291,6 +310,7 @@ def beam_search(
     nbest: int = 1,
     min_len: int = 0,
     prefix: list[list[int]] | None = None,
+    shortlist: Shortlist | None = None,
 ) -> list[list[Hypothesis]]:
     """Beam search of a batch of sentences, all beams of all sentences in one decoder call.
 
@@ -303,6 +323,7 @@ def beam_search(
         nbest: hypotheses returned per sentence (at most ``beam_size``).
         min_len: EOS is forbidden until this many tokens are out.
         prefix: per sentence, output tokens forced at the start.
+        shortlist: the batch's candidate pieces (see :func:`generate`), or None.
 
     Returns:
         For each sentence (input order), up to ``nbest`` hypotheses, best first.
@@ -310,7 +331,8 @@ def beam_search(
     if not 1 <= nbest <= beam_size:
         raise ValueError(f"nbest must be between 1 and beam_size={beam_size}, got {nbest}")
     strategy = Beam(beam_size)
-    return generate(model, src, strategy, max_len_a, max_len_b, nbest, min_len, alpha, prefix)
+    return generate(model, src, strategy, max_len_a, max_len_b, nbest, min_len, alpha, prefix,
+                    shortlist=shortlist)  # fmt: skip
 
 
 def sample(
@@ -325,11 +347,13 @@ def sample(
     min_len: int = 0,
     alpha: float = 0.0,
     prefix: list[list[int]] | None = None,
+    shortlist: Shortlist | None = None,
 ) -> list[Hypothesis]:
     """One sampled translation per sentence (see :class:`Sampling`); ``seeds``: one per
-    sentence of ``src``."""
+    sentence of ``src``; ``shortlist``: see :func:`generate`."""
     strategy = Sampling(seeds, temperature, top_k, top_p)
-    hyps = generate(model, src, strategy, max_len_a, max_len_b, 1, min_len, alpha, prefix)
+    hyps = generate(model, src, strategy, max_len_a, max_len_b, 1, min_len, alpha, prefix,
+                    shortlist=shortlist)  # fmt: skip
     return [h[0] for h in hyps]
 
 
@@ -340,19 +364,23 @@ def search(
     min_len: int = 0,
     prefix: list[list[int]] | None = None,
     seeds: list[int] | None = None,
+    shortlist: Shortlist | None = None,
 ) -> list[list[Hypothesis]]:
     """The search ``cfg`` asks for (sampling, greedy when ``beam_size == 1``, else beam);
-    n-best lists either way. ``seeds``: per sentence, for sampling."""
+    n-best lists either way. ``seeds``: per sentence, for sampling; ``shortlist``: the batch's
+    candidate pieces (see :func:`generate`)."""
     a, b = cfg.max_len_a, cfg.max_len_b
     if cfg.sample:
         seeds = seeds if seeds is not None else list(range(src.size(0)))
         hyps = sample(model, src, seeds, cfg.temperature, cfg.top_k, cfg.top_p, a, b,
-                      min_len, cfg.alpha, prefix)  # fmt: skip
+                      min_len, cfg.alpha, prefix, shortlist)  # fmt: skip
         return [[h] for h in hyps]
     if cfg.beam_size <= 1:
-        return [[h] for h in greedy_search(model, src, a, b, min_len, cfg.alpha, prefix)]
+        hyps = greedy_search(model, src, a, b, min_len, cfg.alpha, prefix, shortlist)
+        return [[h] for h in hyps]
     nbest = min(cfg.nbest, cfg.beam_size)
-    return beam_search(model, src, cfg.beam_size, cfg.alpha, a, b, nbest, min_len, prefix)
+    return beam_search(model, src, cfg.beam_size, cfg.alpha, a, b, nbest, min_len, prefix,
+                       shortlist)  # fmt: skip
 
 
 __all__ = [

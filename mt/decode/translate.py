@@ -44,6 +44,7 @@ from mt.decode.alignment import alignments, attention_map
 from mt.decode.driver import fit_to_model, score_ids, translate_ids, translate_nbest
 from mt.decode.ensemble import Ensemble
 from mt.decode.search import Hypothesis
+from mt.decode.shortlist import resolve_shortlist
 from mt.distributed import resolve_device
 from mt.files import TextError, atomic_text_output, read_lines
 from mt.schema import Config, DecodeConfig
@@ -340,6 +341,8 @@ def translate_main(cfg: Config) -> None:
         translator = Translator.from_checkpoint(path, device, cfg.decode)
     except CheckpointError as err:
         raise SystemExit(f"mt-translate: {err}") from None
+    cfg = resolve_shortlist(cfg, translator.tokenizer)  # decode.shortlist=train: its file
+    translator.decode_cfg = cfg.decode
     name = args.input or "stdin"
     try:
         with contextlib.ExitStack() as stack:

@@ -135,6 +135,7 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
     from mt.checkpoint import CheckpointError, load_model
     from mt.data.build import prepare
     from mt.decode.driver import fit_to_model, resolve_decode, translate_ids
+    from mt.decode.shortlist import resolve_shortlist
     from mt.distributed import resolve_device
 
     if args.split not in ("valid", "test"):
@@ -144,6 +145,7 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
     ckpt_path = Path(args.checkpoint) if args.checkpoint else run_dir / "checkpoints" / "best.pt"
     device = resolve_device(cfg.train.device)
     model, tokenizer, ckpt = load_model(ckpt_path, device)
+    cfg = resolve_shortlist(cfg, tokenizer)  # decode.shortlist=train: its lexicon file
     decode = resolve_decode(cfg.decode, model)  # decode.precision=auto: measured here
     prepared = prepare(cfg)
     refs = prepared.references(args.split)
@@ -180,6 +182,8 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
         max_len_a=decode.max_len_a,
         max_len_b=decode.max_len_b,
         precision=decode.precision,
+        shortlist=decode.shortlist and [decode.shortlist, decode.shortlist_k,
+                                        decode.shortlist_frequent],  # fmt: skip
         device=str(device),
         decode_seconds=round(seconds, 3),
         sent_per_s=round(len(src_ids) / max(seconds, 1e-9), 2),

@@ -96,12 +96,18 @@ class DecodingModel(nn.Module):
         """An empty incremental state (caches of ``cache_dtype``)."""
         return self.module.new_cache(self.cache_dtype)
 
-    def decode(self, tgt_in: torch.Tensor, enc, cache: DecoderCache | None = None):
-        """(B, T) new target ids -> (B, T, V) logits (see ``Transformer.decode``)."""
+    def decode(self, tgt_in: torch.Tensor, enc, cache: DecoderCache | None = None, vocab=None):
+        """(B, T) new target ids -> (B, T, V) logits (see ``Transformer.decode``); with
+        ``vocab`` (``mt.decode.shortlist.Shortlist``) (B, T, C) over its columns, the product
+        with the float32 rows of those pieces (the int8 or oneDNN head is for all V)."""
         if self.step and applies(tgt_in, cache, self.module):
             h = decoder_step(self.module, tgt_in, enc.memory, enc.src_mask, cache)  # (B, D)
+            if vocab is not None:
+                return vocab.project(h, self.module.output_weight)[:, None]
             logits = self.module.project(h) if self.head is None else self.head(h)
             return logits[:, None, : self.vocab_size]
+        if vocab is not None:
+            return self.module.decode(tgt_in, enc, cache, vocab=vocab)
         if self.head is None:
             return self.module.decode(tgt_in, enc, cache)
         h = self.module.decode(tgt_in, enc, cache, project=False)  # (B, T, D)

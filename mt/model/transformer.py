@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -239,6 +239,7 @@ class Transformer(nn.Module):
         need_attn: bool = False,
         attn_layer: int = -1,
         project: bool = True,
+        vocab: Any = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Decode target tokens given the encoder output.
 
@@ -253,6 +254,8 @@ class Transformer(nn.Module):
             need_attn: also return a layer's cross-attention averaged over heads.
             attn_layer: which decoder layer's attention ``need_attn`` returns (-1: the last).
             project: False stops before the projection: the decoder output (B, T, D).
+            vocab: project onto some pieces only: logits (B, T, C) from
+                ``vocab.project(h, output_weight)`` (``mt.decode.shortlist.Shortlist``).
 
         Returns:
             logits (B, T, V), or ``(logits, attn (B, T, S))`` with ``need_attn``.
@@ -276,7 +279,10 @@ class Transformer(nn.Module):
             if want:  # (B, H, T, S) -> (B, T, S)
                 attn = weights.mean(dim=1)
         h = self.decoder_norm(x)
-        out = self.project(h) if project else h
+        if not project:
+            out = h
+        else:
+            out = self.project(h) if vocab is None else vocab.project(h, self.output_weight)
         return (out, attn) if need_attn else out
 
     def reorder(

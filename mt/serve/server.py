@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException
 
+from mt.decode.shortlist import resolve_shortlist
 from mt.decode.translate import Translator
 from mt.schema import Config, ServeConfig
 from mt.serve.request_queue import Batcher, Job, QueueFull
@@ -309,6 +310,8 @@ def serve_main(cfg: Config) -> None:
         translator = Translator.from_checkpoint(path, device, cfg.decode)
     except CheckpointError as err:
         raise SystemExit(f"mt-serve: {err}") from None
+    cfg = resolve_shortlist(cfg, translator.tokenizer)  # decode.shortlist=train: its file
+    translator.decode_cfg = cfg.decode
     app = create_app(translator, cfg.serve, run_info(path, translator))
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("mt-serve listens on %s: reachable from other machines", args.host)

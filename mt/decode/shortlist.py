@@ -1,0 +1,369 @@
+"""A vocabulary shortlist for decoding: each batch is projected onto the target pieces its
+sources can plausibly become, not onto the whole vocabulary (Marian's lexical shortlist,
+CTranslate2's vocabulary map).
+
+The lexicon is IBM Model 1's translation table ``p(t | s)`` over pieces, estimated by EM on the
+encoded training pairs (a NULL source for target pieces with no counterpart; uniform start),
+:func:`build_lexicon`. For a batch, the candidate target pieces (:meth:`Lexicon.shortlist`) are
+the union of
+
+* the special pieces (pad, unk, bos, eos: their ids stay their columns, so search masks pad and
+  bos and finds eos where it always does),
+* the ``frequent`` most frequent target pieces of the training data,
+* for every source piece of the sentence, its ``k`` most probable translations,
+* the sentence's source pieces themselves (one joint vocabulary: names and numbers are copied),
+* the tokens a prefix forces.
+
+Search then runs over the batch's union of those columns only: the projection multiplies by
+their rows of the tied embedding (gathered once per batch), and the softmax, the best token and
+beam search's top-k see ``C`` values a row instead of ``V``. Each sentence is held to its own
+list (the others' pieces at -inf), so its translation does not depend on its batch (Marian and
+CTranslate2 let a batch share its union). The distribution is the model's renormalised over
+the sentence's list, which is the full model's with every other logit at -inf (the tests'
+independent check); tokens are mapped back to vocabulary ids before they enter the hypotheses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from mt.files import atomic_path
+from mt.vocab import BOS, EOS, PAD, UNK
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+SPECIAL = torch.tensor([PAD, UNK, BOS, EOS])
+assert SPECIAL.tolist() == [0, 1, 2, 3]  # columns 0-3 are ids 0-3
+
+
+def _ramp(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Positions ``starts[i] + j`` for ``j < counts[i]``, run after run (int64)."""
+    ends = np.cumsum(counts)
+    ramp = np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64)
+    return ramp + np.repeat(starts - (ends - counts), counts)
+
+
+@dataclass
+class Lexicon:
+    """The most probable translations of each source piece and the target pieces by frequency.
+
+    Attributes:
+        offsets: (V + 1,) int64; source piece ``s``'s translations are
+            ``targets[offsets[s]:offsets[s + 1]]``, most probable first.
+        targets: (E,) int64 target piece ids.
+        probs: (E,) float32 ``p(t | s)`` of each entry.
+        frequent: (F,) int64 target pieces, most frequent in the training targets first.
+        meta: how it was made (pairs used, EM iterations, languages, tokenizer digest).
+    """
+
+    offsets: torch.Tensor
+    targets: torch.Tensor
+    probs: torch.Tensor
+    frequent: torch.Tensor
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.offsets.numel() - 1
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically (``torch.load(weights_only=True)`` reads it back)."""
+        state = {
+            "format": FORMAT,
+            "offsets": self.offsets,
+            "targets": self.targets,
+            "probs": self.probs,
+            "frequent": self.frequent,
+            "meta": dict(self.meta),
+        }
+        atomic_path(path, lambda f: torch.save(state, f))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Lexicon:
+        """Read a file written by :meth:`save`.
+
+        Raises:
+            ValueError: naming the file, when it is missing or not a lexicon of this format.
+        """
+        try:
+            state = torch.load(Path(path), map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, EOFError) as err:
+            raise ValueError(f"decode.shortlist={path}: not a readable lexicon ({err})") from None
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            raise ValueError(
+                f"decode.shortlist={path}: not a lexicon file of format {FORMAT} (make one with "
+                "decode.shortlist=train, or mt.decode.shortlist.build_lexicon)"
+            )
+        return cls(state["offsets"], state["targets"], state["probs"], state["frequent"],
+                   state["meta"])  # fmt: skip
+
+    def shortlist(
+        self,
+        src: torch.Tensor,
+        k: int,
+        frequent: int,
+        prefix: torch.Tensor | None = None,
+    ) -> Shortlist:
+        """The candidate target pieces of one batch (see the module docstring): the union of
+        its sentences' lists, and which of them each sentence may use.
+
+        Args:
+            src: (B, S) source ids of the batch (PAD-padded, EOS-ended).
+            k: translations kept per source piece (the most probable).
+            frequent: the most frequent target pieces, kept for every sentence.
+            prefix: (B, P) forced target ids (-1: free), or None.
+        """
+        offsets, targets = self.offsets.numpy(), self.targets.numpy()
+        rows = src.cpu().numpy()
+        forced = None if prefix is None else prefix.cpu().numpy()
+        own = []  # each sentence's pieces beyond the frequent ones
+        for b in range(len(rows)):
+            seen = np.unique(rows[b])
+            seen = seen[seen >= len(SPECIAL)]
+            starts = offsets[seen]
+            counts = np.minimum(offsets[seen + 1] - starts, k)
+            parts = [targets[_ramp(starts, counts)], seen]
+            if forced is not None:
+                parts.append(forced[b][forced[b] >= 0])
+            own.append(np.unique(np.concatenate(parts).astype(np.int64)))
+        common = self.frequent.numpy()[:frequent]
+        union = np.unique(np.concatenate([*own, common]).astype(np.int64))
+        union = union[union >= len(SPECIAL)]
+        ids = torch.cat([SPECIAL, torch.from_numpy(union)])
+        allowed = None
+        if len(rows) > 1:
+            allowed = np.zeros((len(rows), len(ids)), dtype=bool)
+            allowed[:, : len(SPECIAL)] = True
+            allowed[:, len(SPECIAL) + np.searchsorted(union, common[common >= len(SPECIAL)])] = True
+            for b, pieces in enumerate(own):
+                pieces = pieces[pieces >= len(SPECIAL)]
+                allowed[b, len(SPECIAL) + np.searchsorted(union, pieces)] = True
+            allowed = None if allowed.all() else torch.from_numpy(allowed).to(src.device)
+        return Shortlist(ids.to(src.device), allowed)
+
+
+class Shortlist:
+    """One batch's candidate target pieces: column ``c`` of its logits is vocabulary id
+    ``ids[c]``; ``ids[:4]`` are the special ids 0-3 (so PAD, BOS and EOS keep their columns).
+
+    The batch is projected onto all C pieces; each sentence then keeps only its own
+    (``allowed``), so a sentence's translation does not depend on the batch it is in.
+
+    Args:
+        ids: (C,) int64, the special ids first, then increasing ids.
+        allowed: (B, C) bool, the pieces each sentence of the batch may use; None: all.
+    """
+
+    def __init__(self, ids: torch.Tensor, allowed: torch.Tensor | None = None) -> None:
+        self.ids = ids
+        self.bias = None  # (B, C): 0 where a sentence may use a piece, -inf elsewhere
+        if allowed is not None:
+            self.bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        self._rows: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self.ids.numel()
+
+    def project(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Logits (..., C) of decoder outputs ``h`` (..., D) against the rows of the tied
+        output ``weight`` (V', D) for this batch's pieces, gathered once per batch and weight."""
+        key = (weight.data_ptr(), weight.dtype)
+        rows = self._rows.get(key)
+        if rows is None:
+            rows = self._rows[key] = weight.index_select(0, self.ids).contiguous()
+        return F.linear(h.to(rows.dtype), rows)
+
+    def restrict(self, logits: torch.Tensor, sents: list[int], width: int) -> torch.Tensor:
+        """``logits`` (n * width, T, C) of the rows of sentences ``sents`` (``width`` rows
+        each) with the pieces outside each sentence's own list at -inf."""
+        if self.bias is None:
+            return logits
+        bias = self.bias[torch.tensor(sents)].to(logits.device)  # (n, C)
+        n, C = bias.shape
+        out = logits.float().view(n, width, -1, C) + bias[:, None, None, :]
+        return out.view(logits.shape)
+
+    def columns(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The columns of vocabulary ids ``tokens`` (each in the shortlist; -1 stays -1)."""
+        col = torch.searchsorted(self.ids[len(SPECIAL):], tokens.clamp(min=0)) + len(SPECIAL)
+        col = torch.where(tokens < len(SPECIAL), tokens, col)
+        return torch.where(tokens < 0, tokens, col)
+
+
+def build_lexicon(
+    src: Any,
+    tgt: Any,
+    vocab_size: int,
+    iterations: int = 5,
+    keep: int = 100,
+    max_products: int = 20_000_000,
+    meta: dict[str, Any] | None = None,
+) -> Lexicon:
+    """IBM Model 1 ``p(t | s)`` by EM over encoded pairs; the ``keep`` best per source piece.
+
+    Args:
+        src, tgt: ``mt.data.store.TokenArray`` of the pairs' source and target ids.
+        vocab_size: V (ids are below it).
+        iterations: EM iterations from the uniform table.
+        keep: translations kept per source piece.
+        max_products: at most this many (source, target) token pairs per iteration (memory:
+            ~60 bytes each); beyond, a fixed random sample of the pairs is used.
+        meta: recorded in the lexicon (languages, tokenizer digest).
+    """
+    V, n = int(vocab_size), len(src)
+    s_len, t_len = np.asarray(src.lengths), np.asarray(tgt.lengths)
+    cost = (s_len + 1) * t_len
+    if int(cost.sum()) > max_products:
+        order = np.random.default_rng(0).permutation(n)
+        used = np.sort(order[: int(np.searchsorted(np.cumsum(cost[order]), max_products))])
+    else:
+        used = np.arange(n)
+    s_ids, s_len = src.gather(used)
+    t_ids, t_len = tgt.gather(used)
+    # One row per (target token, source token or NULL) of the same pair.
+    sent = np.repeat(np.arange(len(used)), t_len)  # the pair of each target token
+    fan = s_len[sent] + 1  # its candidate sources: the pair's source tokens and NULL
+    token = np.repeat(np.arange(len(t_ids)), fan)  # (P,) the target token of each product
+    offset = _ramp(np.zeros(len(fan), dtype=np.int64), fan)  # 0 .. S: S is NULL
+    src_start = np.cumsum(s_len) - s_len
+    null = offset == np.repeat(fan - 1, fan)
+    pos = np.minimum(np.repeat(src_start[sent], fan) + offset, max(len(s_ids) - 1, 0))
+    s = np.where(null, V, s_ids[pos] if len(s_ids) else V)
+    keys, inverse = np.unique(s * V + np.repeat(t_ids, fan), return_inverse=True)
+    inverse = inverse.ravel()
+    u_src, u_tgt = keys // V, keys % V
+    prob = np.full(len(keys), 1.0 / V)
+    for _ in range(iterations):
+        p = prob[inverse]
+        post = p / np.bincount(token, weights=p, minlength=len(t_ids))[token]
+        counts = np.bincount(inverse, weights=post, minlength=len(keys))
+        prob = counts / np.bincount(u_src, weights=counts, minlength=V + 1)[u_src]
+    real = u_src < V  # the NULL source's table is not kept
+    u_src, u_tgt, prob = u_src[real], u_tgt[real], prob[real]
+    order = np.lexsort((-prob, u_src))  # by source, most probable first
+    u_src, u_tgt, prob = u_src[order], u_tgt[order], prob[order]
+    first = np.searchsorted(u_src, u_src)  # each entry's source's first entry
+    kept = (np.arange(len(u_src)) - first) < keep
+    u_src, u_tgt, prob = u_src[kept], u_tgt[kept], prob[kept]
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(u_src, minlength=V))])
+    freq = np.bincount(t_ids, minlength=V)
+    frequent = np.argsort(-freq, kind="stable")[: int((freq > 0).sum())]
+    info = {"pairs": int(len(used)), "of_pairs": int(n), "iterations": int(iterations),
+            "keep": int(keep), **(meta or {})}  # fmt: skip
+    return Lexicon(
+        torch.from_numpy(offsets.astype(np.int64)),
+        torch.from_numpy(u_tgt.astype(np.int64)),
+        torch.from_numpy(prob.astype(np.float32)),
+        torch.from_numpy(frequent.astype(np.int64)),
+        info,
+    )
+
+
+@lru_cache(maxsize=4)
+def _load(path: str, mtime_ns: int) -> Lexicon:
+    return Lexicon.load(path)
+
+
+def load_lexicon(path: str | Path, vocab_size: int | None = None) -> Lexicon:
+    """The lexicon at ``path`` (read once per file version), checked against the model's
+    vocabulary size.
+
+    Raises:
+        ValueError: naming ``decode.shortlist``: the file is missing or unreadable, or it was
+            made for another vocabulary size.
+    """
+    p = Path(path)
+    if str(path) == "train":
+        raise ValueError(
+            "decode.shortlist=train names the prepared training data, which only mt-evaluate, "
+            "mt-translate and mt-serve look up; elsewhere give a lexicon file"
+        )
+    if not p.is_file():
+        raise ValueError(f"decode.shortlist={path}: no such file")
+    lexicon = _load(str(p.resolve()), p.stat().st_mtime_ns)
+    if vocab_size is not None and lexicon.vocab_size != int(vocab_size):
+        raise ValueError(
+            f"decode.shortlist={path}: made for a vocabulary of {lexicon.vocab_size} pieces, "
+            f"the model has {vocab_size}"
+        )
+    return lexicon
+
+
+def check_settings(k: int, frequent: int) -> None:
+    """Raises ValueError naming the setting when ``decode.shortlist_k`` or
+    ``decode.shortlist_frequent`` is out of range."""
+    if k < 1:
+        raise ValueError(f"decode.shortlist_k must be >= 1, got {k}")
+    if frequent < 0:
+        raise ValueError(f"decode.shortlist_frequent must be >= 0, got {frequent}")
+
+
+def lexicon_of(prepared: Any, src_lang: str, tgt_lang: str) -> Path:
+    """The lexicon of a prepared-data directory's training split (``lexicon.pt`` beside it),
+    built on first use (seconds for Multi30k) and reused after."""
+    path = Path(prepared.dir) / "lexicon.pt"
+    digest = prepared.tokenizer.sha256()
+    if path.is_file():
+        meta = load_lexicon(path).meta
+        if meta.get("tokenizer") == digest and meta.get("direction") == [src_lang, tgt_lang]:
+            return path
+    split = prepared.split("train")
+    log.info("building the shortlist lexicon of %s (%d pairs, IBM model 1)", prepared.dir,
+             len(split))  # fmt: skip
+    meta = {"tokenizer": digest, "direction": [src_lang, tgt_lang]}
+    build_lexicon(split.src, split.tgt, prepared.vocab_size, meta=meta).save(path)
+    return path
+
+
+def resolve_shortlist(cfg: Any, tokenizer: Any) -> Any:
+    """``cfg`` (an ``mt.schema.Config``) with ``decode.shortlist=train`` replaced by the path of
+    the lexicon of its prepared training data (prepared if need be, built on first use);
+    anything else is returned as it is.
+
+    Raises:
+        ValueError: ``tokenizer`` (the checkpoint's) is not the prepared data's, whose ids the
+            lexicon would hold.
+    """
+    if cfg.decode.shortlist != "train":
+        return cfg
+    from mt.data.build import prepare
+
+    prepared = prepare(cfg)
+    if tokenizer.sha256() != prepared.tokenizer.sha256():
+        raise ValueError(
+            "decode.shortlist=train: the checkpoint's tokenizer is not the prepared data's "
+            f"({prepared.dir}); give a lexicon file made with its own"
+        )
+    path = lexicon_of(prepared, cfg.data.src_lang, cfg.data.tgt_lang)
+    log.info("shortlist: %s (%s)", path, describe(load_lexicon(path)))
+    decode = dataclasses.replace(cfg.decode, shortlist=str(path))
+    return dataclasses.replace(cfg, decode=decode)
+
+
+def describe(lexicon: Lexicon) -> str:
+    """One line for logs: entries, pairs used."""
+    pairs = lexicon.meta.get("pairs")
+    made = f", from {pairs:,} pairs" if isinstance(pairs, int) else ""
+    return f"{lexicon.targets.numel():,} entries for {lexicon.vocab_size:,} pieces{made}"
+
+
+__all__ = [
+    "Lexicon",
+    "Shortlist",
+    "build_lexicon",
+    "check_settings",
+    "describe",
+    "lexicon_of",
+    "load_lexicon",
+    "resolve_shortlist",
+]
