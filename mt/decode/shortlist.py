@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -169,19 +170,30 @@ class Shortlist:
         self.bias = None  # (B, C): 0 where a sentence may use a piece, -inf elsewhere
         if allowed is not None:
             self.bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
-        self._rows: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._products: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
 
     def __len__(self) -> int:
         return self.ids.numel()
 
-    def project(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Logits (..., C) of decoder outputs ``h`` (..., D) against the rows of the tied
-        output ``weight`` (V', D) for this batch's pieces, gathered once per batch and weight."""
-        key = (weight.data_ptr(), weight.dtype)
-        rows = self._rows.get(key)
-        if rows is None:
-            rows = self._rows[key] = weight.index_select(0, self.ids).contiguous()
-        return F.linear(h.to(rows.dtype), rows)
+    def project(self, h: torch.Tensor, weight: torch.Tensor, head: Any = None) -> torch.Tensor:
+        """Logits (..., C) of decoder outputs ``h`` (..., D) over this batch's pieces.
+
+        Args:
+            weight: the tied output weight (V', D); its rows of these pieces are gathered once
+                per batch and multiplied with ``F.linear`` (in their dtype) ...
+            head: ... unless a decoding copy's projection is given (int8 or oneDNN): then its
+                ``subset(ids)``, a product of its kind over these pieces' rows, made once per
+                batch (the full head's columns).
+        """
+        key = id(head) if head is not None else (weight.data_ptr(), weight.dtype)
+        product = self._products.get(key)
+        if product is None:
+            if head is not None:
+                product = head.subset(self.ids)
+            else:
+                product = partial(_linear, weight.index_select(0, self.ids).contiguous())
+            self._products[key] = product
+        return product(h)
 
     def restrict(self, logits: torch.Tensor, sents: list[int], width: int) -> torch.Tensor:
         """``logits`` (n * width, T, C) of the rows of sentences ``sents`` (``width`` rows
@@ -198,6 +210,10 @@ class Shortlist:
         col = torch.searchsorted(self.ids[len(SPECIAL):], tokens.clamp(min=0)) + len(SPECIAL)
         col = torch.where(tokens < len(SPECIAL), tokens, col)
         return torch.where(tokens < 0, tokens, col)
+
+
+def _linear(rows: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    return F.linear(h.to(rows.dtype), rows)
 
 
 def build_lexicon(

@@ -98,16 +98,18 @@ class DecodingModel(nn.Module):
 
     def decode(self, tgt_in: torch.Tensor, enc, cache: DecoderCache | None = None, vocab=None):
         """(B, T) new target ids -> (B, T, V) logits (see ``Transformer.decode``); with
-        ``vocab`` (``mt.decode.shortlist.Shortlist``) (B, T, C) over its columns, the product
-        with the float32 rows of those pieces (the int8 or oneDNN head is for all V)."""
+        ``vocab`` (``mt.decode.shortlist.Shortlist``) (B, T, C) over its columns: a product
+        of the head's kind (int8, oneDNN float32 or bfloat16) over those pieces' rows, made
+        once per batch."""
         if self.step and applies(tgt_in, cache, self.module):
             h = decoder_step(self.module, tgt_in, enc.memory, enc.src_mask, cache)  # (B, D)
             if vocab is not None:
-                return vocab.project(h, self.module.output_weight)[:, None]
+                return vocab.project(h, self.module.output_weight, self.head)[:, None]
             logits = self.module.project(h) if self.head is None else self.head(h)
             return logits[:, None, : self.vocab_size]
         if vocab is not None:
-            return self.module.decode(tgt_in, enc, cache, vocab=vocab)
+            h = self.module.decode(tgt_in, enc, cache, project=False)  # (B, T, D)
+            return vocab.project(h, self.module.output_weight, self.head)
         if self.head is None:
             return self.module.decode(tgt_in, enc, cache)
         h = self.module.decode(tgt_in, enc, cache, project=False)  # (B, T, D)

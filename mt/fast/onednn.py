@@ -146,7 +146,15 @@ class OneDNNLinear(nn.Module):
         b = None if bias is None else bias.detach().to(dtype)
         self.register_buffer("bias", b, persistent=False)
         self.attr = "relu" if relu else "none"
+        self.rows = rows
         self.packed = None if rows is None else pack(self.weight, rows)
+
+    def subset(self, ids: torch.Tensor) -> OneDNNLinear:
+        """The same kind of product (dtype, packing) over output rows ``ids`` only, without
+        activation: a vocabulary shortlist's columns of the projection."""
+        bias = None if self.bias is None else self.bias.index_select(0, ids)
+        return OneDNNLinear(self.weight.index_select(0, ids), bias, self.weight.dtype,
+                            rows=self.rows)  # fmt: skip
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) -> (..., out) in the weight's dtype."""

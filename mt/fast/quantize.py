@@ -19,6 +19,8 @@ activations quantized in torch) 801 us against fbgemm's 447 in a second run.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -47,6 +49,8 @@ class Int8Linear(nn.Module):
         scale = torch.clamp(largest / 127.5, min=torch.finfo(torch.float32).eps)
         zero = torch.zeros(w.size(0), dtype=torch.int64)
         b = None if bias is None else bias.detach().float()
+        self.bias = b
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # for subset()
         with warnings.catch_warnings():  # quantized tensors' own deprecation notice (below)
             warnings.simplefilter("ignore")
             q = torch.quantize_per_channel(w, scale.double(), zero, 0, torch.qint8)
@@ -55,6 +59,24 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) float32 -> (..., out) float32."""
         return self._product(_LINEAR_DYNAMIC, x)
+
+    def subset(self, ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The product over output rows ``ids`` only (a vocabulary shortlist's columns of the
+        projection): the same int8 weights and per-row scales, so the full product's columns
+        up to float rounding. Packed per call as one per-tensor int8 matrix with the scales
+        applied to the output: fbgemm packs a per-channel weight channel by channel (7.8 ms
+        for 2,000 rows of 256 on an AMD Zen 4, against 1.1 ms per tensor)."""
+        if self.bias is not None:
+            raise ValueError("a subset of an Int8Linear with a bias is not supported")
+        if self._rows is None:  # the int8 weight and scales, unpacked once
+            q, _ = torch.ops.quantized.linear_unpack(self._packed)
+            self._rows = (q.int_repr(), q.q_per_channel_scales().float())
+        weight, scales = self._rows
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            q = torch._make_per_tensor_quantized_tensor(weight.index_select(0, ids), 1.0, 0)
+            packed = torch.ops.quantized.linear_prepack(q, None)
+        return partial(_scaled_product, packed, scales.index_select(0, ids))
 
     def relu(self, x: torch.Tensor) -> torch.Tensor:
         """``max(0, x W^T + b)``, the ReLU inside fbgemm's product (on its float32 output, so
@@ -72,6 +94,12 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int8 per channel"
+
+
+def _scaled_product(packed, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """fbgemm's dynamic int8 product with a per-tensor weight of scale 1, times ``scales``."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return _LINEAR_DYNAMIC(x, packed, True).mul_(scales)
 
 
 class Int8FeedForward(nn.Module):
