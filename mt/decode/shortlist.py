@@ -125,30 +125,40 @@ class Lexicon:
             prefix: (B, P) forced target ids (-1: free), or None.
         """
         offsets, targets = self.offsets.numpy(), self.targets.numpy()
-        rows = src.cpu().numpy()
-        forced = None if prefix is None else prefix.cpu().numpy()
-        own = []  # each sentence's pieces beyond the frequent ones
-        for b in range(len(rows)):
-            seen = np.unique(rows[b])
-            seen = seen[seen >= len(SPECIAL)]
-            starts = offsets[seen]
-            counts = np.minimum(offsets[seen + 1] - starts, k)
-            parts = [targets[_ramp(starts, counts)], seen]
-            if forced is not None:
-                parts.append(forced[b][forced[b] >= 0])
-            own.append(np.unique(np.concatenate(parts).astype(np.int64)))
+        rows = src.cpu().numpy().astype(np.int64)
+        B, V, first = len(rows), self.vocab_size, len(SPECIAL)
+        # (sentence, source piece) of every source token (padding and EOS dropped), then the
+        # k best translations of each: a repeated piece only sets the same entries again
+        sent = np.repeat(np.arange(B, dtype=np.int64), rows.shape[1])
+        piece = rows.ravel()
+        sent, piece = sent[piece >= first], piece[piece >= first]
+        starts = offsets[piece]
+        counts = np.minimum(offsets[piece + 1] - starts, k)
+        own_sent = [sent, np.repeat(sent, counts)]  # its pieces (copied), their translations
+        own_tok = [piece, targets[_ramp(starts, counts)]]
+        if prefix is not None:
+            forced = prefix.cpu().numpy().astype(np.int64)
+            b, j = np.nonzero(forced >= first)
+            own_sent.append(b)
+            own_tok.append(forced[b, j])
+        sent, tok = np.concatenate(own_sent), np.concatenate(own_tok)
         common = self.frequent.numpy()[:frequent]
-        union = np.unique(np.concatenate([*own, common]).astype(np.int64))
-        union = union[union >= len(SPECIAL)]
+        common = common[common >= first]
+        # dense over the vocabulary: no sorting (a batch's lists hold ~10^4 entries)
+        used = np.zeros(V, dtype=bool)
+        used[tok] = True
+        used[common] = True
+        used[:first] = False
+        union = np.flatnonzero(used)
+        column = np.zeros(V, dtype=np.int64)
+        column[union] = np.arange(first, first + len(union))
         ids = torch.cat([SPECIAL, torch.from_numpy(union)])
         allowed = None
-        if len(rows) > 1:
-            allowed = np.zeros((len(rows), len(ids)), dtype=bool)
-            allowed[:, : len(SPECIAL)] = True
-            allowed[:, len(SPECIAL) + np.searchsorted(union, common[common >= len(SPECIAL)])] = True
-            for b, pieces in enumerate(own):
-                pieces = pieces[pieces >= len(SPECIAL)]
-                allowed[b, len(SPECIAL) + np.searchsorted(union, pieces)] = True
+        if B > 1:
+            allowed = np.zeros((B, len(ids)), dtype=bool)
+            allowed[:, :first] = True
+            allowed[:, column[common]] = True
+            allowed[sent, column[tok]] = True
             allowed = None if allowed.all() else torch.from_numpy(allowed).to(src.device)
         return Shortlist(ids.to(src.device), allowed)
 
