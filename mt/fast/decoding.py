@@ -102,18 +102,15 @@ class DecodingModel(nn.Module):
         of the head's kind (int8, oneDNN float32 or bfloat16) over those pieces' rows, made
         once per batch."""
         if self.step and applies(tgt_in, cache, self.module):
-            h = decoder_step(self.module, tgt_in, enc.memory, enc.src_mask, cache)  # (B, D)
-            if vocab is not None:
-                return vocab.project(h, self.module.output_weight, self.head)[:, None]
-            logits = self.module.project(h) if self.head is None else self.head(h)
-            return logits[:, None, : self.vocab_size]
-        if vocab is not None:
-            h = self.module.decode(tgt_in, enc, cache, project=False)  # (B, T, D)
-            return vocab.project(h, self.module.output_weight, self.head)
-        if self.head is None:
+            h = decoder_step(self.module, tgt_in, enc.memory, enc.src_mask, cache)[:, None]
+        elif vocab is None and self.head is None:
             return self.module.decode(tgt_in, enc, cache)
-        h = self.module.decode(tgt_in, enc, cache, project=False)  # (B, T, D)
-        return self.head(h)[..., : self.vocab_size]  # the padded columns sliced off
+        else:
+            h = self.module.decode(tgt_in, enc, cache, project=False)  # (B, T, D)
+        if vocab is not None:
+            return vocab.project(h, self.module.output_weight, self.head)
+        logits = self.module.project(h) if self.head is None else self.head(h)
+        return logits[..., : self.vocab_size]  # the padded columns sliced off
 
 
 def onednn_copy(
