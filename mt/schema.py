@@ -277,6 +277,9 @@ class ExportConfig:
     checkpoint: Optional[str] = None  # the checkpoint to export (required)
     format: Optional[str] = None  # hf | ctranslate2 (required)
     output: Optional[str] = None  # the directory to write (required)
+    # ctranslate2: a lexicon file (decode.shortlist's) also written as CTranslate2's vocabulary
+    # map, decode.shortlist_k translations per piece and decode.shortlist_frequent always
+    shortlist: Optional[str] = None
 
 
 @dataclass

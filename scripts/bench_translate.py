@@ -14,6 +14,10 @@ limit (``--max-len`` output tokens, absolute: CTranslate2 has one limit per call
 one worker per thread). A warm-up pass over the first batch is not timed. Rounds alternate the
 engines; each figure is the median over rounds of sentences/s and output tokens/s (pieces + EOS).
 Outputs are compared with mt fp32's: ``identical`` counts the sentences whose ids are the same.
+With ``--shortlist LEXICON`` (``mt.decode.shortlist``), mt's fp32 and int8 run again with
+``decode.shortlist`` (``+sl``), and CTranslate2's float32 and int8 with the same lists as the
+export's vocabulary map (``+vmap``, ``use_vmap=True``; CTranslate2 gives a batch the union of
+its sentences' lists, where mt holds each sentence to its own).
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ import time
 from pathlib import Path
 
 ENGINES = {"mt": ("fp32", "int8", "bf16"), "ct2": ("float32", "int8", "float32+mkl", "int8+mkl")}
-# With --shortlist FILE (a lexicon, mt.decode.shortlist): mt's settings again with it ("+sl").
-SHORTLISTED = ("fp32+sl", "int8+sl")
+# With --shortlist FILE (a lexicon, mt.decode.shortlist): mt's settings again with it ("+sl"),
+# and CTranslate2's with the same lists as its vocabulary map ("+vmap": use_vmap=True).
+SHORTLISTED = {"mt": ("fp32+sl", "int8+sl"), "ct2": ("float32+vmap", "int8+vmap")}
 # CTranslate2 uses Intel MKL's products only on Intel CPUs unless CT2_USE_MKL=1 asks for them
 # (elsewhere oneDNN's): "+mkl" sets it, so that CTranslate2's best setting is measured on AMD too.
 
@@ -70,7 +75,7 @@ def worker(args) -> dict:
         translator = ctranslate2.Translator(
             args.ct2_dir,
             device="cpu",
-            compute_type=args.setting.removesuffix("+mkl"),
+            compute_type=args.setting.partition("+")[0],
             inter_threads=workers,
             intra_threads=max(1, args.threads // workers),
         )
@@ -82,7 +87,7 @@ def worker(args) -> dict:
             results = translator.translate_batch(
                 pieces, beam_size=args.beam, length_penalty=0.0, max_batch_size=n,
                 batch_type="examples", max_decoding_length=args.max_len, min_decoding_length=0,
-                suppress_sequences=[["<pad>"], ["<s>"]],
+                suppress_sequences=[["<pad>"], ["<s>"]], use_vmap=args.setting.endswith("+vmap"),
             )  # fmt: skip
             return [[vocab[p] for p in r.hypotheses[0]] for r in results]
 
@@ -129,12 +134,14 @@ def run_translate(args, rec) -> None:
     args.threads = args.threads or torch.get_num_threads()  # 0: the count bench.py left in force
     args.workers = args.workers or args.threads  # 0: one per thread
     work = Path(args.workdir or tempfile.mkdtemp(prefix="mt-bench-translate-"))
-    args.ct2_dir = str(work / "ct2")
-    if not (work / "ct2" / "model.bin").is_file():
-        export(args.checkpoint, "ctranslate2", args.ct2_dir)
+    ct2 = work / ("ct2-shortlist" if args.shortlist else "ct2")  # with its vocabulary map
+    args.ct2_dir = str(ct2)
+    if not (ct2 / "model.bin").is_file():
+        export(args.checkpoint, "ctranslate2", ct2, args.shortlist or None, args.shortlist_k,
+               args.shortlist_frequent)  # fmt: skip
     engines = dict(ENGINES)
     if args.shortlist:
-        engines["mt"] = ENGINES["mt"] + SHORTLISTED
+        engines = {e: ENGINES[e] + SHORTLISTED[e] for e in ENGINES}
     settings = [(e, s) for e, ss in engines.items() for s in ss
                 if not args.settings or f"{e}:{s}" in args.settings]  # fmt: skip
     env = environment(args.device_obj)
@@ -160,7 +167,7 @@ def run_translate(args, rec) -> None:
                 "identical_to_mt_fp32": same, "beam": beam, "max_len": args.max_len,
                 "batch_size": args.batch_size, "workers": args.workers,
                 "shortlist": [args.shortlist, args.shortlist_k, args.shortlist_frequent]
-                if setting.endswith("+sl") else None,
+                if setting.endswith(("+sl", "+vmap")) else None,
                 "checkpoint": args.checkpoint,
                 "input": args.input, **env,
             })  # fmt: skip

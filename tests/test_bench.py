@@ -201,13 +201,15 @@ def test_translate_compares_mt_and_ctranslate2_on_one_export(tmp_path):
     (tmp_path / "in.txt").write_text("".join(line + "\n" for line in lines * 3))
     args = ["translate", "--checkpoint", str(tmp_path / "m.pt"), "--input",
             str(tmp_path / "in.txt"), "--beams", "1", "--rounds", "2", "--batch-size", "5",
-            "--max-len", "12", "--settings", "mt:fp32", "mt:fp32+sl", "ct2:float32", *mkl,
+            "--max-len", "12", "--settings", "mt:fp32", "mt:fp32+sl", "ct2:float32",
+            "ct2:float32+vmap", *mkl,
             "--workdir", str(tmp_path / "w"), "--workers", "2", "--shortlist",
             str(tmp_path / "lexicon.pt"), "--shortlist-frequent", str(V)]  # fmt: skip
     records, out = run_bench(args, tmp_path)
     assert {r["workers"] for r in records} == {2}
     impls = [("mt fp32", 1), ("ct2 float32", 1)] + [("ct2 float32+mkl", 1)] * len(mkl)
     impls.insert(1, ("mt fp32+sl", 1))
+    impls.insert(3 + len(mkl), ("ct2 float32+vmap", 1))
     assert [(r["impl"], r["beam"]) for r in records] == impls
     for r in records:
         assert r["sentences"] == 12 and len(r["seconds"]) == 2 and r["peak_rss_mb"] > 0
@@ -219,7 +221,9 @@ def test_translate_compares_mt_and_ctranslate2_on_one_export(tmp_path):
     assert by[("ct2 float32", 1)]["identical_to_mt_fp32"] == 12
     assert by[("mt fp32+sl", 1)]["identical_to_mt_fp32"] == 12
     assert by[("mt fp32+sl", 1)]["shortlist"][2] == V and by[("mt fp32", 1)]["shortlist"] is None
-    assert (tmp_path / "w" / "ct2" / "model.bin").is_file() and "sent/s" in out
+    assert by[("ct2 float32+vmap", 1)]["identical_to_mt_fp32"] == 12  # its map: every piece
+    assert (tmp_path / "w" / "ct2-shortlist" / "vmap.txt").is_file()
+    assert (tmp_path / "w" / "ct2-shortlist" / "model.bin").is_file() and "sent/s" in out
 
 
 @pytest.fixture(scope="module")

@@ -286,3 +286,45 @@ def test_the_hf_export_carries_a_model_card(trained):
         assert "| bleu | 12.35 | `nrefs:1|tok:13a` |" in card
     finally:
         (run_dir / "results.json").unlink()
+
+
+def test_ct2_vocabulary_map_holds_the_shortlist(trained, tmp_path):
+    """export.shortlist: CTranslate2's vmap.txt with mt's lists (a line per source piece, its
+    best translations after itself; the frequent pieces on the empty source's line), and
+    CTranslate2 with use_vmap=True translates each sentence within its list."""
+    import numpy as np
+
+    from mt.checkpoint import load_model
+    from mt.data.store import TokenArray
+    from mt.decode.shortlist import build_lexicon
+
+    ckpt, _, _, lines = trained
+    model, tok, _ = load_model(ckpt)
+    V = model.vocab_size
+    g = np.random.default_rng(0)
+    src = [g.integers(4, V, 6).tolist() for _ in range(300)]
+    tgt = [[4 + (s * 7) % (V - 4) for s in row] for row in src]
+    lexicon = build_lexicon(TokenArray.from_sequences(src), TokenArray.from_sequences(tgt), V)
+    lexicon.save(tmp_path / "lexicon.pt")
+    with pytest.raises(ExportError, match="export.shortlist=.*only format=ctranslate2"):
+        export(ckpt, "hf", tmp_path / "hf", tmp_path / "lexicon.pt")
+    with pytest.raises(ExportError, match="export.shortlist=.*no such file"):
+        export(ckpt, "ctranslate2", tmp_path / "x", tmp_path / "missing.pt")
+    out = export(ckpt, "ctranslate2", tmp_path / "ct2", tmp_path / "lexicon.pt", 2, 5)
+    sp = tok.model("src")
+    rows = (out / "vmap.txt").read_text(encoding="utf-8").split("\n")
+    assert rows[-1] == "" and len(rows) == 1 + (V - 4) + 1
+    frequent = [sp.id_to_piece(t) for t in lexicon.frequent[:5].tolist() if t >= 4]
+    assert rows[0] == "\t" + " ".join(frequent)
+    s = 4 + 17
+    key, values = rows[1 + 17].split("\t")
+    best = lexicon.targets[lexicon.offsets[s] : lexicon.offsets[s] + 2].tolist()
+    assert key == sp.id_to_piece(s) and values.split() == [sp.id_to_piece(t) for t in [s, *best]]
+    lists = {r.split("\t")[0]: set(r.split("\t")[1].split()) for r in rows[1:-1]}
+    translator = ctranslate2.Translator(str(out), device="cpu")
+    for line in lines[:6]:
+        pieces = [sp.id_to_piece(i) for i in tok.encode([tok.normalize(line)], side="src")[0]]
+        (res,) = translator.translate_batch([pieces], beam_size=2, max_decoding_length=8,
+                                            use_vmap=True)  # fmt: skip
+        allowed = set(frequent).union(*(lists[p] for p in pieces)) | {"<unk>", "</s>"}
+        assert set(res.hypotheses[0]) <= allowed

@@ -351,6 +351,24 @@ def lexicon_of(prepared: Any, src_lang: str, tgt_lang: str) -> Path:
     return path
 
 
+def vocabulary_map(lexicon: Lexicon, pieces: list[str], k: int, frequent: int) -> str:
+    """The lexicon as CTranslate2's vocabulary map (``use_vmap=True``): a line per source
+    piece, ``<piece>\\t<candidates>``, its ``k`` most probable translations and itself; first
+    a line with an empty source, the ``frequent`` most frequent target pieces (always
+    candidates). CTranslate2 gives a batch the union of its sentences' candidates."""
+    check_settings(k, frequent)
+    if len(pieces) != lexicon.vocab_size:
+        raise ValueError(f"{len(pieces)} pieces for a lexicon of {lexicon.vocab_size}")
+    first = len(SPECIAL)
+    common = [pieces[t] for t in lexicon.frequent[:frequent].tolist() if t >= first]
+    lines = ["\t" + " ".join(common)]
+    offsets, targets = lexicon.offsets.tolist(), lexicon.targets.tolist()
+    for s in range(first, lexicon.vocab_size):
+        best = [t for t in targets[offsets[s] : min(offsets[s] + k, offsets[s + 1])] if t >= first]
+        lines.append(pieces[s] + "\t" + " ".join(pieces[t] for t in dict.fromkeys([s, *best])))
+    return "\n".join(lines) + "\n"
+
+
 def resolve_shortlist(cfg: Any, tokenizer: Any) -> Any:
     """``cfg`` (an ``mt.schema.Config``) with ``decode.shortlist=train`` replaced by the path of
     the lexicon of its prepared training data (prepared if need be, built on first use);
@@ -392,4 +410,5 @@ __all__ = [
     "lexicon_of",
     "load_lexicon",
     "resolve_shortlist",
+    "vocabulary_map",
 ]

@@ -6,7 +6,9 @@
   parameters, data, the training command, test scores with signatures, limits;
   :mod:`mt.export.card`), ready to publish as it is.
 * ``ctranslate2``: a CTranslate2 model directory built through CTranslate2's own converter API,
-  with the SentencePiece model beside it (see :mod:`mt.export.ct2`).
+  with the SentencePiece model beside it (see :mod:`mt.export.ct2`); with
+  ``export.shortlist=LEXICON`` also CTranslate2's vocabulary map (``use_vmap=True``), the
+  lists of ``decode.shortlist`` (:mod:`mt.decode.shortlist`).
 
 Both need the optional extra ``pip install mt[export]``. A checkpoint that uses a setting the
 target cannot express is refused with a message naming the setting.
@@ -18,6 +20,7 @@ import logging
 from pathlib import Path
 
 from mt.checkpoint import CheckpointError, load_checkpoint, model_cfg_from, tokenizer_blobs
+from mt.decode.shortlist import load_lexicon
 from mt.export.card import model_card
 from mt.export.ct2 import export_ct2
 from mt.export.hf import ExportError, export_hf
@@ -29,15 +32,27 @@ log = logging.getLogger(__name__)
 FORMATS = ("hf", "ctranslate2")
 
 
-def export(checkpoint: str | Path, fmt: str, output: str | Path) -> Path:
-    """Export an mt checkpoint to ``output`` in format ``fmt`` (``hf`` or ``ctranslate2``).
+def export(
+    checkpoint: str | Path,
+    fmt: str,
+    output: str | Path,
+    shortlist: str | Path | None = None,
+    shortlist_k: int = 50,
+    shortlist_frequent: int = 2000,
+) -> Path:
+    """Export an mt checkpoint to ``output`` in format ``fmt`` (``hf`` or ``ctranslate2``);
+    ``shortlist`` (a lexicon file, ``mt.decode.shortlist``): CTranslate2's vocabulary map too.
 
     Raises:
-        ExportError: an unknown format, or a setting the target cannot express.
+        ExportError: an unknown format, a setting the target cannot express, a shortlist for
+            ``hf`` or one that does not fit the model.
         CheckpointError: an unreadable checkpoint.
     """
     if fmt not in FORMATS:
         raise ExportError(f"format={fmt}: expected one of {', '.join(FORMATS)}")
+    if shortlist is not None and fmt != "ctranslate2":
+        raise ExportError(f"export.shortlist={shortlist}: only format=ctranslate2 has a "
+                          "vocabulary map")  # fmt: skip
     ckpt = load_checkpoint(checkpoint, map_location="cpu")
     cfg = model_cfg_from(ckpt)
     blobs = tokenizer_blobs(ckpt)
@@ -48,7 +63,15 @@ def export(checkpoint: str | Path, fmt: str, output: str | Path) -> Path:
         export_hf(ckpt, cfg, blobs, out)
         write_text(out / "README.md", model_card(ckpt, cfg, checkpoint))  # ready to publish
     else:
-        export_ct2(ckpt, cfg, blobs, out)
+        lists = None
+        if shortlist is not None:
+            try:
+                lexicon = load_lexicon(shortlist, int(ckpt["vocab_size"]))
+            except ValueError as err:
+                message = str(err).replace("decode.shortlist", "export.shortlist")
+                raise ExportError(message) from None
+            lists = (lexicon, shortlist_k, shortlist_frequent)
+        export_ct2(ckpt, cfg, blobs, out, lists)
     log.info("%s (step %s) exported as %s to %s", checkpoint, ckpt.get("step"), fmt, out)
     return out
 
@@ -59,7 +82,8 @@ def export_main(cfg: Config) -> None:
     if not args.checkpoint or not args.output or not args.format:
         raise SystemExit("mt-export: checkpoint=PATH format=hf|ctranslate2 output=DIR are needed")
     try:
-        out = export(args.checkpoint, args.format, args.output)
+        out = export(args.checkpoint, args.format, args.output, args.shortlist,
+                     cfg.decode.shortlist_k, cfg.decode.shortlist_frequent)  # fmt: skip
     except (ExportError, CheckpointError) as err:
         raise SystemExit(f"mt-export: {err}") from None
     print(out)

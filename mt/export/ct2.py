@@ -14,11 +14,13 @@ SentencePiece model as ``spm.model`` (tokenize with it, pass pieces to ``transla
 from __future__ import annotations
 
 import logging
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from mt.decode.shortlist import vocabulary_map
 from mt.export.hf import ExportError, check_exportable
 from mt.model.transformer import sinusoidal_positions
 from mt.schema import ModelConfig
@@ -93,8 +95,12 @@ def ct2_spec(state: dict[str, torch.Tensor], cfg: ModelConfig, pieces: list[str]
     return spec
 
 
-def export_ct2(ckpt: dict, cfg: ModelConfig, sp_blobs: list[bytes], out: Path) -> Path:
-    """Write a CTranslate2 model directory (float32 weights) plus ``spm.model``.
+def export_ct2(
+    ckpt: dict, cfg: ModelConfig, sp_blobs: list[bytes], out: Path, shortlist: tuple | None = None
+) -> Path:
+    """Write a CTranslate2 model directory (float32 weights) plus ``spm.model``; with
+    ``shortlist`` (a lexicon, k, frequent: ``mt.decode.shortlist``) also CTranslate2's
+    vocabulary map ``vmap.txt``, used by ``translate_batch(..., use_vmap=True)``.
 
     Returns:
         ``out``.
@@ -114,6 +120,12 @@ def export_ct2(ckpt: dict, cfg: ModelConfig, sp_blobs: list[bytes], out: Path) -
         def _load(self):
             return spec
 
-    _MtConverter().convert(str(out), force=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        vmap_path = None
+        if shortlist is not None:
+            vmap_path = Path(tmp) / "vmap.txt"
+            vmap_path.write_text(vocabulary_map(shortlist[0], pieces, *shortlist[1:]), "utf-8")
+        _MtConverter().convert(str(out), vmap=None if vmap_path is None else str(vmap_path),
+                               force=True)  # fmt: skip
     (Path(out) / "spm.model").write_bytes(sp_blobs[0])
     return Path(out)
