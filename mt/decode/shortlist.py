@@ -179,7 +179,8 @@ class Shortlist:
         self.ids = ids
         self.bias = None  # (B, C): 0 where a sentence may use a piece, -inf elsewhere
         if allowed is not None:
-            self.bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+            bias = torch.zeros(allowed.shape, device=allowed.device)
+            self.bias = bias.masked_fill_(~allowed, float("-inf"))
         self._products: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
 
     def __len__(self) -> int:
@@ -210,7 +211,7 @@ class Shortlist:
         each) with the pieces outside each sentence's own list at -inf."""
         if self.bias is None:
             return logits
-        bias = self.bias[torch.tensor(sents)].to(logits.device)  # (n, C)
+        bias = self.bias[torch.tensor(sents, device=self.bias.device)]  # (n, C)
         n, C = bias.shape
         out = logits.float().view(n, width, -1, C) + bias[:, None, None, :]
         return out.view(logits.shape)
