@@ -199,7 +199,7 @@ class DecodeConfig:
     # mt-translate, mt-serve); null = the whole vocabulary.
     shortlist: Optional[str] = None
     shortlist_k: int = 50  # per source piece, its most probable translations (IBM model 1)
-    shortlist_frequent: int = 2000  # and the most frequent target pieces, always
+    shortlist_frequent: int = 3000  # and the most frequent target pieces, always
     # Sampling (decode=sample): one draw per sentence instead of a search.
     sample: bool = False  # sample translations (beam_size is then ignored)
     temperature: float = 1.0  # p ~ exp(log p / temperature); 0 = greedy

@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     real.add_argument("--shortlist", help="a lexicon file (mt.decode.shortlist; mt-evaluate "
                       "decode.shortlist=train makes one): mt's fp32 and int8 again with it")
     real.add_argument("--shortlist-k", type=int, default=50, help="decode.shortlist_k")
-    real.add_argument("--shortlist-frequent", type=int, default=2000,
+    real.add_argument("--shortlist-frequent", type=int, default=3000,
                       help="decode.shortlist_frequent")  # fmt: skip
 
     serve = sub.add_parser("serve", help="mt-serve on loopback: sentences/s, p50/p99 latency")

@@ -38,7 +38,7 @@ def export(
     output: str | Path,
     shortlist: str | Path | None = None,
     shortlist_k: int = 50,
-    shortlist_frequent: int = 2000,
+    shortlist_frequent: int = 3000,
 ) -> Path:
     """Export an mt checkpoint to ``output`` in format ``fmt`` (``hf`` or ``ctranslate2``);
     ``shortlist`` (a lexicon file, ``mt.decode.shortlist``): CTranslate2's vocabulary map too.
