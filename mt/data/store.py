@@ -77,11 +77,7 @@ class TokenArray:
         idx = np.asarray(idx, dtype=np.int64)
         starts = np.asarray(self.offsets)[idx]  # a plain view: no memmap bookkeeping
         lengths = self.lengths[idx]
-        # Position j of sequence r is starts[r] + j: each run's start, repeated, plus a ramp.
-        ends = np.cumsum(lengths)
-        ramp = np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64)
-        positions = ramp + np.repeat(starts - (ends - lengths), lengths)
-        return np.asarray(self.ids)[positions].astype(np.int64), lengths
+        return np.asarray(self.ids)[runs(starts, lengths)].astype(np.int64), lengths
 
     @property
     def lengths(self) -> np.ndarray:
@@ -89,6 +85,14 @@ class TokenArray:
         if self._lengths is None:
             self._lengths = np.diff(np.asarray(self.offsets))
         return self._lengths
+
+
+def runs(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Positions ``starts[r] + j`` for ``j < counts[r]``, run after run, (sum of counts,) int64:
+    each run's start, repeated, plus a ramp (no Python loop over the runs)."""
+    ends = np.cumsum(counts)
+    ramp = np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64)
+    return ramp + np.repeat(starts - (ends - counts), counts)
 
 
 def _memmap(path: Path, dtype: np.dtype) -> np.ndarray:

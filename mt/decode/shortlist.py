@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mt.data.store import runs
 from mt.files import atomic_path
 from mt.vocab import BOS, EOS, PAD, UNK
 
@@ -45,13 +46,6 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 SPECIAL = torch.tensor([PAD, UNK, BOS, EOS])
 assert SPECIAL.tolist() == [0, 1, 2, 3]  # columns 0-3 are ids 0-3
-
-
-def _ramp(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Positions ``starts[i] + j`` for ``j < counts[i]``, run after run (int64)."""
-    ends = np.cumsum(counts)
-    ramp = np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64)
-    return ramp + np.repeat(starts - (ends - counts), counts)
 
 
 @dataclass
@@ -135,7 +129,7 @@ class Lexicon:
         starts = offsets[piece]
         counts = np.minimum(offsets[piece + 1] - starts, k)
         own_sent = [sent, np.repeat(sent, counts)]  # its pieces (copied), their translations
-        own_tok = [piece, targets[_ramp(starts, counts)]]
+        own_tok = [piece, targets[runs(starts, counts)]]
         if prefix is not None:
             forced = prefix.cpu().numpy().astype(np.int64)
             b, j = np.nonzero(forced >= first)
@@ -261,7 +255,7 @@ def build_lexicon(
     sent = np.repeat(np.arange(len(used)), t_len)  # the pair of each target token
     fan = s_len[sent] + 1  # its candidate sources: the pair's source tokens and NULL
     token = np.repeat(np.arange(len(t_ids)), fan)  # (P,) the target token of each product
-    offset = _ramp(np.zeros(len(fan), dtype=np.int64), fan)  # 0 .. S: S is NULL
+    offset = runs(np.zeros(len(fan), dtype=np.int64), fan)  # 0 .. S: S is NULL
     src_start = np.cumsum(s_len) - s_len
     null = offset == np.repeat(fan - 1, fan)
     pos = np.minimum(np.repeat(src_start[sent], fan) + offset, max(len(s_ids) - 1, 0))
@@ -370,10 +364,10 @@ def vocabulary_map(lexicon: Lexicon, pieces: list[str], k: int, frequent: int) -
     return "\n".join(lines) + "\n"
 
 
-def resolve_shortlist(cfg: Any, tokenizer: Any) -> Any:
+def resolve_shortlist(cfg: Any, tokenizer: Any, prepared: Any = None) -> Any:
     """``cfg`` (an ``mt.schema.Config``) with ``decode.shortlist=train`` replaced by the path of
-    the lexicon of its prepared training data (prepared if need be, built on first use);
-    anything else is returned as it is.
+    the lexicon of its prepared training data (``prepared``, or prepared here if need be; built
+    on first use); anything else is returned as it is.
 
     Raises:
         ValueError: ``tokenizer`` (the checkpoint's) is not the prepared data's, whose ids the
@@ -381,9 +375,10 @@ def resolve_shortlist(cfg: Any, tokenizer: Any) -> Any:
     """
     if cfg.decode.shortlist != "train":
         return cfg
-    from mt.data.build import prepare
+    if prepared is None:
+        from mt.data.build import prepare
 
-    prepared = prepare(cfg)
+        prepared = prepare(cfg)
     if tokenizer.sha256() != prepared.tokenizer.sha256():
         raise ValueError(
             "decode.shortlist=train: the checkpoint's tokenizer is not the prepared data's "

@@ -145,9 +145,9 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
     ckpt_path = Path(args.checkpoint) if args.checkpoint else run_dir / "checkpoints" / "best.pt"
     device = resolve_device(cfg.train.device)
     model, tokenizer, ckpt = load_model(ckpt_path, device)
-    cfg = resolve_shortlist(cfg, tokenizer)  # decode.shortlist=train: its lexicon file
-    decode = resolve_decode(cfg.decode, model)  # decode.precision=auto: measured here
     prepared = prepare(cfg)
+    cfg = resolve_shortlist(cfg, tokenizer, prepared)  # decode.shortlist=train: its lexicon
+    decode = resolve_decode(cfg.decode, model)  # decode.precision=auto: measured here
     refs = prepared.references(args.split)
     if tokenizer.to_bytes() == prepared.tokenizer.to_bytes():
         split = prepared.split(args.split)

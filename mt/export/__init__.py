@@ -17,10 +17,11 @@ target cannot express is refused with a message naming the setting.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 
 from mt.checkpoint import CheckpointError, load_checkpoint, model_cfg_from, tokenizer_blobs
-from mt.decode.shortlist import load_lexicon
+from mt.decode.shortlist import load_lexicon, vocabulary_map
 from mt.export.card import model_card
 from mt.export.ct2 import export_ct2
 from mt.export.hf import ExportError, export_hf
@@ -63,15 +64,15 @@ def export(
         export_hf(ckpt, cfg, blobs, out)
         write_text(out / "README.md", model_card(ckpt, cfg, checkpoint))  # ready to publish
     else:
-        lists = None
+        vmap = None
         if shortlist is not None:
             try:
                 lexicon = load_lexicon(shortlist, int(ckpt["vocab_size"]))
             except ValueError as err:
                 message = str(err).replace("decode.shortlist", "export.shortlist")
                 raise ExportError(message) from None
-            lists = (lexicon, shortlist_k, shortlist_frequent)
-        export_ct2(ckpt, cfg, blobs, out, lists)
+            vmap = partial(vocabulary_map, lexicon, k=shortlist_k, frequent=shortlist_frequent)
+        export_ct2(ckpt, cfg, blobs, out, vmap)
     log.info("%s (step %s) exported as %s to %s", checkpoint, ckpt.get("step"), fmt, out)
     return out
 

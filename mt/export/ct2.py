@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from mt.decode.shortlist import vocabulary_map
 from mt.export.hf import ExportError, check_exportable
 from mt.model.transformer import sinusoidal_positions
 from mt.schema import ModelConfig
@@ -96,11 +96,15 @@ def ct2_spec(state: dict[str, torch.Tensor], cfg: ModelConfig, pieces: list[str]
 
 
 def export_ct2(
-    ckpt: dict, cfg: ModelConfig, sp_blobs: list[bytes], out: Path, shortlist: tuple | None = None
+    ckpt: dict,
+    cfg: ModelConfig,
+    sp_blobs: list[bytes],
+    out: Path,
+    vmap: Callable[[list[str]], str] | None = None,
 ) -> Path:
-    """Write a CTranslate2 model directory (float32 weights) plus ``spm.model``; with
-    ``shortlist`` (a lexicon, k, frequent: ``mt.decode.shortlist``) also CTranslate2's
-    vocabulary map ``vmap.txt``, used by ``translate_batch(..., use_vmap=True)``.
+    """Write a CTranslate2 model directory (float32 weights) plus ``spm.model``; with ``vmap``
+    (the pieces -> the text of a vocabulary map: ``mt.decode.shortlist.vocabulary_map``) also
+    CTranslate2's ``vmap.txt``, used by ``translate_batch(..., use_vmap=True)``.
 
     Returns:
         ``out``.
@@ -122,9 +126,9 @@ def export_ct2(
 
     with tempfile.TemporaryDirectory() as tmp:
         vmap_path = None
-        if shortlist is not None:
+        if vmap is not None:
             vmap_path = Path(tmp) / "vmap.txt"
-            vmap_path.write_text(vocabulary_map(shortlist[0], pieces, *shortlist[1:]), "utf-8")
+            vmap_path.write_text(vmap(pieces), encoding="utf-8")
         _MtConverter().convert(str(out), vmap=None if vmap_path is None else str(vmap_path),
                                force=True)  # fmt: skip
     (Path(out) / "spm.model").write_bytes(sp_blobs[0])
