@@ -586,3 +586,28 @@ def test_row_max_is_torchs_max_first_occurrence_and_nan_included():
         assert torch.equal(index, ref_index) and index.dtype == torch.long
         assert torch.allclose(values, ref_values, equal_nan=True)
     assert row_max(x)[1][3] == 4
+
+
+def test_row_topk_is_torchs_topk():
+    """Beam search's per-row top-k (through block maxima on a CPU) gives torch's values exactly
+    and indices holding them: rows of -inf, a row all -inf but for a few, many ties, a tail of
+    columns after the last whole block, non-contiguous input, and short rows (torch's own)."""
+    from mt.decode.strategies import BLOCK, row_topk
+
+    g = torch.Generator().manual_seed(0)
+    for n, m, k in ((6, 40 * BLOCK, 10), (5, 40 * BLOCK + 37, 10), (3, 20 * BLOCK, 2), (4, 50, 3)):
+        x = torch.randn(n, m, generator=g)
+        x[0] = float("-inf")
+        x[1] = float("-inf")
+        x[1, [3, m - 1, m // 2]] = torch.tensor([1.0, 2.0, 0.5])  # the last column in the tail
+        x[2] = torch.randint(0, 4, (m,), generator=g).float()  # ties everywhere
+        for block in (x, x.t().contiguous().t()):
+            values, index = row_topk(block, k)
+            ref_values, _ = block.topk(k, dim=1)
+            assert torch.equal(values, ref_values)
+            assert torch.equal(block.gather(1, index), values) and index.dtype == torch.long
+            finite = torch.isfinite(values)
+            for row in range(n):  # distinct columns for the real candidates
+                assert len(set(index[row][finite[row]].tolist())) == int(finite[row].sum())
+    x = torch.randn(2, 40 * BLOCK, generator=g)
+    assert torch.equal(row_topk(x, 10)[1], x.topk(10, dim=1).indices)  # no ties: the same

@@ -9,7 +9,8 @@ IncrementalDecoder``):
   fp32 the products stay float32 and use copies of the weights in oneDNN's own layout, packed
   once (``mt.fast.onednn.pack``): unpacked, every product re-lays its weight out, which costs
   as much as the product itself at a decoder step's few rows.
-* ``precision=bf16`` (CPU): the same, with bfloat16 copies of the weights made once: inputs go
+* ``precision=bf16`` (CPU): the same, with bfloat16 copies of the weights made once (packed
+  too): inputs go
   to bfloat16 for the product and the result comes back in float32, so LayerNorm, attention,
   the softmax and the residual stream stay float32 (what CPU autocast computes, without casting
   every weight at every step). Where oneDNN has no bfloat16 kernels (CPUs without AVX-512),
@@ -119,8 +120,7 @@ def onednn_copy(
     """A copy of ``model`` whose Linear layers run through oneDNN, and a oneDNN projection.
 
     Parameters and buffers are shared with ``model`` (not copied); with ``dtype=bfloat16`` the
-    Linear and projection weights are bfloat16 copies; with ``rows`` (float32) the products
-    also keep their weights in oneDNN's own layout, packed for about that many rows
+    Linear and projection weights are bfloat16 copies; with ``rows`` the products also keep their weights in oneDNN's own layout, packed for about that many rows
     (``mt.fast.onednn.pack``: a copy, faster at a decoder step's few rows).
 
     Returns:
@@ -287,7 +287,7 @@ def for_decoding(
         clone, head = shared_copy(model).eval(), None
         if onednn is None and onednn_available() and onednn_projects(model, rows):
             head = OneDNNLinear(clone.output_weight, None, torch.float32, rows=rows)
-    else:  # packing (rows) applies to float32 only
+    else:
         clone, head = onednn_copy(
             model, torch.bfloat16 if kind == "onednn-bf16" else torch.float32, rows
         )
@@ -341,7 +341,7 @@ def resolve_precision(
         w1, w2 = torch.randn(f, d, generator=g), torch.randn(d, f, generator=g)
         if use_onednn and (candidate == "fp32" or onednn_bf16_available()):
             dtype = torch.bfloat16 if candidate == "bf16" else torch.float32
-            ffn = FusedFeedForward(_Pair(w1, w2), dtype, rows)  # packed in float32 only
+            ffn = FusedFeedForward(_Pair(w1, w2), dtype, rows)  # packed, as the copy's
             return lambda: ffn(x)
         from mt.fast.precision import autocast
 

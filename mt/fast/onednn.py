@@ -99,16 +99,19 @@ def _pointwise(x: torch.Tensor, weight: torch.Tensor, bias, attr: str) -> torch.
 
 
 def pack(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
-    """oneDNN's own (blocked) layout of a float32 weight (out, in), for products of about
-    ``rows`` rows (any row count works), or None where this torch cannot make it.
+    """oneDNN's own (blocked) layout of a float32 or bfloat16 weight (out, in), for products of
+    about ``rows`` rows (any row count works), or None where this torch cannot make it.
 
     A product with a weight in torch's layout re-lays the weight out at every call, which at the
     few rows of a decoder step costs as much as the product: on an AMD Zen 3 the 19 products of
     a 3-layer, 256-wide decoder step took 1.6 ms packed against 2.1 ms unpacked (2.6 ms through
-    ``F.linear``) at 13 rows, the same at 160 rows. The packed weight is a copy.
+    ``F.linear``) at 13 rows, the same at 160 rows. In bfloat16 (AMD Zen 4, one thread, 32
+    rows) packing took the projection onto 8,000 pieces from 735 to 625 us and the FFN's
+    products from 122 to 96 us, with the same outputs. The packed weight is a copy.
     """
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-    if reorder is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+    dtypes = (torch.float32, torch.bfloat16)
+    if reorder is None or weight.dtype not in dtypes or weight.device.type != "cpu":
         return None
     try:
         return reorder(weight.detach().contiguous(), max(1, rows))
@@ -129,8 +132,8 @@ class OneDNNLinear(nn.Module):
         dtype: the dtype of the product (float32 or bfloat16); inputs are cast to it and the
             output is cast back to the input's dtype.
         relu: apply ReLU inside the kernel (the FFN's first layer).
-        rows: float32 only: also keep the weight in oneDNN's own layout (:func:`pack`, a copy)
-            for products of about this many rows; None: use it as given.
+        rows: also keep the weight in oneDNN's own layout (:func:`pack`, a copy) for products
+            of about this many rows; None: use it as given.
     """
 
     def __init__(
