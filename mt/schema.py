@@ -189,9 +189,10 @@ class DecodeConfig:
     # CPU: Linear products through oneDNN (true), torch's own (false: the model as written), or
     # whichever measures faster here (null: auto, mt.fast.decoding.onednn_decodes)
     onednn: Optional[bool] = None
-    # CPU: batches decoded side by side in this many threads, torch's intra-op threads shared
-    # among them (CTranslate2's inter_threads, Marian's CPU workers); 0 = auto: one per
-    # intra-op thread on a CPU (at most one per batch), 1 on a GPU
+    # CPU: batches decoded side by side by this many workers, torch's intra-op threads shared
+    # among them (CTranslate2's inter_threads, Marian's CPU workers): forked processes of one
+    # thread each where this process may fork (mt.decode.driver.forks_workers), else threads;
+    # 0 = auto: one per intra-op thread on a CPU (at most one per batch), 1 on a GPU
     workers: int = 0
     # A vocabulary shortlist (Marian's lexical shortlist, CTranslate2's vocabulary map): each
     # batch searches only the target pieces its sources can become (mt.decode.shortlist). A

@@ -101,6 +101,9 @@ def worker(args) -> dict:
         "seconds": seconds,
         "tokens": sum(len(o) + 1 for o in out),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        # mt's forked decoding workers (mt.decode.driver.side_by_side): the largest one's peak,
+        # pages shared with this process (the model) counted in both
+        "worker_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
         "outputs": out,
     }
 
@@ -164,6 +167,7 @@ def run_translate(args, rec) -> None:
                 "tgt_tok_per_s": round(results[0]["tokens"] / secs, 1),
                 "seconds": [round(x["seconds"], 6) for x in results],
                 "peak_rss_mb": round(max(x["peak_rss_mb"] for x in results), 1),
+                "worker_peak_rss_mb": round(max(x["worker_peak_rss_mb"] for x in results), 1),
                 "identical_to_mt_fp32": same, "beam": beam, "max_len": args.max_len,
                 "batch_size": args.batch_size, "workers": args.workers,
                 "shortlist": [args.shortlist, args.shortlist_k, args.shortlist_frequent]

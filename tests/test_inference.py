@@ -300,56 +300,110 @@ def test_auto_onednn_can_run_the_projection_alone(model, monkeypatch):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def _record_calls(monkeypatch, path, then):
+    """``search`` replaced by one that appends (process id, thread name, intra-op threads) to
+    ``path`` (one line each: a forked worker's calls reach the parent through the file), then
+    calls ``then``."""
+    import os
+    import threading
+
+    import mt.decode.driver
+
+    def spy(*args, **kwargs):
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()} {threading.current_thread().name} {torch.get_num_threads()}\n")
+        return then(*args, **kwargs)
+
+    monkeypatch.setattr(mt.decode.driver, "search", spy)
+
+
+def _calls(path) -> list[tuple[int, str, int]]:
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [(int(p), n, int(t)) for p, n, t in (line.split() for line in lines)]
+
+
+@pytest.mark.parametrize("processes", [True, False])
 @pytest.mark.parametrize(
     "settings",
     [{"beam_size": 1}, {"beam_size": 3, "nbest": 2}, {"beam_size": 2, "quantize": "int8"},
      {"sample": True, "top_k": 5, "seed": 3}],
 )  # fmt: skip
-def test_batches_decoded_side_by_side_equal_one_worker(model, monkeypatch, settings):
-    """decode.workers=2: the same batches in two threads, each with half of the intra-op
-    threads, give the n-best lists of one worker; the thread count is restored after."""
-    import threading
+def test_batches_decoded_side_by_side_equal_one_worker(
+    model, monkeypatch, tmp_path, settings, processes
+):
+    """decode.workers=2: the same batches in two forked processes of one intra-op thread each
+    (or two threads of two, where this process may not fork), give the n-best lists of one
+    worker; the thread count is restored after."""
+    import os
 
     import mt.decode.driver
 
     ids = sources(7, [3, 9, 5, 12, 1, 7, 4, 10, 6, 2, 8, 11])
     cfg = {"batch_size": 2, "max_len_a": 1.0, "max_len_b": 4, "onednn": False, **settings}
     one = translate_nbest(model, ids, DecodeConfig(**cfg, workers=1))
-    seen, real = [], mt.decode.driver.search
-
-    def spy(*args, **kwargs):
-        seen.append((threading.current_thread().name, torch.get_num_threads()))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(mt.decode.driver, "search", spy)
+    monkeypatch.setattr(mt.decode.driver, "forks_workers", lambda each: processes and each == 1)
+    _record_calls(monkeypatch, tmp_path / "calls", mt.decode.driver.search)
     before = torch.get_num_threads()
-    torch.set_num_threads(4)
+    threads = 2 if processes else 4
+    torch.set_num_threads(threads)
     try:
         two = translate_nbest(model, ids, DecodeConfig(**cfg, workers=2))
-        assert torch.get_num_threads() == 4
+        assert torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(before)
-    assert len(seen) == 6 and all(n.startswith("mt-decode") and t == 2 for n, t in seen)
+    seen = _calls(tmp_path / "calls")
+    assert len(seen) == 6 and all(t == threads // 2 for _, _, t in seen)
+    if processes:  # every batch in a child of this process, none here
+        assert all(pid != os.getpid() for pid, _, _ in seen) and len({p for p, _, _ in seen}) <= 2
+    else:
+        assert all(pid == os.getpid() and n.startswith("mt-decode") for pid, n, _ in seen)
     assert_same_nbest(one, two)
 
 
-def test_an_error_in_a_decoding_worker_is_raised_and_the_threads_restored(model, monkeypatch):
+def test_workers_fork_only_from_a_process_without_other_threads():
+    """A fork copies only the calling thread (and any lock another holds): with a second thread
+    running, side-by-side decoding keeps to threads."""
+    import threading
+
+    from mt.decode.driver import forks_workers
+
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        assert not forks_workers()
+    finally:
+        release.set()
+        other.join()
+    alone = threading.active_count() == 1
+    assert forks_workers() == alone and not forks_workers(2)  # never two OpenMP threads each
+
+
+@pytest.mark.parametrize("processes", [True, False])
+def test_an_error_in_a_decoding_worker_is_raised_and_the_threads_restored(
+    model, monkeypatch, tmp_path, processes
+):
     import time
 
     import mt.decode.driver
 
-    calls = []
-
     def failing(*args, **kwargs):
-        calls.append(1)
         time.sleep(0.01)  # long enough for the other batches to be cancelled, not run
         raise RuntimeError("out of memory in batch")
 
-    monkeypatch.setattr(mt.decode.driver, "search", failing)
+    monkeypatch.setattr(mt.decode.driver, "forks_workers", lambda each: processes)
+    _record_calls(monkeypatch, tmp_path / "calls", failing)
     before = torch.get_num_threads()
-    with pytest.raises(RuntimeError, match="out of memory in batch"):
-        translate_nbest(model, sources(8, [3] * 40), DecodeConfig(batch_size=1, workers=2))
-    assert torch.get_num_threads() == before and len(calls) < 40  # the rest were cancelled
+    torch.set_num_threads(2)  # one thread per worker
+    try:
+        with pytest.raises(RuntimeError, match="out of memory in batch"):
+            translate_nbest(model, sources(8, [3] * 40), DecodeConfig(batch_size=1, workers=2))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert 1 <= len(_calls(tmp_path / "calls")) < 40  # the batches not started were cancelled
 
 
 def test_decode_workers_auto_is_one_per_thread_on_a_cpu_and_one_on_a_gpu():

@@ -13,8 +13,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+import multiprocessing
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -156,20 +159,68 @@ def decode_workers(workers: int, device: torch.device | str, batches: int) -> in
     return max(1, min(workers or torch.get_num_threads(), batches))
 
 
+_JOB: Callable[[list[int]], Any] | None = None  # the batch decoder of the pool being forked
+
+
+def _run_job(batch: list[int]) -> Any:
+    """In a forked worker: the parent's batch decoder (inherited) on one batch."""
+    assert _JOB is not None
+    return _JOB(batch)
+
+
+def _worker_init(threads: int) -> None:
+    torch.set_num_threads(threads)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+
+
+def forks_workers(threads_each: int = 1) -> bool:
+    """Whether side-by-side decoding runs in forked processes here: where ``fork`` exists, each
+    worker runs on one intra-op thread (GNU OpenMP's thread pool does not survive a fork: a
+    child that opens a parallel region of two threads hangs, as torch's data-loader workers
+    avoid by running on one), this process runs no other Python thread (a fork copies only
+    the calling thread, and with it any lock another one holds; training's prefetch thread and
+    ``mt-serve``'s keep the threads) and is not itself a daemonic worker (which may not have
+    children)."""
+    return (
+        threads_each == 1
+        and "fork" in multiprocessing.get_all_start_methods()
+        and threading.active_count() == 1
+        and not multiprocessing.current_process().daemon
+    )
+
+
 @contextlib.contextmanager
-def side_by_side(workers: int) -> Iterator[ThreadPoolExecutor]:
-    """``workers`` threads that share this process's intra-op threads between them, each
-    running its own batch's small products on its own cores: at decoding's few rows, two
-    batches on one thread each outran one batch on two threads by 1.06-1.48x (AMD Zen 3, greedy
-    and beam 5, float32 and int8), the threads' waits at every product gone. Restored after."""
+def side_by_side(
+    workers: int, job: Callable[[list[int]], Any]
+) -> Iterator[Callable[[list[list[int]]], Iterator[Any]]]:
+    """``map`` of ``job`` over batches, ``workers`` batches at a time, sharing this process's
+    intra-op threads between them; results in order, the first error raised (and the batches
+    not yet started cancelled).
+
+    Decoding spends much of a step in Python between small products, under the interpreter's
+    lock: two threads decoding side by side then mostly wait for each other (AMD Zen 4, int8
+    greedy on real text: 495 sentences/s with 2 threads as 2 workers, 591 with one worker of 2
+    intra-op threads, 426 on one thread). So where :func:`forks_workers`, the workers are
+    processes forked from this one (the decoding copy and the inputs inherited, nothing
+    pickled but batch indices and hypotheses), each on one thread, as
+    CTranslate2's ``inter_threads`` and Marian's CPU workers are threads of their own;
+    elsewhere threads (on an AMD Zen 3, where the products dominate, two threads of one
+    thread each outran one worker of two threads by 1.06-1.48x). Restored after."""
+    global _JOB
     total = torch.get_num_threads()
     each = max(1, total // workers)
     torch.set_num_threads(each)
     try:
-        # set in each worker too: OpenMP keeps the count per thread
-        with ThreadPoolExecutor(workers, "mt-decode", torch.set_num_threads, (each,)) as pool:
-            yield pool
+        if forks_workers(each):
+            _JOB = job
+            context = multiprocessing.get_context("fork")
+            with ProcessPoolExecutor(workers, context, _worker_init, (each,)) as pool:
+                yield lambda batches: pool.map(_run_job, batches)
+        else:  # set in each thread too: OpenMP keeps the count per thread
+            with ThreadPoolExecutor(workers, "mt-decode", torch.set_num_threads, (each,)) as pool:
+                yield lambda batches: pool.map(job, batches)
     finally:
+        _JOB = None
         torch.set_num_threads(total)
 
 
@@ -216,7 +267,7 @@ def translate_nbest(
     lengths = [len(ids) for ids in src_ids]
     out: list[list[Hypothesis]] = [[] for _ in src_ids]
 
-    def decode(batch: list[int]) -> None:
+    def decode(batch: list[int]) -> list[list[Hypothesis]]:
         src = make_src([list(src_ids[i]) for i in batch]).to(device)
         forced = [list(prefix[i]) for i in batch] if prefix is not None else None
         seeds = [sample_seed(decode_cfg.seed, indices[i]) for i in batch]
@@ -225,19 +276,18 @@ def translate_nbest(
             k, frequent = decode_cfg.shortlist_k, decode_cfg.shortlist_frequent
             shortlist = lexicon.shortlist(src, k, frequent, prefix_tensor(forced, device))
         with autocast(device, precision):
-            results = search(searcher, src, decode_cfg, min_len, forced, seeds, shortlist)
-        for i, hyps in zip(batch, results):
-            out[i] = hyps
+            return search(searcher, src, decode_cfg, min_len, forced, seeds, shortlist)
 
     batches = make_batches(lengths, decode_cfg.batch_size, decode_cfg.max_tokens)
     workers = decode_workers(decode_cfg.workers, device, len(batches))
-    if workers == 1:
-        for batch in batches:
-            decode(batch)
-    else:  # the same batches, so the same outputs; map raises the first error and cancels
-        with side_by_side(workers) as pool:  # the batches not yet started
-            for _ in pool.map(decode, batches):
-                pass
+    with contextlib.ExitStack() as stack:
+        if workers == 1:
+            results = map(decode, batches)
+        else:  # the same batches, so the same outputs
+            results = stack.enter_context(side_by_side(workers, decode))(batches)
+        for batch, hyps in zip(batches, results):
+            for i, h in zip(batch, hyps):
+                out[i] = h
     return out
 
 

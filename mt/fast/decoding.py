@@ -120,7 +120,8 @@ def onednn_copy(
     """A copy of ``model`` whose Linear layers run through oneDNN, and a oneDNN projection.
 
     Parameters and buffers are shared with ``model`` (not copied); with ``dtype=bfloat16`` the
-    Linear and projection weights are bfloat16 copies; with ``rows`` the products also keep their weights in oneDNN's own layout, packed for about that many rows
+    Linear and projection weights are bfloat16 copies; with ``rows`` the products also keep
+    their weights in oneDNN's own layout, packed for about that many rows
     (``mt.fast.onednn.pack``: a copy, faster at a decoder step's few rows).
 
     Returns:
