@@ -459,7 +459,7 @@ def test_packed_ffn_runs_on_the_real_rows_of_a_padded_batch_only():
     import numpy as np
 
     from mt.data.batches import collate
-    from mt.fast.packing import MIN_PADDING, InFlight, PackedFeedForward
+    from mt.fast.packing import MIN_PADDING, InFlight, Packed
     from mt.model.transformer import FeedForward
 
     rng = np.random.default_rng(4)
@@ -480,7 +480,7 @@ def test_packed_ffn_runs_on_the_real_rows_of_a_padded_batch_only():
 
     torch.manual_seed(11)
     ffn = FeedForward(16, 32)
-    packed = PackedFeedForward(ffn, flight, "tgt")
+    packed = Packed(ffn, flight, "tgt")
     x = torch.randn(*padded.tgt_in.shape, 16, requires_grad=True)
     flight.set(padded.src, padded.tgt_in, padded.real)
     y = packed(x)
@@ -491,6 +491,17 @@ def test_packed_ffn_runs_on_the_real_rows_of_a_padded_batch_only():
     flat[real].sum().backward()
     grad = x.grad.reshape(-1, 16)
     assert torch.all(grad[~real] == 0) and torch.all(grad[real].abs().sum(-1) > 0)
+
+    # The training copy packs every position-wise product: FFNs and attention projections,
+    # the encoder-decoder attention's keys and values on the source side.
+    copy = for_training(build_model(CFG, vocab_size=40), torch.device("cpu"), True, "fp32")
+    sides = [(name, m.side) for name, m in copy.model.named_modules() if isinstance(m, Packed)]
+    enc = {"ffn": "src", "self_attn.qkv": "src", "self_attn.out": "src"}
+    dec = {"ffn": "tgt", "self_attn.qkv": "tgt", "self_attn.out": "tgt", "cross_attn.q": "tgt",
+           "cross_attn.kv": "src", "cross_attn.out": "tgt"}  # fmt: skip
+    want = [(f"encoder.{i}.{k}", v) for i in range(CFG.N) for k, v in enc.items()]
+    want += [(f"decoder.{i}.{k}", v) for i in range(CFG.N) for k, v in dec.items()]
+    assert sorted(sides) == sorted(want)
 
 
 def test_training_products_follow_the_probe(monkeypatch):

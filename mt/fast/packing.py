@@ -1,14 +1,16 @@
-"""The FFN on the real positions only, for the CPU training copy.
+"""The position-wise products on the real positions only, for the CPU training copy.
 
-A batch padded to its longest sentence spends the FFN's two products on padding too. Its real
+A batch padded to its longest sentence spends every position-wise product on padding too: the
+FFN's two, and the attention's projections (queries, keys and values, the output). Its real
 positions are known on the host when the batch is made (``mt.data.batches.collate``), so the
-:class:`~mt.fast.training.TrainingModel` hands them to :class:`PackedFeedForward` (one
-:class:`InFlight` shared by the copy's FFNs) before each forward pass: the FFN then runs on
-the (n, D) real rows and writes zeros at the padded ones. Nothing reads those: padded keys are
-masked, the causal mask keeps real target queries off the right padding, and the loss scores
-real positions only, so the values and gradients at real positions are the model's.
+:class:`~mt.fast.training.TrainingModel` hands them to the copy's :class:`Packed` modules
+(one :class:`InFlight` shared by all) before each forward pass: each product then runs on
+the (n, D) real rows and writes zeros at the padded ones.
+Nothing reads those: padded keys are masked, the causal mask keeps real target queries off the
+right padding, and the loss scores real positions only, so the values and gradients at real
+positions are the model's (a padded position never reaches a real one).
 
-Packing costs a gather and a scatter per FFN; it pays where a batch is well padded (random
+Packing costs a gather and a scatter per product; it pays where a batch is well padded (random
 lengths: ~23% padding), not on length-sorted batches (Multi30k: ~5%), so a batch is packed
 only above :data:`MIN_PADDING`, decided on the host from the counts alone.
 """
@@ -44,29 +46,40 @@ class InFlight:
             self.tgt = real.tgt
 
 
-class PackedFeedForward(nn.Module):
-    """An FFN (``mt.model.transformer.FeedForward``) run on the rows ``in_flight`` names for
-    its ``side`` (``src`` in the encoder, ``tgt`` in the decoder), zeros elsewhere."""
+class Packed(nn.Module):
+    """A position-wise module (an FFN, an attention projection: ``(..., in) -> (..., out)``)
+    run on the rows ``in_flight`` names for its ``side`` (``src`` or ``tgt``), zeros
+    elsewhere."""
 
-    def __init__(self, ffn: nn.Module, in_flight: InFlight, side: str) -> None:
+    def __init__(self, module: nn.Module, in_flight: InFlight, side: str) -> None:
         super().__init__()
-        self.ffn, self.in_flight, self.side = ffn, in_flight, side
+        self.module, self.in_flight, self.side = module, in_flight, side
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, L, D) -> (B, L, D)."""
+        """(B, L, in) -> (B, L, out)."""
         rows = getattr(self.in_flight, self.side)
         if rows is None:
-            return self.ffn(x)
+            return self.module(x)
         B, L, D = x.shape
-        packed = self.ffn(x.reshape(B * L, D).index_select(0, rows))  # (n, D)
+        packed = self.module(x.reshape(B * L, D).index_select(0, rows))  # (n, out)
         return x.new_zeros(B * L, packed.size(-1)).index_copy(0, rows, packed).view(B, L, -1)
 
 
 def pack(model: nn.Module) -> InFlight:
-    """Give the encoder and decoder FFNs of ``model`` (in place; pass a copy) the packed form;
-    returns the :class:`InFlight` its forward passes read."""
+    """Give the encoder's and decoder's FFNs and attention projections of ``model`` (in
+    place; pass a copy) the packed form; returns the :class:`InFlight` its passes read. The
+    encoder-decoder attention's queries and output are on the target side, its keys and
+    values on the source side (the encoder's output)."""
     in_flight = InFlight()
     for side, layers in (("src", model.encoder), ("tgt", model.decoder)):
         for layer in layers:
-            layer.ffn = PackedFeedForward(layer.ffn, in_flight, side)
+            layer.ffn = Packed(layer.ffn, in_flight, side)
+            attn = layer.self_attn
+            attn.qkv = Packed(attn.qkv, in_flight, side)
+            attn.out = Packed(attn.out, in_flight, side)
+            cross = getattr(layer, "cross_attn", None)
+            if cross is not None:
+                cross.q = Packed(cross.q, in_flight, "tgt")
+                cross.kv = Packed(cross.kv, in_flight, "src")
+                cross.out = Packed(cross.out, in_flight, "tgt")
     return in_flight

@@ -17,7 +17,8 @@ validation see one model) and computes the model's math with these things done d
 * **Attention written out** with those masks, one autograd function that keeps the weights and
   the bool mask for its backward pass, not the dropped weights and a float mask as well
   (``mt.fast.attention.CPUTrainingAttention``): 5 bytes per query-key pair instead of 12.
-* **The FFN on the real positions only** of a well-padded batch (``mt.fast.packing``).
+* **The position-wise products on the real positions only** of a well-padded batch (the FFNs
+  and the attention's projections: ``mt.fast.packing``).
 * **The projection and the loss in row blocks** (``mt.fast.loss.projected_cross_entropy``):
   the (n, V) logits and their gradient, 112 MB each in float32 for a 3,500-token batch at
   V = 8000, are never allocated. On a CPU each such allocation is fresh memory from the kernel
@@ -157,10 +158,10 @@ def for_training(
     """What the training step runs (``mt.train`` and ``make bench``).
 
     On a CPU with ``train.cpu_kernels``, unless the step is ``compiled``:
-    :func:`hold_freed_memory` and a :func:`training_copy`, its loss in row blocks and its FFN
-    packed on well-padded batches. Its float32 products run on oneDNN where that measures
-    faster than torch's own at the run's shapes (:func:`onednn_products`: ``tokens`` per
-    batch); bf16 and fp16 keep autocast's, over bucketed row counts
+    :func:`hold_freed_memory` and a :func:`training_copy`, its loss in row blocks and its
+    position-wise products packed on well-padded batches. Its float32 products run on oneDNN
+    where that measures faster than torch's own at the run's shapes (:func:`onednn_products`:
+    ``tokens`` per batch); bf16 and fp16 keep autocast's, over bucketed row counts
     (:func:`mt.fast.onednn.bucketed_linear`). On a GPU the model itself with the projection
     and the loss in blocks of thousands of rows (the logits of a 25k-token batch never exist
     whole), its attention off cuDNN's kernel
