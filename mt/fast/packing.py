@@ -62,7 +62,8 @@ class Packed(nn.Module):
             return self.module(x)
         B, L, D = x.shape
         packed = self.module(x.reshape(B * L, D).index_select(0, rows))  # (n, out)
-        return x.new_zeros(B * L, packed.size(-1)).index_copy(0, rows, packed).view(B, L, -1)
+        out = packed.new_zeros(B * L, packed.size(-1))  # the product's dtype, as unpacked
+        return out.index_copy(0, rows, packed).view(B, L, -1)
 
 
 def pack(model: nn.Module) -> InFlight:
