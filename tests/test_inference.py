@@ -381,6 +381,61 @@ def test_workers_fork_only_from_a_process_without_other_threads():
     assert forks_workers() == alone and not forks_workers(2)  # never two OpenMP threads each
 
 
+FORKED_DECODING = """
+import json, os, sys, torch
+sys.path.insert(0, sys.argv[2])  # the tests' conftest
+torch.set_num_threads(2)
+import mt.decode.driver as driver
+from conftest import sharp_random_model
+from mt.schema import DecodeConfig
+model = sharp_random_model(vocab_size=45)
+g = torch.Generator().manual_seed(7)
+ids = [torch.randint(4, 45, (n,), generator=g).tolist() for n in [3, 9, 5, 12, 1, 7, 4, 10]]
+cfg = dict(batch_size=2, beam_size=3, nbest=2, max_len_a=1.0, max_len_b=4)
+one = driver.translate_nbest(model, ids, DecodeConfig(**cfg, workers=1))
+real = driver.search
+def spy(*args, **kwargs):
+    with open(sys.argv[1], "a") as f:
+        f.write(f"{os.getpid()} {torch.get_num_threads()}\\n")
+    return real(*args, **kwargs)
+driver.search = spy
+two = driver.translate_nbest(model, ids, DecodeConfig(**cfg, workers=2))
+flat = lambda r: [[(h.tokens, h.score) for h in n] for n in r]
+print(json.dumps({"one": flat(one), "two": flat(two), "pid": os.getpid(),
+                  "threads": torch.get_num_threads(), "forks": driver.forks_workers()}))
+"""
+
+
+def test_a_process_alone_decodes_in_forked_workers_of_one_thread(tmp_path):
+    """In a fresh interpreter (no other thread, as ``mt-translate``) with 2 intra-op threads,
+    ``decode.workers=2`` decodes every batch in forked children of one thread each (after the
+    parent ran its OpenMP threads: the children must not hang), with the n-best lists of one
+    worker on both threads (the same tokens; the scores to rounding, one thread summing in
+    another order than two)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mt.decode.search import Hypothesis
+
+    calls = tmp_path / "calls"
+    tests = str(Path(__file__).parent)
+    run = subprocess.run([sys.executable, "-c", FORKED_DECODING, str(calls), tests],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["forks"] and out["threads"] == 2
+
+    def hyps(lists):
+        return [[Hypothesis(tokens, score, score) for tokens, score in n] for n in lists]
+
+    assert_same_nbest(hyps(out["one"]), hyps(out["two"]))
+    seen = [line.split() for line in calls.read_text().splitlines()]
+    assert len(seen) == 4  # 8 sentences, batches of 2
+    assert all(int(pid) != out["pid"] and threads == "1" for pid, threads in seen)
+
+
 @pytest.mark.parametrize("processes", [True, False])
 def test_an_error_in_a_decoding_worker_is_raised_and_the_threads_restored(
     model, monkeypatch, tmp_path, processes
