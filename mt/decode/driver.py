@@ -194,18 +194,18 @@ def side_by_side(
     workers: int, job: Callable[[list[int]], Any]
 ) -> Iterator[Callable[[list[list[int]]], Iterator[Any]]]:
     """``map`` of ``job`` over batches, ``workers`` batches at a time, sharing this process's
-    intra-op threads between them; results in order, the first error raised (and the batches
-    not yet started cancelled).
+    intra-op threads between them; results in order, the first error raised (and the batches not
+    yet started cancelled).
 
     Decoding spends much of a step in Python between small products, under the interpreter's
     lock: two threads decoding side by side then mostly wait for each other (AMD Zen 4, int8
     greedy on real text: 495 sentences/s with 2 threads as 2 workers, 591 with one worker of 2
     intra-op threads, 426 on one thread). So where :func:`forks_workers`, the workers are
-    processes forked from this one (the decoding copy and the inputs inherited, nothing
-    pickled but batch indices and hypotheses), each on one thread, as
-    CTranslate2's ``inter_threads`` and Marian's CPU workers are threads of their own;
-    elsewhere threads (on an AMD Zen 3, where the products dominate, two threads of one
-    thread each outran one worker of two threads by 1.06-1.48x). Restored after."""
+    processes forked from this one (the decoding copy and the inputs inherited, nothing pickled
+    but batch indices and hypotheses), each on one thread, as CTranslate2's ``inter_threads``
+    and Marian's CPU workers are threads of their own; elsewhere threads (on an AMD Zen 3, where
+    the products dominate, two threads of one thread each outran one worker of two threads by
+    1.06-1.48x). Restored after."""
     global _JOB
     total = torch.get_num_threads()
     each = max(1, total // workers)

@@ -10,11 +10,10 @@ IncrementalDecoder``):
   once (``mt.fast.onednn.pack``): unpacked, every product re-lays its weight out, which costs
   as much as the product itself at a decoder step's few rows.
 * ``precision=bf16`` (CPU): the same, with bfloat16 copies of the weights made once (packed
-  too): inputs go
-  to bfloat16 for the product and the result comes back in float32, so LayerNorm, attention,
-  the softmax and the residual stream stay float32 (what CPU autocast computes, without casting
-  every weight at every step). Where oneDNN has no bfloat16 kernels (CPUs without AVX-512),
-  the model runs under bf16 autocast instead (:func:`needs_autocast`).
+  too): inputs go to bfloat16 for the product and the result comes back in float32, so
+  LayerNorm, attention, the softmax and the residual stream stay float32 (what CPU autocast
+  computes, without casting every weight at every step). Where oneDNN has no bfloat16 kernels
+  (CPUs without AVX-512), the model runs under bf16 autocast instead (:func:`needs_autocast`).
 * ``onednn=null`` (auto): oneDNN where its FFN products measure faster here; where they do
   not, torch's products, and the projection over the vocabulary (the widest product, a
   different shape) through oneDNN if that alone measures faster (:func:`onednn_projects`).

@@ -5,10 +5,10 @@ FFN's two, and the attention's projections (queries, keys and values, the output
 positions are known on the host when the batch is made (``mt.data.batches.collate``), so the
 :class:`~mt.fast.training.TrainingModel` hands them to the copy's :class:`Packed` modules
 (one :class:`InFlight` shared by all) before each forward pass: each product then runs on
-the (n, D) real rows and writes zeros at the padded ones.
-Nothing reads those: padded keys are masked, the causal mask keeps real target queries off the
-right padding, and the loss scores real positions only, so the values and gradients at real
-positions are the model's (a padded position never reaches a real one).
+the (n, D) real rows and writes zeros at the padded ones. Nothing reads those: padded keys are
+masked, the causal mask keeps real target queries off the right padding, and the loss scores
+real positions only, so the values and gradients at real positions are the model's (a padded
+position never reaches a real one).
 
 Packing costs a gather and a scatter per product; it pays where a batch is well padded (random
 lengths: ~23% padding), not on length-sorted batches (Multi30k: ~5%), so a batch is packed
