@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import multiprocessing
 import signal
@@ -168,6 +169,13 @@ def _run_job(batch: list[int]) -> Any:
     return _JOB(batch)
 
 
+@functools.cache
+def _tell(workers: int, kind: str, each: int) -> None:
+    """Log once per process (and setting) which kind of workers decode here."""
+    log.info("decoding %d batches at a time, in %s of %d intra-op thread(s) each", workers,
+             kind, each)  # fmt: skip
+
+
 def _worker_init(threads: int) -> None:
     torch.set_num_threads(threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
@@ -211,7 +219,9 @@ def side_by_side(
     each = max(1, total // workers)
     torch.set_num_threads(each)
     try:
-        if forks_workers(each):
+        forked = forks_workers(each)
+        _tell(workers, "forked processes" if forked else "threads", each)
+        if forked:
             _JOB = job
             context = multiprocessing.get_context("fork")
             with ProcessPoolExecutor(workers, context, _worker_init, (each,)) as pool:
