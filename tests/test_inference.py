@@ -471,3 +471,37 @@ def test_decode_workers_auto_is_one_per_thread_on_a_cpu_and_one_on_a_gpu():
     assert decode_workers(0, "cuda", 100) == 1 and decode_workers(4, "cuda", 100) == 1
     with pytest.raises(ValueError, match="decode.workers"):
         decode_workers(-1, "cpu", 10)
+
+
+@pytest.mark.parametrize("processes", [True, False])
+def test_stopping_while_workers_decode_drops_the_batches_not_started(
+    monkeypatch, tmp_path, processes
+):
+    """An error (or Ctrl-C) in the loop that reads the workers' results: the batches not yet
+    started are dropped, not decoded before the error surfaces."""
+    import time
+
+    import mt.decode.driver
+    from mt.decode.driver import side_by_side
+
+    monkeypatch.setattr(mt.decode.driver, "forks_workers", lambda each: processes)
+    calls = tmp_path / "calls"
+
+    def job(batch):
+        with open(calls, "a") as f:
+            f.write(f"{batch[0]}\n")
+        time.sleep(0.02)
+        return batch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(KeyboardInterrupt), side_by_side(2, job) as run:
+            results = run([[i] for i in range(60)])  # held, as translate_nbest holds it
+            for out in results:
+                if out == [1]:
+                    raise KeyboardInterrupt
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert 2 <= len(calls.read_text().splitlines()) < 20

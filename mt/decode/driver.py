@@ -224,11 +224,15 @@ def side_by_side(
         if forked:
             _JOB = job
             context = multiprocessing.get_context("fork")
-            with ProcessPoolExecutor(workers, context, _worker_init, (each,)) as pool:
-                yield lambda batches: pool.map(_run_job, batches)
+            pool = ProcessPoolExecutor(workers, context, _worker_init, (each,))
+            run = functools.partial(pool.map, _run_job)
         else:  # set in each thread too: OpenMP keeps the count per thread
-            with ThreadPoolExecutor(workers, "mt-decode", torch.set_num_threads, (each,)) as pool:
-                yield lambda batches: pool.map(job, batches)
+            pool = ThreadPoolExecutor(workers, "mt-decode", torch.set_num_threads, (each,))
+            run = functools.partial(pool.map, job)
+        try:
+            yield run
+        finally:  # on an error or Ctrl-C here, the batches not yet started are dropped
+            pool.shutdown(wait=True, cancel_futures=True)
     finally:
         _JOB = None
         torch.set_num_threads(total)
