@@ -43,6 +43,8 @@ if __name__ == "__main__":
 
 from bench_common import PRESETS, Recorder, pick_device, set_threads  # noqa: E402
 
+from mt.schema import DecodeConfig  # noqa: E402  (no torch: the settings' defaults)
+
 log = logging.getLogger("bench")
 
 
@@ -181,8 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     real.add_argument("--workdir", help="where the CTranslate2 export goes (default: a temp dir)")
     real.add_argument("--shortlist", help="a lexicon file (mt.decode.shortlist; mt-evaluate "
                       "decode.shortlist=train makes one): mt's fp32 and int8 again with it")
-    real.add_argument("--shortlist-k", type=int, default=50, help="decode.shortlist_k")
-    real.add_argument("--shortlist-frequent", type=int, default=3000,
+    real.add_argument("--shortlist-k", type=int, default=DecodeConfig.shortlist_k,
+                      help="decode.shortlist_k")  # fmt: skip
+    real.add_argument("--shortlist-frequent", type=int, default=DecodeConfig.shortlist_frequent,
                       help="decode.shortlist_frequent")  # fmt: skip
 
     serve = sub.add_parser("serve", help="mt-serve on loopback: sentences/s, p50/p99 latency")

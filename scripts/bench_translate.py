@@ -3,22 +3,22 @@
     make bench ARGS="translate --checkpoint runs/multi30k_de_en/checkpoints/best.pt \\
         --input $MT_DATA_DIR/multi30k/test_2016_flickr.de --beams 1 5 --rounds 3 --threads 2"
 
-The checkpoint is exported with ``mt-export format=ctranslate2`` (once, into ``--workdir``); then
-each engine and setting (mt: fp32, int8, bf16; CTranslate2: float32, int8, each also with ``+mkl``,
-its ``CT2_USE_MKL=1``) decodes the whole file in a process of its own (so each peak RSS is its own:
-CTranslate2's loads neither torch nor the mt checkpoint, only the export and its ``spm.model``),
-with the same beam, batches of ``--batch-size`` sentences, no length penalty, and the same length
-limit (``--max-len`` output tokens, absolute: CTranslate2 has one limit per call), and the same
-``--workers``: batches decoded side by side, ``--threads`` shared among them (mt's
-``decode.workers``, CTranslate2's ``inter_threads`` with ``intra_threads`` = threads / workers; 0:
-one worker per thread). A warm-up pass over the first batch is not timed. Rounds alternate the
-engines; each figure is the median over rounds of sentences/s and output tokens/s (pieces + EOS).
-Outputs are compared with mt fp32's: ``identical`` counts the sentences whose ids are the same.
-With ``--shortlist LEXICON`` (``mt.decode.shortlist``), mt's fp32 and int8 run again with
-``decode.shortlist`` (``+sl``), and CTranslate2's float32 and int8 with the same lists as the
-export's vocabulary map (``+vmap``, ``use_vmap=True``; CTranslate2 gives a batch the union of
-its sentences' lists, where mt holds each sentence to its own).
-"""
+The checkpoint is exported with ``mt-export format=ctranslate2`` (into ``--workdir``, once per
+checkpoint and shortlist settings); then each engine and setting (mt: fp32, int8, bf16;
+CTranslate2: float32, int8, each also with ``+mkl``, its ``CT2_USE_MKL=1``) decodes the whole file
+in a process of its own (so each peak RSS is its own: CTranslate2's loads neither torch nor the mt
+checkpoint, only the export and its ``spm.model``), with the same beam, batches of ``--batch-size``
+sentences, no length penalty, and the same length limit (``--max-len`` output tokens, absolute:
+CTranslate2 has one limit per call), and the same ``--workers``: batches decoded side by side,
+``--threads`` shared among them (mt's ``decode.workers``, CTranslate2's ``inter_threads`` with
+``intra_threads`` = threads / workers; 0: one worker per thread). A warm-up pass over the first
+batch is not timed. Rounds alternate the engines; each figure is the median over rounds of
+sentences/s and output tokens/s (pieces + EOS). Outputs are compared with mt fp32's: ``identical``
+counts the sentences whose ids are the same. With ``--shortlist LEXICON``
+(``mt.decode.shortlist``), mt's fp32 and int8 run again with ``decode.shortlist`` (``+sl``), and
+CTranslate2's float32 and int8 with the same lists as the export's vocabulary map (``+vmap``,
+``use_vmap=True``; CTranslate2 gives a batch the union of its sentences' lists, where mt holds each
+sentence to its own). """
 
 from __future__ import annotations
 
@@ -139,9 +139,14 @@ def run_translate(args, rec) -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="mt-bench-translate-"))
     ct2 = work / ("ct2-shortlist" if args.shortlist else "ct2")  # with its vocabulary map
     args.ct2_dir = str(ct2)
-    if not (ct2 / "model.bin").is_file():
+    # a --workdir export is reused only for the same checkpoint and lists
+    made = json.dumps([str(args.checkpoint), args.shortlist or None, args.shortlist_k,
+                       args.shortlist_frequent])  # fmt: skip
+    stamp = ct2 / "mt-export.json"
+    if not (ct2 / "model.bin").is_file() or not stamp.is_file() or stamp.read_text() != made:
         export(args.checkpoint, "ctranslate2", ct2, args.shortlist or None, args.shortlist_k,
                args.shortlist_frequent)  # fmt: skip
+        stamp.write_text(made)
     engines = dict(ENGINES)
     if args.shortlist:
         engines = {e: ENGINES[e] + SHORTLISTED[e] for e in ENGINES}

@@ -26,7 +26,7 @@ from mt.export.card import model_card
 from mt.export.ct2 import export_ct2
 from mt.export.hf import ExportError, export_hf
 from mt.files import write_text
-from mt.schema import Config
+from mt.schema import Config, DecodeConfig
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +38,8 @@ def export(
     fmt: str,
     output: str | Path,
     shortlist: str | Path | None = None,
-    shortlist_k: int = 50,
-    shortlist_frequent: int = 3000,
+    shortlist_k: int = DecodeConfig.shortlist_k,
+    shortlist_frequent: int = DecodeConfig.shortlist_frequent,
 ) -> Path:
     """Export an mt checkpoint to ``output`` in format ``fmt`` (``hf`` or ``ctranslate2``);
     ``shortlist`` (a lexicon file, ``mt.decode.shortlist``): CTranslate2's vocabulary map too.
