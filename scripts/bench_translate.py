@@ -18,7 +18,8 @@ counts the sentences whose ids are the same. With ``--shortlist LEXICON``
 (``mt.decode.shortlist``), mt's fp32 and int8 run again with ``decode.shortlist`` (``+sl``), and
 CTranslate2's float32 and int8 with the same lists as the export's vocabulary map (``+vmap``,
 ``use_vmap=True``; CTranslate2 gives a batch the union of its sentences' lists, where mt holds each
-sentence to its own). """
+sentence to its own).
+"""
 
 from __future__ import annotations
 
