@@ -89,7 +89,8 @@ PRODUCTS = {"aten::linear", "aten::addmm", "aten::mm", "mkldnn::_linear_pointwis
             "quantized::linear_dynamic", "onednn::qlinear_pointwise", "aten::_int_mm",
             "aten::_weight_int8pack_mm"}  # fmt: skip
 ATTENTION = {"aten::matmul", "aten::bmm", "aten::softmax", "aten::_softmax",
-             "aten::scaled_dot_product_attention", "aten::masked_fill_"}  # fmt: skip
+             "aten::scaled_dot_product_attention", "aten::masked_fill_",
+             "mt::short_attention"}  # fmt: skip
 VOCAB = {"aten::log_softmax", "aten::_log_softmax"}
 BEAM = {"aten::topk", "aten::sort", "aten::argsort", "aten::gather", "aten::nonzero",
         "aten::repeat_interleave", "aten::index", "aten::index_select", "aten::cat",

@@ -18,7 +18,9 @@ counts the sentences whose ids are the same. With ``--shortlist LEXICON``
 (``mt.decode.shortlist``), mt's fp32 and int8 run again with ``decode.shortlist`` (``+sl``), and
 CTranslate2's float32 and int8 with the same lists as the export's vocabulary map (``+vmap``,
 ``use_vmap=True``; CTranslate2 gives a batch the union of its sentences' lists, where mt holds each
-sentence to its own).
+sentence to its own). Named in ``--settings`` only: ``mt:fp32+torchattn`` (and int8, bf16), mt
+with ``MT_NATIVE_KERNELS=0``, its decoder steps' attention through torch's products instead of
+its C++ kernel (``mt.fast.native``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ ENGINES = {"mt": ("fp32", "int8", "bf16"), "ct2": ("float32", "int8", "float32+m
 # With --shortlist FILE (a lexicon, mt.decode.shortlist): mt's settings again with it ("+sl"),
 # and CTranslate2's with the same lists as its vocabulary map ("+vmap": use_vmap=True).
 SHORTLISTED = {"mt": ("fp32+sl", "int8+sl"), "ct2": ("float32+vmap", "int8+vmap")}
+# Only when named in --settings: mt without its C++ attention kernel (MT_NATIVE_KERNELS=0),
+# the decoder steps' attention through torch's products, to measure what the kernel buys.
+ON_REQUEST = {"mt": ("fp32+torchattn", "int8+torchattn", "bf16+torchattn"), "ct2": ()}
 # CTranslate2 uses Intel MKL's products only on Intel CPUs unless CT2_USE_MKL=1 asks for them
 # (elsewhere oneDNN's): "+mkl" sets it, so that CTranslate2's best setting is measured on AMD too.
 
@@ -118,7 +123,11 @@ def _one(args, engine: str, setting: str, beam: int) -> dict:
            "--ct2-dir", args.ct2_dir, "--shortlist", str(args.shortlist or ""),
            "--shortlist-k", str(args.shortlist_k),
            "--shortlist-frequent", str(args.shortlist_frequent)]  # fmt: skip
-    env = dict(os.environ, CT2_USE_MKL="1") if setting.endswith("+mkl") else None
+    env = None
+    if setting.endswith("+mkl"):
+        env = dict(os.environ, CT2_USE_MKL="1")
+    elif setting.endswith("+torchattn"):
+        env = dict(os.environ, MT_NATIVE_KERNELS="0")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{engine} {setting} beam {beam} failed:\n{proc.stderr[-3000:]}")
@@ -153,6 +162,8 @@ def run_translate(args, rec) -> None:
         engines = {e: ENGINES[e] + SHORTLISTED[e] for e in ENGINES}
     settings = [(e, s) for e, ss in engines.items() for s in ss
                 if not args.settings or f"{e}:{s}" in args.settings]  # fmt: skip
+    settings += [(e, s) for e, ss in ON_REQUEST.items() for s in ss
+                 if args.settings and f"{e}:{s}" in args.settings]  # fmt: skip
     env = environment(args.device_obj)
     for beam in args.beams:
         runs: dict[tuple[str, str], list[dict]] = {k: [] for k in settings}

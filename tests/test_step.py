@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import mt.fast.decoding
+import mt.fast.native as native
 import mt.fast.step
 from mt.data.batches import make_src
 from mt.fast.decoding import DecodingModel, for_decoding
@@ -34,7 +35,11 @@ def sources(lengths: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("norm", ["post", "pre"])
 @pytest.mark.parametrize("G", [1, 3])  # rows per sentence: greedy, beams
 @pytest.mark.parametrize("padded", [True, False])
-def test_the_step_computes_what_the_model_decodes(norm, G, padded):
+@pytest.mark.parametrize("attend", ["torch", "kernel"])  # mt.fast.native's, where it builds
+def test_the_step_computes_what_the_model_decodes(norm, G, padded, attend):
+    kernel = native.short_attention() if attend == "kernel" else None
+    if attend == "kernel" and kernel is None:
+        pytest.skip(f"no kernel here: {native.unavailable_reason()}")  # test_native says why
     model = small_model(norm)
     src = sources([7, 3, 5] if padded else [5, 5, 5])
     g = torch.Generator().manual_seed(G)
@@ -54,7 +59,8 @@ def test_the_step_computes_what_the_model_decodes(norm, G, padded):
                 model.decode(step_in, enc, ours)
                 continue
             assert applies(step_in, ours, model)
-            got = model.project(decoder_step(model, step_in, enc.memory, enc.src_mask, ours))
+            got = decoder_step(model, step_in, enc.memory, enc.src_mask, ours, kernel)
+            got = model.project(got)
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
             assert ours.length == ref.length == t + 1
     # the caches hold the same keys and values

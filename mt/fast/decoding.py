@@ -20,7 +20,8 @@ IncrementalDecoder``):
 * ``quantize=int8``: dynamically quantized int8 products (``mt.fast.quantize``).
 * attention (in those copies): the short-query cores of ``mt.fast.attention`` and float32
   caches; every step after the first through ``mt.fast.step`` (the same formula with fewer
-  calls into torch).
+  calls into torch), its attention over the caches in mt's C++ kernel where it builds
+  (``mt.fast.native``; ``native=False`` or ``MT_NATIVE_KERNELS=0``: torch's products).
 
 Elsewhere (a GPU, ``onednn=False``) the model itself decodes: SDPA's fused kernels, callers
 autocast for bf16.
@@ -41,6 +42,7 @@ from functools import cache
 import torch
 from torch import nn
 
+import mt.fast.native as native_kernels
 import mt.fast.probe as probe
 from mt.fast.attention import ShortQueryAttention, gpu_attention, install
 from mt.fast.modules import replace_modules, shared_copy
@@ -74,6 +76,8 @@ class DecodingModel(nn.Module):
         cache_dtype: what the decoder caches hold (None: the keys' own dtype).
         step: the steps after the first (one new token per row) through
             ``mt.fast.step.decoder_step`` where it applies; False: always the module's own.
+        kernel: the steps' attention through ``torch.ops.mt.short_attention``
+            (``mt.fast.native``; float32 caches), or None: torch's batched products.
     """
 
     def __init__(
@@ -82,9 +86,11 @@ class DecodingModel(nn.Module):
         head: nn.Module | None = None,
         cache_dtype=None,
         step: bool = False,
+        kernel=None,
     ) -> None:
         super().__init__()
         self.module, self.head, self.cache_dtype, self.step = module, head, cache_dtype, step
+        self.kernel = kernel
         self.max_positions: int = module.max_positions
         self.vocab_size: int = module.vocab_size
 
@@ -102,7 +108,8 @@ class DecodingModel(nn.Module):
         of the head's kind (int8, oneDNN float32 or bfloat16) over those pieces' rows, made
         once per batch."""
         if self.step and applies(tgt_in, cache, self.module):
-            h = decoder_step(self.module, tgt_in, enc.memory, enc.src_mask, cache)[:, None]
+            h = decoder_step(self.module, tgt_in, enc.memory, enc.src_mask, cache, self.kernel)
+            h = h[:, None]
         elif vocab is None and self.head is None:
             return self.module.decode(tgt_in, enc, cache)
         else:
@@ -248,6 +255,7 @@ def for_decoding(
     onednn: bool | None = True,
     fast_attention: bool = True,
     rows: int = 256,
+    native: bool | None = None,
 ) -> DecodingModel:
     """The model to decode with for the ``decode.*`` settings (see the module docstring).
 
@@ -260,6 +268,9 @@ def for_decoding(
             None (auto): where they measure faster than torch's at ``rows`` decoder rows.
         fast_attention: the copy's attention through the short-query cores (False: the
             model's SDPA).
+        native: the decoder steps' attention through mt's C++ kernel (``mt.fast.native``),
+            built here on first use; where it cannot be built, torch's products. None:
+            unless ``MT_NATIVE_KERNELS=0``.
 
     Returns:
         A :class:`DecodingModel` over a cached decoding copy, or over ``model`` itself where
@@ -273,12 +284,16 @@ def for_decoding(
     kind = _kind(model, quantize, precision, onednn, rows)
     if kind is None:  # the model as written decodes
         return DecodingModel(model)
+    kernel = None
+    if fast_attention and (native_kernels.enabled() if native is None else native):
+        kernel = native_kernels.short_attention()  # built or loaded once per process
     copies = _CACHE.setdefault(model, {})  # the copies never refer to `model` itself
     identity = _identity(model)
-    hit = copies.get((kind, fast_attention))
+    key = (kind, fast_attention, kernel is not None)
+    hit = copies.get(key)
     if hit is not None and hit[0] == identity:
         return hit[1]
-    copies.pop((kind, fast_attention), None)
+    copies.pop(key, None)
     del hit  # a stale copy is let go before its replacement is built: never two at once
     if kind == "int8":
         clone, head = quantize_int8(model)
@@ -294,8 +309,8 @@ def for_decoding(
     if fast_attention:
         install(clone, ShortQueryAttention)
     cache_dtype = torch.float32 if fast_attention else None
-    decoder = DecodingModel(clone, head, cache_dtype, step=fast_attention)
-    copies[(kind, fast_attention)] = (identity, decoder)
+    decoder = DecodingModel(clone, head, cache_dtype, step=fast_attention, kernel=kernel)
+    copies[key] = (identity, decoder)
     return decoder
 
 

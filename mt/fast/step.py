@@ -18,6 +18,7 @@ token, caches filled, no autocast); the first step and everything else go throug
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import torch
@@ -41,12 +42,14 @@ def applies(tgt_in: torch.Tensor, cache: DecoderCache | None, module: nn.Module)
     )
 
 
-def _self_attention(attn: nn.Module, cache, y: torch.Tensor) -> torch.Tensor:
+def _self_attention(attn: nn.Module, cache, kernel, y: torch.Tensor) -> torch.Tensor:
     """One query per row against the cached keys/values (the new ones appended): (B, D)."""
     B, D = y.shape
     H, d_k = attn.h, attn.d_k
     qkv = attn.qkv(y).view(B, 3, H, 1, d_k)
     k, v = cache.append(qkv[:, 1], qkv[:, 2])  # (B, H, T, d_k) views of the cache
+    if kernel is not None:  # (B, 1, H, d_k) out: the layout of (B, D)
+        return attn.out(kernel(qkv[:, 0], k, v, None, 1 / math.sqrt(d_k)).view(B, D))
     T = k.size(2)
     q = qkv[:, 0].reshape(B * H, 1, d_k)
     out, _ = attention(q, k.reshape(B * H, T, d_k), v.reshape(B * H, T, d_k))  # (B*H, 1, d_k)
@@ -54,13 +57,16 @@ def _self_attention(attn: nn.Module, cache, y: torch.Tensor) -> torch.Tensor:
 
 
 def _cross_attention(
-    attn: nn.Module, cache, n: int, bias: torch.Tensor | None, y: torch.Tensor
+    attn: nn.Module, cache, n: int, bias: torch.Tensor | None, kernel, y: torch.Tensor
 ) -> torch.Tensor:
     """G = B / n queries per sentence against its encoder keys/values: (B, D). ``bias``:
-    (n*H, 1, S) additive source mask, or None."""
+    the additive source mask, (n, S) for ``kernel``, else (n*H, 1, S); or None."""
     B, D = y.shape
     H, d_k, G = attn.h, attn.d_k, B // n
     k, v = cache.k, cache.v  # (n, H, S, d_k)
+    if kernel is not None:  # (n, H, G, d_k) queries in, (n, G, H, d_k) = (B, D) out
+        q = attn.q(y).view(n, G, H, d_k).transpose(1, 2)
+        return attn.out(kernel(q, k, v, bias, 1 / math.sqrt(d_k)).view(B, D))
     S = k.size(2)
     # (B, D) -> (n, G, H, d_k) -> (n*H, G, d_k): the G rows of a sentence share its keys
     q = attn.q(y).view(n, G, H, d_k).transpose(1, 2).reshape(n * H, G, d_k)
@@ -69,7 +75,12 @@ def _cross_attention(
 
 
 def decoder_step(
-    module: nn.Module, tgt_in: torch.Tensor, memory: torch.Tensor, src_mask, cache: DecoderCache
+    module: nn.Module,
+    tgt_in: torch.Tensor,
+    memory: torch.Tensor,
+    src_mask,
+    cache: DecoderCache,
+    kernel=None,
 ) -> torch.Tensor:
     """The decoder output (B, D) for one new token per row (before the projection).
 
@@ -80,6 +91,8 @@ def decoder_step(
         src_mask: (n, 1, 1, S) bool, True = real source token, or None (no padding).
         cache: the rows' state, encoder-decoder keys/values filled (see :func:`applies`);
             the new keys/values are appended to it.
+        kernel: ``torch.ops.mt.short_attention`` (``mt.fast.native``) to attend with, over
+            float32 caches; None: torch's batched products.
 
     Returns:
         (B, D) float32, what ``module.decode(tgt_in, enc, cache, project=False)`` gives.
@@ -89,15 +102,20 @@ def decoder_step(
     """
     B, n = tgt_in.size(0), memory.size(0)
     x = module._embed(tgt_in, module.tgt_embedding, cache.length).view(B, -1)  # (B, D)
-    bias = None  # (n*H, 1, S): 0 where a sentence may attend, -inf at its padding
+    bias = None  # 0 where a sentence may attend, -inf at its padding
     if src_mask is not None:
-        H = module.decoder[0].cross_attn.h
-        bias = x.new_zeros(src_mask.shape).masked_fill_(~src_mask, float("-inf"))
-        bias = bias.expand(n, H, 1, -1).reshape(n * H, 1, -1)
+        bias = x.new_zeros(src_mask.shape).masked_fill_(~src_mask, float("-inf"))  # (n,1,1,S)
+        if kernel is not None:
+            bias = bias.view(n, -1)
+        else:
+            H = module.decoder[0].cross_attn.h
+            bias = bias.expand(n, H, 1, -1).reshape(n * H, 1, -1)
     for layer, state in zip(module.decoder, cache.layers):
-        x = layer.residual(x, 0, partial(_self_attention, layer.self_attn, state.self_attn))
         x = layer.residual(
-            x, 1, partial(_cross_attention, layer.cross_attn, state.cross_attn, n, bias)
+            x, 0, partial(_self_attention, layer.self_attn, state.self_attn, kernel)
+        )
+        x = layer.residual(
+            x, 1, partial(_cross_attention, layer.cross_attn, state.cross_attn, n, bias, kernel)
         )
         x = layer.residual(x, 2, layer.ffn)
     return module.decoder_norm(x)

@@ -1,0 +1,116 @@
+"""mt's own C++ kernel for CPU decoding, compiled on first use for the CPU in hand.
+
+One kernel, ``torch.ops.mt.short_attention`` (``csrc/short_attention.cpp``): the attention of a
+decoder step over its caches, ``softmax(q k^T / sqrt(d_k) + bias) v`` for the few queries of a
+row (one per hypothesis in self-attention, a sentence's G hypotheses in encoder-decoder
+attention), in one pass over each row's keys and values. Through torch the same step is two
+batched products of thousands of tiny matrices and a softmax: on an AMD Zen 4 the kernel took
+decoding of real text (Multi30k, 1,000 sentences, one thread) from 418 to 482 sentences/s
+greedy and from 119 to 145 with beam 5 in int8, +5-7% in float32, the same outputs in float32.
+
+The kernel is compiled with torch's C++ extension loader (``torch.utils.cpp_extension.load``,
+into ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``) for this CPU's instruction
+set (``-march=native``), once per CPU kind, torch version and source: ~7 s on 2 cores, then
+loaded in milliseconds. The build directory's name carries a digest of all three, so a home
+directory shared by machines of different CPUs never loads a kernel built for another. Where
+it cannot be built (no C++ compiler or ninja, an unwritable cache) or ``MT_NATIVE_KERNELS=0``
+is set, :func:`short_attention` returns None, says why once, and decoding takes torch's path
+(``mt.fast.step``), which computes the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "short_attention.cpp"
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: torch's own runtime, for its threads
+ENV = "MT_NATIVE_KERNELS"
+
+_LOCK = threading.Lock()
+_STATE: dict[str, object] = {}  # "op": the operator or None, "why": the reason it is None
+
+
+def enabled() -> bool:
+    """False where ``MT_NATIVE_KERNELS`` is 0, false, no or off."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _cpu_identity() -> str:
+    """What decides the code ``-march=native`` emits: the CPU's vendor, family, model and
+    flags (the first processor of /proc/cpuinfo); the platform's name elsewhere."""
+    keys = ("vendor_id", "cpu family", "model", "flags")
+    try:
+        lines = Path("/proc/cpuinfo").read_text(errors="replace").split("\n\n")[0].splitlines()
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+    fields = (line.split(":", 1) for line in lines if ":" in line)
+    return "|".join(f"{k.strip()}={v.strip()}" for k, v in fields if k.strip() in keys)
+
+
+def build_name() -> str:
+    """The extension's name: a digest of the source, the flags, the CPU and torch's version."""
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), _cpu_identity().encode(),
+                 torch.__version__.encode()):  # fmt: skip
+        digest.update(part)
+        digest.update(b"\0")
+    return f"mt_native_{digest.hexdigest()[:16]}"
+
+
+def _load() -> Callable:
+    """Build (or load the earlier build of) the kernel and return its operator."""
+    if not hasattr(torch.ops.mt, "short_attention"):  # not yet loaded in this process
+        from torch.utils.cpp_extension import load
+
+        # torch runs ninja from PATH; the `ninja` wheel (mt's `all` extra) puts it beside the
+        # interpreter, which is not on PATH when a virtual environment is used unactivated
+        beside = Path(sys.executable).parent
+        if shutil.which("ninja") is None and (beside / "ninja").exists():
+            os.environ["PATH"] = f"{beside}{os.pathsep}{os.environ.get('PATH', '')}"
+        start = time.perf_counter()
+        load(build_name(), [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)  # fmt: skip
+        log.info("mt's attention kernel for this CPU ready (%.1f s: built, or loaded from "
+                 "an earlier build)", time.perf_counter() - start)  # fmt: skip
+    return torch.ops.mt.short_attention
+
+
+def short_attention() -> Callable | None:
+    """``torch.ops.mt.short_attention(q, k, v, bias, scale)`` (see the module docstring), built
+    or loaded on the first call; None where it is switched off or cannot be built (the reason
+    logged once, and kept in :func:`unavailable_reason`)."""
+    if not enabled():
+        return None
+    with _LOCK:
+        if "op" not in _STATE:
+            try:
+                _STATE["op"] = _load()
+            except Exception as exc:  # no compiler, no ninja, a failed build: torch's path
+                _STATE["op"], _STATE["why"] = None, f"{type(exc).__name__}: {exc}".strip()
+                first_line = str(_STATE["why"]).splitlines()[0][:300]
+                log.warning(
+                    "mt's attention kernel could not be built (%s); decoding through torch's "
+                    "products instead (the same results, slower)", first_line,
+                )  # fmt: skip
+        return _STATE["op"]  # type: ignore[return-value]
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`short_attention` gave None (None when it was not asked, or it was built)."""
+    if not enabled():
+        return f"{ENV}={os.environ.get(ENV)}"
+    return _STATE.get("why")  # type: ignore[return-value]

@@ -1,0 +1,182 @@
+"""mt's C++ attention kernel (mt.fast.native) against the written-out formula, its build and
+its fallback, and decoding with it against decoding without it."""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mt.fast.native as native
+from mt.data.batches import make_src
+from mt.decode.search import beam_search, greedy_search
+from mt.fast.decoding import for_decoding
+from mt.model.attention import attention
+from mt.model.transformer import build_model
+from mt.schema import ModelConfig
+
+CAN_BUILD = shutil.which("c++") is not None and (
+    shutil.which("ninja") is not None or (Path(sys.executable).parent / "ninja").exists()
+)
+
+
+@pytest.fixture(scope="module")
+def op():
+    """The kernel, built here (a compiler and ninja) or the reason it cannot be."""
+    kernel = native.short_attention()
+    if kernel is None:
+        if native.enabled() and CAN_BUILD:
+            pytest.fail(f"a compiler and ninja, yet no kernel: {native.unavailable_reason()}")
+        pytest.skip(f"no kernel here: {native.unavailable_reason()}")
+    return kernel
+
+
+def reference(q, k, v, bias, scale_d):
+    """The formula (mt.model.attention.attention) on the kernel's layouts: q (N, H, G, d),
+    k/v (N, H, T, d), bias (N, T) or None -> (N, G, H, d)."""
+    mask = None if bias is None else bias[:, None, None, :]
+    out, _ = attention(q, k, v, mask)
+    assert math.isclose(1 / math.sqrt(q.size(-1)), scale_d)
+    return out.transpose(1, 2)
+
+
+def inputs(N, H, G, T, d, seed=0, capacity=None):
+    """Queries as a transposed view (as the step makes them) and keys/values as views of
+    larger caches (capacity positions)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(N, G, H, d, generator=g).transpose(1, 2)  # (N, H, G, d), not contiguous
+    C = capacity or T
+    k = torch.randn(N, H, C, d, generator=g)[:, :, :T]
+    v = torch.randn(N, H, C, d, generator=g)[:, :, :T]
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    "N,H,G,T,d",
+    [(6, 4, 1, 9, 16), (3, 2, 5, 7, 40), (2, 8, 4, 30, 64), (1, 1, 1, 1, 8), (300, 4, 1, 3, 32)],
+)
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_kernel_computes_the_formula(op, N, H, G, T, d, masked):
+    q, k, v = inputs(N, H, G, T, d, seed=N + T, capacity=T + 5)
+    bias = None
+    if masked:  # each sentence's padding at its end, the first keeps every key
+        lengths = [T - (i % T) for i in range(N)]
+        keep = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+        bias = torch.zeros(N, T).masked_fill_(~keep, float("-inf"))
+    scale = 1 / math.sqrt(d)
+    got = op(q, k, v, bias, scale)
+    assert got.shape == (N, G, H, d) and got.is_contiguous()
+    torch.testing.assert_close(got, reference(q, k, v, bias, scale), atol=2e-6, rtol=1e-5)
+
+
+def test_the_kernel_takes_a_mask_broadcast_over_rows(op):
+    """A zero-stride bias (one mask row for every sentence) reads as its expansion."""
+    q, k, v = inputs(4, 2, 3, 6, 16, seed=1)
+    row = torch.tensor([0.0, 0.0, float("-inf"), 0.0, float("-inf"), 0.0])
+    bias = row.expand(4, 6)
+    got = op(q, k, v, bias, 0.25)
+    torch.testing.assert_close(got, reference(q, k, v, bias.contiguous(), 0.25))
+
+
+def test_a_row_with_every_key_masked_is_nan_as_softmax_gives(op):
+    q, k, v = inputs(2, 2, 1, 4, 8)
+    bias = torch.zeros(2, 4)
+    bias[1] = float("-inf")
+    got = op(q, k, v, bias, 1 / math.sqrt(8))
+    ref = reference(q, k, v, bias, 1 / math.sqrt(8))
+    assert torch.isnan(got[1]).all() and torch.isnan(ref[1]).all()
+    torch.testing.assert_close(got[0], ref[0])
+
+
+def test_the_threads_split_the_rows_without_changing_a_bit(op):
+    q, k, v = inputs(64, 8, 4, 25, 64, seed=5)
+    bias = torch.zeros(64, 25)
+    bias[::3, 20:] = float("-inf")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = op(q, k, v, bias, 0.125)
+        torch.set_num_threads(2)
+        two = op(q, k, v, bias, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_the_kernel_names_what_it_cannot_take(op):
+    q, k, v = inputs(2, 2, 1, 3, 8)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        op(q.double(), k.double(), v.double(), None, 0.5)
+    with pytest.raises(RuntimeError, match="do not match"):
+        op(q, k[:, :1], v, None, 0.5)
+    with pytest.raises(RuntimeError, match="last dimension must be contiguous"):
+        op(q, torch.randn(2, 2, 8, 3).transpose(2, 3), v, None, 0.5)  # (2, 2, 3, 8), stride 3
+    with pytest.raises(RuntimeError, match=r"bias must be float32 \(N, T\)"):
+        op(q, k, v, torch.zeros(2, 4), 0.5)
+
+
+def test_the_build_name_follows_the_cpu_the_source_and_torch(monkeypatch):
+    name = native.build_name()
+    assert name.startswith("mt_native_") and name == native.build_name()
+    monkeypatch.setattr(native, "_cpu_identity", lambda: "vendor_id=Other|flags=sse2")
+    other_cpu = native.build_name()
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    assert len({name, other_cpu, native.build_name()}) == 3
+
+
+def test_switched_off_or_unbuildable_decoding_takes_torchs_path(monkeypatch, caplog):
+    monkeypatch.setenv("MT_NATIVE_KERNELS", "0")
+    assert native.short_attention() is None
+    assert native.unavailable_reason() == "MT_NATIVE_KERNELS=0"
+    monkeypatch.setenv("MT_NATIVE_KERNELS", "1")
+
+    def no_compiler():
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(native, "_STATE", {})
+    monkeypatch.setattr(native, "_load", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="mt.fast.native"):
+        assert native.short_attention() is None
+        assert native.short_attention() is None  # asked again: no second try, no second line
+    assert native.unavailable_reason() == "RuntimeError: Ninja is required to load C++ extensions"
+    assert sum("could not be built" in r.getMessage() for r in caplog.records) == 1
+    model = build_model(ModelConfig(N=1, d_model=16, d_ff=32, h=2), vocab_size=20).eval()
+    assert for_decoding(model, native=True).kernel is None  # decodes through torch
+
+
+def small_model():
+    torch.manual_seed(7)
+    cfg = ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.1)
+    model = build_model(cfg, vocab_size=50).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # far from the initialisation: peaked outputs
+    return model
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_decoding_with_the_kernel_finds_what_torchs_path_finds(op, quantize):
+    model = small_model()
+    g = torch.Generator().manual_seed(2)
+    src = make_src([torch.randint(4, 50, (n,), generator=g).tolist() for n in (9, 4, 7, 2, 6)])
+    with_kernel = for_decoding(model, quantize, native=True)
+    without = for_decoding(model, quantize, native=False)
+    assert with_kernel.kernel is op and without.kernel is None
+    calls = []
+    with_kernel.kernel = lambda *a: calls.append(1) or op(*a)
+    with torch.inference_mode():
+        for search in (
+            lambda m: [[h] for h in greedy_search(m, src, 1.0, 5, 1, alpha=0.0)],
+            lambda m: beam_search(m, src, 4, 1.0, 1.0, 5, 3, 1),
+        ):
+            got, expected = search(with_kernel), search(without)
+            for a, b in zip(got, expected):
+                assert [h.tokens for h in a] == [h.tokens for h in b]
+                for x, y in zip(a, b):
+                    assert math.isclose(x.score, y.score, rel_tol=1e-4, abs_tol=1e-4)
+    assert calls  # the kernel did the steps' attention
