@@ -58,7 +58,8 @@ def inputs(N, H, G, T, d, seed=0, capacity=None):
 
 @pytest.mark.parametrize(
     "N,H,G,T,d",
-    [(6, 4, 1, 9, 16), (3, 2, 5, 7, 40), (2, 8, 4, 30, 64), (1, 1, 1, 1, 8), (300, 4, 1, 3, 32)],
+    [(6, 4, 1, 9, 16), (3, 2, 5, 7, 40), (2, 8, 4, 30, 64), (1, 1, 1, 1, 8), (300, 4, 1, 3, 32),
+     (5, 2, 3, 17, 128), (4, 2, 1, 8, 64)],  # head sizes compiled for (32, 64, 128) and any other
 )
 @pytest.mark.parametrize("masked", [False, True])
 def test_the_kernel_computes_the_formula(op, N, H, G, T, d, masked):
