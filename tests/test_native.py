@@ -181,3 +181,28 @@ def test_decoding_with_the_kernel_finds_what_torchs_path_finds(op, quantize):
                 for x, y in zip(a, b):
                     assert math.isclose(x.score, y.score, rel_tol=1e-4, abs_tol=1e-4)
     assert calls  # the kernel did the steps' attention
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_waited_for(tmp_path, caplog):
+    import os
+    import threading
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - 600
+    os.utime(lock, (old, old))  # a build killed ten minutes ago
+    with caplog.at_level(logging.WARNING, logger="mt.fast.native"):
+        native.clear_stale_lock(tmp_path, max_age_s=120)
+    assert not lock.exists() and "did not finish" in caplog.text
+    lock.touch()  # a build in progress: released 0.3 s later, never removed here
+    threading.Timer(0.3, lock.unlink).start()
+    start = time.perf_counter()
+    native.clear_stale_lock(tmp_path, max_age_s=120)
+    assert 0.25 < time.perf_counter() - start < 5 and not lock.exists()
+
+
+def test_the_kernel_is_built_under_its_own_name_and_directory(op):
+    directory = native.build_directory()
+    assert directory.name == native.build_name()
+    assert any(directory.glob("*.so")) and not (directory / "lock").exists()
