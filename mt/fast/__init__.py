@@ -7,7 +7,8 @@ that shares the model's parameters (the caller's model is never modified):
   products, 16-bit dropout masks, written-out attention and the loss in row blocks; elsewhere
   the model with the fused loss.
 - :func:`for_decoding` (``fast.decoding``): what search runs. On a CPU, oneDNN (fp32 or bf16)
-  or int8 products and short-query attention; on a GPU the model itself.
+  or int8 products and short-query attention, the decoder steps' attention over the caches in
+  mt's one C++ kernel (``native``, built on first use); on a GPU the model itself.
 
 A layer reaches a kernel one way: the copy's modules are replaced (``nn.Linear``,
 ``nn.Dropout``, ``FeedForward``, and the attention ``core`` every attention layer holds).

@@ -11,6 +11,10 @@ that measured +4% greedy and +1% beam 5 on real text, within the machine's sprea
 that also wrote the residuals out in place measured +6% and +4%, not worth a second copy of
 the formula.
 
+With ``kernel`` (``torch.ops.mt.short_attention``, built by ``mt.fast.native``) the attention
+over the caches is one C++ call per layer and kind instead of two batched products of tiny
+matrices, a softmax and the copies around them; without it, the formula in torch.
+
 The beams of a sentence share its encoder rows (G rows per sentence, as ``CrossAttention``
 takes them). Used by :class:`mt.fast.decoding.DecodingModel` for the steps it can take (one new
 token, caches filled, no autocast); the first step and everything else go through the model.
