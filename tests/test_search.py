@@ -505,6 +505,56 @@ def test_copy_rows_equals_reorder(real_model):
             assert a.size(2) == 4 and torch.equal(a, b)
 
 
+def test_dropped_sentences_places_are_filled_from_the_end():
+    from mt.decode.rows import fill_from_the_end
+
+    assert fill_from_the_end([0, 2, 3, 5, 6]) == [0, 5, 2, 3, 6]
+    assert fill_from_the_end([0, 1, 2]) == [0, 1, 2]  # nothing dropped below the end
+    assert fill_from_the_end([3, 4]) == [3, 4] and fill_from_the_end([]) == []
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(1, 12, (1,), generator=g))
+        keep = sorted(torch.randperm(n, generator=g)[: int(torch.randint(0, n + 1, (1,)))].tolist())
+        order = fill_from_the_end(keep)
+        assert sorted(order) == keep  # the same sentences
+        for place, i in enumerate(order):  # each stays, or comes from beyond the new end
+            assert i == place or i >= len(keep)
+
+
+def test_compacting_a_cache_gives_what_select_gives_moving_only_the_filled_places(real_model):
+    pytest.importorskip("mt.data.batches")
+    from mt.data.batches import make_src
+    from mt.decode.rows import _group_rows, fill_from_the_end
+
+    with torch.no_grad():  # as search runs: buffers without autograd
+        src = make_src(random_sources(7, [5, 3, 6, 2, 4]))  # 5 sentences, 2 rows each
+        enc = real_model.encode(src)
+        index = torch.arange(5).repeat_interleave(2)
+        cache = real_model.new_cache()
+        real_model.decode(torch.randint(4, 40, (5, 1)), enc, cache)
+        cache = cache.select(index)  # 2 rows per sentence from the second step
+        for _ in range(3):
+            real_model.decode(torch.randint(4, 40, (10, 1)), enc, cache)  # 2 rows a sentence
+        sents = torch.tensor(fill_from_the_end([0, 2, 3, 4]))  # sentence 1 dropped: 4 takes place 1
+        assert sents.tolist() == [0, 4, 2, 3]
+        rows = _group_rows(sents, 2)
+        expected = cache.select(rows, sents)
+        buffers = [layer.self_attn.k.data_ptr() for layer in cache.layers]
+        got = cache.compact(rows, sents)
+        for layer, want, ptr in zip(got.layers, expected.layers, buffers):
+            assert layer.self_attn.k.data_ptr() == ptr  # the same buffers, cut to 8 rows
+            for a, b in zip(layer.self_attn.filled(), want.self_attn.filled()):
+                assert a.shape == b.shape and a.shape[::2] == (8, 4) and torch.equal(a, b)
+            got_cross, want_cross = layer.cross_attn, want.cross_attn
+            for a, b in zip((got_cross.k, got_cross.v), (want_cross.k, want_cross.v)):
+                assert a.size(0) == 4 and torch.equal(a, b)
+        # any other order is a plain select: nothing is overwritten before it is read
+        other = torch.tensor([1, 0, 2])
+        kept = got.layers[0].self_attn.filled()[0].clone()
+        moved = got.compact(_group_rows(other, 2), other)
+        assert torch.equal(moved.layers[0].self_attn.filled()[0], kept[_group_rows(other, 2)])
+
+
 def test_int8_linear_is_the_symmetric_per_channel_product_of_its_formula():
     """``Int8Linear`` against an independent computation: its int8 weights are the rows
     rounded with one scale each (largest magnitude / 127.5; float32's eps for a zero row), and

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mt.decode.rows import compact
+
 
 class EnsembleEncoded(tuple):
     """The members' encoder outputs, one per member."""
@@ -31,6 +33,9 @@ class EnsembleCache:
 
     def select(self, rows: torch.Tensor, sents: torch.Tensor | None = None) -> EnsembleCache:
         return EnsembleCache([c.select(rows, sents) for c in self.caches])
+
+    def compact(self, rows: torch.Tensor, sents: torch.Tensor) -> EnsembleCache:
+        return EnsembleCache([compact(c, rows, sents) for c in self.caches])
 
     def copy_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         for c in self.caches:

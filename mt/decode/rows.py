@@ -47,8 +47,11 @@ class Rows:
         return self.tokens[i * self.K + k]
 
     def drop(self, keep: list[int]) -> None:
-        """Keep only the live sentences ``keep`` (indices into ``sents``), in that order."""
+        """Keep only the live sentences ``keep`` (indices into ``sents``, ascending). The last
+        ones kept take the places of the dropped ones (:func:`fill_from_the_end`), so the
+        decoder state moves only their rows, in place, instead of being copied whole."""
         device = self.tokens.device
+        keep = fill_from_the_end(keep)
         keep_t = torch.tensor(keep, dtype=torch.long, device=device)
         self.sents = [self.sents[i] for i in keep]
         self.scores = self.scores[keep_t]
@@ -56,7 +59,7 @@ class Rows:
         if self.sents:
             state_rows = _group_rows(keep_t, self.width)
             self.enc = self.enc.select(keep_t)
-            self.cache = self.cache.select(state_rows, keep_t)
+            self.cache = compact(self.cache, state_rows, keep_t)
             self.last = self.last[state_rows]
 
     def advance(self, beam: torch.Tensor, token: torch.Tensor, score: torch.Tensor) -> None:
@@ -105,6 +108,29 @@ def rows_for(beam: torch.Tensor) -> torch.Tensor:
     free = torch.argsort((~childless).to(torch.int8), dim=1, stable=True)  # childless first
     rank = ((~first).cumsum(dim=1) - 1).clamp(min=0)  # among the later siblings
     return torch.where(first, beam, free.gather(1, rank))
+
+
+def fill_from_the_end(keep: list[int]) -> list[int]:
+    """An order of the kept indices ``keep`` (ascending) in which each one below ``len(keep)``
+    stays in its place and those beyond take, in turn, the places of the dropped ones.
+
+    >>> fill_from_the_end([0, 2, 3, 5, 6])  # 1 and 4 dropped: 5 takes place 1, 6 place 4
+    [0, 5, 2, 3, 6]
+    """
+    n, kept = len(keep), set(keep)
+    out = list(range(n))
+    holes = (place for place in range(n) if place not in kept)
+    for place, i in zip(holes, (i for i in keep if i >= n)):
+        out[place] = i
+    return out
+
+
+def compact(cache: Any, rows: torch.Tensor, sents: torch.Tensor) -> Any:
+    """``cache.select(rows, sents)``, through ``cache.compact`` where the cache has it (it
+    moves only the rows that change place, in place; ``mt.model.kv_cache``)."""
+    if hasattr(cache, "compact"):
+        return cache.compact(rows, sents)
+    return cache.select(rows, sents)
 
 
 def _group_rows(groups: torch.Tensor, width: int) -> torch.Tensor:

@@ -86,6 +86,19 @@ class SelfAttentionCache:
         for filled in self.filled():
             filled.index_copy_(0, dst, filled.index_select(0, src))
 
+    def compact(self, rows: torch.Tensor) -> SelfAttentionCache:
+        """What :meth:`select` gives, made in this cache's buffers where ``rows`` keeps most
+        rows in place: the rows i with ``rows[i] != i`` take theirs from beyond the new end
+        (``rows[i] >= len(rows)``), and the buffers are cut to ``len(rows)`` rows. This cache
+        is not to be used afterwards. Other ``rows``: :meth:`select`."""
+        moved = _moves_from_beyond(rows)
+        if self.k is None or moved is None or (self.k.requires_grad and torch.is_grad_enabled()):
+            return self.select(rows)
+        if moved.numel():
+            self.copy_rows(moved, rows[moved])
+        n = rows.numel()
+        return SelfAttentionCache(self.k[:n], self.v[:n], self.length, self.dtype)
+
 
 class CrossAttentionCache:
     """Keys and values of the encoder output for one layer's encoder-decoder attention,
@@ -114,6 +127,17 @@ class CrossAttentionCache:
             return CrossAttentionCache(dtype=self.dtype)
         k, v = self.k.index_select(0, sents), self.v.index_select(0, sents)
         return CrossAttentionCache(k, v, self.dtype)
+
+    def compact(self, sents: torch.Tensor) -> CrossAttentionCache:
+        """:meth:`select` in this cache's buffers, as :meth:`SelfAttentionCache.compact`."""
+        moved = _moves_from_beyond(sents)
+        if self.k is None or self.v is None or moved is None or self.k.requires_grad:
+            return self.select(sents)
+        for buf in (self.k, self.v):
+            if moved.numel():
+                buf.index_copy_(0, moved, buf.index_select(0, sents[moved]))
+        n = sents.numel()
+        return CrossAttentionCache(self.k[:n], self.v[:n], self.dtype)
 
 
 class LayerCache:
@@ -168,12 +192,34 @@ class DecoderCache:
         ]
         return out
 
+    def compact(self, rows: torch.Tensor, sents: torch.Tensor) -> DecoderCache:
+        """What :meth:`select` gives, moving only the rows that change place when ``rows`` and
+        ``sents`` fill the places of dropped rows from beyond the new end and keep the rest
+        (see ``SelfAttentionCache.compact``); this cache is not to be used afterwards."""
+        out = DecoderCache(0, self.dtype)
+        out.layers = [
+            LayerCache(layer.self_attn.compact(rows), layer.cross_attn.compact(sents))
+            for layer in self.layers
+        ]
+        return out
+
     def copy_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """In place: decoder rows ``dst`` (m,) take the contents of rows ``src`` (m,), disjoint
         from ``dst``; encoder-side rows are unchanged (the hypotheses stay in their sentence)."""
         for layer in self.layers:
             if layer.self_attn.k is not None:
                 layer.self_attn.copy_rows(dst, src)
+
+
+def _moves_from_beyond(rows: torch.Tensor) -> torch.Tensor | None:
+    """The places i with ``rows[i] != i`` when each of them takes a row from beyond the new
+    end (``rows[i] >= len(rows)``, so no moved row is overwritten before it is read); None
+    when ``rows`` is not of that form."""
+    n = rows.numel()
+    moved = (rows != torch.arange(n, device=rows.device)).nonzero().squeeze(1)
+    if moved.numel() and not bool((rows[moved] >= n).all()):
+        return None
+    return moved
 
 
 __all__ = ["CrossAttentionCache", "DecoderCache", "LayerCache", "SelfAttentionCache"]
