@@ -73,7 +73,7 @@ class SelfAttentionCache:
             return SelfAttentionCache(dtype=self.dtype)
         out = []
         for buf, filled in zip((self.k, self.v), self.filled()):
-            if buf.requires_grad and torch.is_grad_enabled():  # out= has no autograd
+            if _tracked(buf):  # out= has no autograd
                 out.append(filled.index_select(0, rows))
                 continue
             new = buf.new_empty(rows.numel(), *buf.shape[1:])
@@ -83,19 +83,16 @@ class SelfAttentionCache:
 
     def copy_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """In place: rows ``dst`` take the contents of rows ``src`` (disjoint index sets)."""
-        for filled in self.filled():
-            filled.index_copy_(0, dst, filled.index_select(0, src))
+        _copy_rows(self.filled(), dst, src)
 
-    def compact(self, rows: torch.Tensor) -> SelfAttentionCache:
-        """What :meth:`select` gives, made in this cache's buffers where ``rows`` keeps most
-        rows in place: the rows i with ``rows[i] != i`` take theirs from beyond the new end
-        (``rows[i] >= len(rows)``), and the buffers are cut to ``len(rows)`` rows. This cache
-        is not to be used afterwards. Other ``rows``: :meth:`select`."""
-        moved = _moves_from_beyond(rows)
-        if self.k is None or moved is None or (self.k.requires_grad and torch.is_grad_enabled()):
+    def compact(self, rows: torch.Tensor, moved: torch.Tensor | None) -> SelfAttentionCache:
+        """What :meth:`select` gives, made in this cache's buffers: the places ``moved``
+        (``_moves_from_beyond(rows)``) take their rows from beyond the new end, and the buffers
+        are cut to ``len(rows)`` rows. This cache is not to be used afterwards. ``moved`` None
+        (``rows`` not of that form): :meth:`select`."""
+        if self.k is None or moved is None or _tracked(self.k):
             return self.select(rows)
-        if moved.numel():
-            self.copy_rows(moved, rows[moved])
+        self.copy_rows(moved, rows[moved])
         n = rows.numel()
         return SelfAttentionCache(self.k[:n], self.v[:n], self.length, self.dtype)
 
@@ -128,14 +125,11 @@ class CrossAttentionCache:
         k, v = self.k.index_select(0, sents), self.v.index_select(0, sents)
         return CrossAttentionCache(k, v, self.dtype)
 
-    def compact(self, sents: torch.Tensor) -> CrossAttentionCache:
+    def compact(self, sents: torch.Tensor, moved: torch.Tensor | None) -> CrossAttentionCache:
         """:meth:`select` in this cache's buffers, as :meth:`SelfAttentionCache.compact`."""
-        moved = _moves_from_beyond(sents)
-        if self.k is None or self.v is None or moved is None or self.k.requires_grad:
+        if self.k is None or self.v is None or moved is None or _tracked(self.k):
             return self.select(sents)
-        for buf in (self.k, self.v):
-            if moved.numel():
-                buf.index_copy_(0, moved, buf.index_select(0, sents[moved]))
+        _copy_rows((self.k, self.v), moved, sents[moved])
         n = sents.numel()
         return CrossAttentionCache(self.k[:n], self.v[:n], self.dtype)
 
@@ -196,9 +190,13 @@ class DecoderCache:
         """What :meth:`select` gives, moving only the rows that change place when ``rows`` and
         ``sents`` fill the places of dropped rows from beyond the new end and keep the rest
         (see ``SelfAttentionCache.compact``); this cache is not to be used afterwards."""
+        moved_rows, moved_sents = _moves_from_beyond(rows), _moves_from_beyond(sents)  # once
         out = DecoderCache(0, self.dtype)
         out.layers = [
-            LayerCache(layer.self_attn.compact(rows), layer.cross_attn.compact(sents))
+            LayerCache(
+                layer.self_attn.compact(rows, moved_rows),
+                layer.cross_attn.compact(sents, moved_sents),
+            )
             for layer in self.layers
         ]
         return out
@@ -209,6 +207,18 @@ class DecoderCache:
         for layer in self.layers:
             if layer.self_attn.k is not None:
                 layer.self_attn.copy_rows(dst, src)
+
+
+def _copy_rows(tensors, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """In place, in each tensor: rows ``dst`` take the contents of rows ``src`` (disjoint)."""
+    if dst.numel():
+        for t in tensors:
+            t.index_copy_(0, dst, t.index_select(0, src))
+
+
+def _tracked(t: torch.Tensor) -> bool:
+    """Whether autograd records operations on ``t`` (in-place moves would then be wrong)."""
+    return t.requires_grad and torch.is_grad_enabled()
 
 
 def _moves_from_beyond(rows: torch.Tensor) -> torch.Tensor | None:
