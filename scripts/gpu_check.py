@@ -31,11 +31,10 @@ start in time is listed as skipped:
    (the corpus prepared once): the test score of a bf16 model beside autocast's.
 
 The default order (``--steps`` picks and orders them): tests (beside the preparation of the
-corpora), Multi30k with master weights, then as ``make train`` runs it (whether the bf16 model
-loses test BLEU, which the H100 session that measured master weights had no time left for),
-base with master weights, the profile (of master weights on a GPU, now the WMT path), base
-compiled with master weights and then with autocast (that session's compiled autocast run did
-not fit), big with master weights, eager and compiled, then the autocast twins and what was
+corpora), then the WMT experiments' settings compiled: big with master weights (never measured),
+base with master weights (measured once, cut off by the budget once), then big and base eager with
+master weights, the profile, the two Multi30k runs (answered on an H100 at f30a87b: bf16 with
+master weights 41.16 test BLEU, fp32 with TF32 40.43), base compiled with autocast, and what was
 measured on both GPUs before (base, big, the loader, base padded to 8, big compiled). The
 default budget, 540 s, fits one call of this workplace's device tool (10 minutes a call, 15 of
 device time a session), started fresh: a second call must follow within the machine's 30 s of
@@ -44,7 +43,9 @@ compiled was left out), the second (all but Multi30k and big eager) 476 s, of wh
 big compiled 199 s and 187 s; on an H100 (tree 68626a4) everything but big compiled took 438 s,
 big compiled alone 238 s in a second call; on an H100 again (c7d35c7) the tests 57 s (beside
 the news corpus's preparation, 57 s), base eager 15 s, base master-compiled 237 s (two of its
-timed steps compiling again, 75 s and 62 s), base compiled over 207 s (out of budget).
+timed steps compiling again, 75 s and 62 s), base compiled over 207 s (out of budget); on an
+H100 at f30a87b the tests 62 s, the two Multi30k runs 120 s and 124 s, base master eager 12 s,
+the profile 18 s, base master-compiled over 183 s (out of budget).
 
 Offline machines: the few packages the device image lacks travel as wheels (``.whl``, see
 README "When a GPU is lent") and the corpora as a folder (``--data-dir``); this script installs
@@ -414,9 +415,9 @@ def summary(out: Path, steps: list[dict], info: dict) -> str:
 
 
 # The steps and their default order: the open questions first where a budget is short.
-STEPS = ("tests", "multi30k-master", "multi30k", "base-master", "profile", "base-master-compiled",
-         "base-compiled", "big-master", "big-master-compiled", "base", "big", "data", "base-pad8",
-         "big-compiled")
+STEPS = ("tests", "big-master-compiled", "base-master-compiled", "big-master", "base-master",
+         "profile", "multi30k-master", "multi30k", "base-compiled", "base", "big", "data",
+         "base-pad8", "big-compiled")
 # bench train: a preset, then what differs from eager autocast (pad8, master, compiled)
 TRAIN_BENCHES = tuple(s for s in STEPS if s.split("-")[0] in ("base", "big"))
 
