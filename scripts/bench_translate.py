@@ -20,7 +20,8 @@ CTranslate2's float32 and int8 with the same lists as the export's vocabulary ma
 ``use_vmap=True``; CTranslate2 gives a batch the union of its sentences' lists, where mt holds each
 sentence to its own). Named in ``--settings`` only: ``mt:fp32+torchattn`` (and int8, bf16), mt
 with ``MT_NATIVE_KERNELS=0``, its decoder steps' attention through torch's products instead of
-its C++ kernel (``mt.fast.native``).
+its C++ kernel (``mt.fast.native``); ``mt:int8+fbgemm`` and ``mt:int8+sl+fbgemm``, int8 on
+fbgemm's products instead of mt's VNNI kernel (``MT_INT8_KERNEL=fbgemm``).
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ ENGINES = {"mt": ("fp32", "int8", "bf16"), "ct2": ("float32", "int8", "float32+m
 # and CTranslate2's with the same lists as its vocabulary map ("+vmap": use_vmap=True).
 SHORTLISTED = {"mt": ("fp32+sl", "int8+sl"), "ct2": ("float32+vmap", "int8+vmap")}
 # Only when named in --settings: mt without its C++ attention kernel (MT_NATIVE_KERNELS=0),
-# the decoder steps' attention through torch's products, to measure what the kernel buys.
-ON_REQUEST = {"mt": ("fp32+torchattn", "int8+torchattn", "bf16+torchattn"), "ct2": ()}
+# the decoder steps' attention through torch's products, to measure what the kernel buys; and
+# int8 on fbgemm's products instead of mt's VNNI kernel (MT_INT8_KERNEL=fbgemm).
+ON_REQUEST = {"mt": ("fp32+torchattn", "int8+torchattn", "bf16+torchattn", "int8+fbgemm",
+                    "int8+sl+fbgemm"), "ct2": ()}
 # CTranslate2 uses Intel MKL's products only on Intel CPUs unless CT2_USE_MKL=1 asks for them
 # (elsewhere oneDNN's): "+mkl" sets it, so that CTranslate2's best setting is measured on AMD too.
 
@@ -68,7 +71,7 @@ def worker(args) -> dict:
         cfg = DecodeConfig(beam_size=args.beam, alpha=0.0, max_len_a=0.0, max_len_b=args.max_len,
                            batch_size=n, quantize=quantize, precision=precision,
                            workers=workers,
-                           shortlist=args.shortlist if extra == "sl" else None,
+                           shortlist=args.shortlist if "sl" in extra.split("+") else None,
                            shortlist_k=args.shortlist_k,
                            shortlist_frequent=args.shortlist_frequent)  # fmt: skip
 
@@ -128,6 +131,8 @@ def _one(args, engine: str, setting: str, beam: int) -> dict:
         env = dict(os.environ, CT2_USE_MKL="1")
     elif setting.endswith("+torchattn"):
         env = dict(os.environ, MT_NATIVE_KERNELS="0")
+    elif setting.endswith("+fbgemm"):
+        env = dict(os.environ, MT_INT8_KERNEL="fbgemm")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{engine} {setting} beam {beam} failed:\n{proc.stderr[-3000:]}")
@@ -188,7 +193,7 @@ def run_translate(args, rec) -> None:
                 "identical_to_mt_fp32": same, "beam": beam, "max_len": args.max_len,
                 "batch_size": args.batch_size, "workers": args.workers,
                 "shortlist": [args.shortlist, args.shortlist_k, args.shortlist_frequent]
-                if setting.endswith(("+sl", "+vmap")) else None,
+                if {"sl", "vmap"} & set(setting.split("+")) else None,
                 "checkpoint": args.checkpoint,
                 "input": args.input, **env,
             })  # fmt: skip

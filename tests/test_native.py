@@ -121,19 +121,35 @@ def test_the_kernel_names_what_it_cannot_take(op):
         op(q, k, v, torch.zeros(2, 4), 0.5)
 
 
-def test_the_build_name_follows_the_cpu_the_source_and_torch(monkeypatch):
+def test_the_build_name_follows_the_cpu_the_sources_and_torch(monkeypatch, tmp_path):
     name = native.build_name()
     assert name.startswith("mt_native_") and name == native.build_name()
+    names = {name}
+    for i, source in enumerate(native.SOURCES):  # each source's text counts
+        edited = tmp_path / source.name
+        edited.write_text(source.read_text() + "\n// edited\n")
+        others = list(native.SOURCES)
+        others[i] = edited
+        monkeypatch.setattr(native, "SOURCES", tuple(others))
+        names.add(native.build_name())
+        monkeypatch.undo()
     monkeypatch.setattr(native, "_cpu_identity", lambda: "vendor_id=Other|flags=sse2")
-    other_cpu = native.build_name()
+    names.add(native.build_name())
     monkeypatch.setattr(torch, "__version__", "0.0.0")
-    assert len({name, other_cpu, native.build_name()}) == 3
+    names.add(native.build_name())
+    assert len(names) == 3 + len(native.SOURCES)  # each change a name of its own
 
 
 def test_switched_off_or_unbuildable_decoding_takes_torchs_path(monkeypatch, caplog):
+    from mt.fast.quantize import Int8Linear
+
     monkeypatch.setenv("MT_NATIVE_KERNELS", "0")
-    assert native.short_attention() is None
+    assert native.short_attention() is None and native.int8_linear() is None
     assert native.unavailable_reason() == "MT_NATIVE_KERNELS=0"
+    w = torch.randn(8, 4)
+    assert Int8Linear(w).kernel == "fbgemm"  # int8 through fbgemm's products
+    with pytest.raises(RuntimeError, match="MT_NATIVE_KERNELS=0"):
+        Int8Linear(w, kernel="vnni")
     monkeypatch.setenv("MT_NATIVE_KERNELS", "1")
 
     def no_compiler():
@@ -144,6 +160,7 @@ def test_switched_off_or_unbuildable_decoding_takes_torchs_path(monkeypatch, cap
     with caplog.at_level(logging.WARNING, logger="mt.fast.native"):
         assert native.short_attention() is None
         assert native.short_attention() is None  # asked again: no second try, no second line
+        assert native.int8_linear() is None
     assert native.unavailable_reason() == "RuntimeError: Ninja is required to load C++ extensions"
     assert sum("could not be built" in r.getMessage() for r in caplog.records) == 1
     model = build_model(ModelConfig(N=1, d_model=16, d_ff=32, h=2), vocab_size=20).eval()
@@ -206,3 +223,17 @@ def test_the_kernel_is_built_under_its_own_name_and_directory(op):
     directory = native.build_directory()
     assert directory.name == native.build_name()
     assert any(directory.glob("*.so")) and not (directory / "lock").exists()
+
+
+def test_int8_kernel_from_the_environment(monkeypatch):
+    from mt.fast.quantize import Int8Linear
+
+    w = torch.randn(8, 4)
+    monkeypatch.setenv("MT_INT8_KERNEL", "fbgemm")
+    assert Int8Linear(w).kernel == "fbgemm"
+    monkeypatch.setenv("MT_INT8_KERNEL", "int4")
+    with pytest.raises(ValueError, match=r"'int4' \(or \$MT_INT8_KERNEL\)"):
+        Int8Linear(w)
+    monkeypatch.delenv("MT_INT8_KERNEL")
+    expected = "fbgemm" if native.int8_linear() is None else "vnni"
+    assert Int8Linear(w).kernel == expected  # auto: mt's kernel where this CPU has VNNI

@@ -568,7 +568,7 @@ def test_int8_linear_is_the_symmetric_per_channel_product_of_its_formula():
     w, b = torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
     w[3] = 0.0
     x = torch.randn(7, 40, generator=g)
-    layer = Int8Linear(w, b)
+    layer = Int8Linear(w, b, kernel="fbgemm")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         q, bias = torch.ops.quantized.linear_unpack(layer._packed)
@@ -598,7 +598,84 @@ def test_int8_linear_equals_torchs_deprecated_dynamic_quantization_to_the_bit():
         ref = ao.quantize_dynamic(nn.Sequential(lin), {nn.Linear: ao.per_channel_dynamic_qconfig},
                                   dtype=torch.qint8)[0]  # fmt: skip
     x = torch.randn(9, 40)
-    assert torch.equal(Int8Linear(lin.weight, lin.bias)(x), ref(x))
+    assert torch.equal(Int8Linear(lin.weight, lin.bias, kernel="fbgemm")(x), ref(x))
+
+
+def vnni_or_skip():
+    from mt.fast import native
+
+    if native.int8_linear() is None:
+        why = native.unavailable_reason() or "no AVX-512 VNNI"
+        pytest.skip(f"mt's int8 kernel is not available here ({why})")
+
+
+@pytest.mark.parametrize("shape", [(7, 40, 24), (1, 3, 1), (19, 255, 37), (40, 1024, 64)])
+def test_int8_linear_vnni_is_the_per_row_formula(shape):
+    """mt's VNNI kernel against an independent computation: each row of x rounded to the
+    nearest of 255 levels of its own scale (largest magnitude / 127), the integer sums exact
+    (here in float64, exact at these sizes), then times the two scales plus the bias; the ReLU
+    on that. Shapes off the kernel's blocks (K not a multiple of 4, N of 32, M of 8), a zero
+    row of x and a zero row of W included."""
+    from mt.fast.quantize import Int8Linear
+
+    vnni_or_skip()
+    M, K, N = shape
+    g = torch.Generator().manual_seed(M + K + N)
+    w, b = torch.randn(N, K, generator=g) * 0.05, torch.randn(N, generator=g)
+    w[N // 2] = 0.0
+    x = torch.randn(M, K, generator=g) * 3
+    x[M // 2] = 0.0
+    layer = Int8Linear(w, b, kernel="vnni")
+    assert layer.kernel == "vnni"
+    weight, scale = layer._rows
+    ref_scale = (w.abs().amax(dim=1) / 127.5).clamp(min=torch.finfo(torch.float32).eps)
+    assert torch.equal(scale, ref_scale)
+    rounded = torch.round(w * (1 / scale)[:, None]).clamp(-128, 127).to(torch.int8)
+    assert torch.equal(weight, rounded)
+    largest = x.abs().amax(dim=1, keepdim=True)
+    step = torch.where(largest > 0, largest / 127, torch.ones_like(largest))
+    levels = torch.round(x * (1 / step))
+    assert levels.abs().max() <= 127
+    sums = (levels.double() @ weight.double().t()).float()
+    expected = sums * step * scale + b
+    torch.testing.assert_close(layer(x), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer.relu(x.view(1, M, K)), expected.clamp(min=0).view(1, M, N),
+                               rtol=1e-6, atol=1e-6)  # fmt: skip
+    # close to the float product: within the rounding of both factors
+    bound = (x.abs() @ (scale / 2).expand(K, N)) + (step / 2) * w.abs().sum(dim=1)
+    assert ((layer(x) - (x @ w.t() + b)).abs() <= bound * 1.01 + 1e-5).all()
+
+
+def test_int8_linear_vnni_rows_do_not_depend_on_their_batch():
+    """Per-row quantization: a row's output is the same to the bit alone or in any batch (the
+    property that makes int8 decoding's batched == one by one hold); fbgemm's per-tensor
+    range makes it depend on the other rows."""
+    from mt.fast.quantize import Int8Linear
+
+    vnni_or_skip()
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
+    x = torch.randn(11, 64, generator=g)
+    x[3] *= 50  # one row of a much wider range
+    layer = Int8Linear(w, b, kernel="vnni")
+    batched = layer(x)
+    for i in range(11):
+        assert torch.equal(layer(x[i : i + 1]), batched[i : i + 1])
+    fbgemm = Int8Linear(w, b, kernel="fbgemm")
+    assert not torch.equal(fbgemm(x[:1]), fbgemm(x)[:1])
+
+
+def test_int8_linear_vnni_subset_is_the_full_products_columns():
+    from mt.fast.quantize import Int8Linear
+
+    vnni_or_skip()
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(70, 32, generator=g), torch.randn(5, 32, generator=g)
+    layer = Int8Linear(w, kernel="vnni")
+    ids = torch.tensor([69, 0, 5, 33, 34])
+    assert torch.equal(layer.subset(ids)(x), layer(x)[:, ids])
+    with pytest.raises(ValueError, match="kernel"):
+        Int8Linear(w, kernel="int4")
 
 
 def test_int8_feed_forward_fuses_the_relu_and_equals_the_unfused_blocks_to_the_bit():

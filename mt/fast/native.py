@@ -1,6 +1,6 @@
-"""mt's own C++ kernel for CPU decoding, compiled on first use for the CPU in hand.
+"""mt's own C++ kernels for CPU decoding, compiled on first use for the CPU in hand.
 
-One kernel, ``torch.ops.mt.short_attention`` (``csrc/short_attention.cpp``): the attention of a
+``torch.ops.mt.short_attention`` (``csrc/short_attention.cpp``): the attention of a
 decoder step over its caches, ``softmax(q k^T / sqrt(d_k) + bias) v`` for the few queries of a
 row (one per hypothesis in self-attention, a sentence's G hypotheses in encoder-decoder
 attention), in one pass over each row's keys and values. Through torch the same step is two
@@ -8,15 +8,21 @@ batched products of thousands of tiny matrices and a softmax: on an AMD Zen 4 th
 decoding of real text (Multi30k, 1,000 sentences, one thread, int8) from 409 to 500 sentences/s
 greedy and from 148 to 170 with beam 5, +9% with beam 5 in float32 (the same outputs there).
 
-The kernel is compiled with torch's C++ extension loader (``torch.utils.cpp_extension.load``,
+``torch.ops.mt.int8_linear`` (``csrc/int8_linear.cpp``): int8 decoding's products
+(``mt.fast.quantize.Int8Linear``) on AVX-512 VNNI, each row of the activations quantized on its
+own; where the CPU lacks VNNI the source compiles to a stub (``mt::int8_linear_available``
+says false) and int8 decoding stays on fbgemm's products.
+
+The kernels are compiled with torch's C++ extension loader (``torch.utils.cpp_extension.load``,
 into ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``) for this CPU's instruction
-set (``-march=native``), once per CPU kind, torch and Python version and source: ~7 s on 2
+set (``-march=native``), once per CPU kind, torch and Python version and sources: ~10 s on 2
 cores, then loaded in milliseconds. The build directory's name carries a digest of them all, so
 a home directory shared by machines of different CPUs never loads a kernel built for another;
 a build lock left by a killed build is removed after two minutes (torch would wait for ever).
-Where it cannot be built (no C++ compiler or ninja, an unwritable cache) or
-``MT_NATIVE_KERNELS=0`` is set, :func:`short_attention` returns None, says why once, and
-decoding takes torch's path (``mt.fast.step``), which computes the same.
+Where they cannot be built (no C++ compiler or ninja, an unwritable cache) or
+``MT_NATIVE_KERNELS=0`` is set, :func:`short_attention` and :func:`int8_linear` return None,
+the reason is said once, and decoding takes torch's path (``mt.fast.step``), which computes the
+same, and fbgemm's int8 products.
 """
 
 from __future__ import annotations
@@ -35,14 +41,15 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "short_attention.cpp"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("short_attention.cpp", "int8_linear.cpp"))
 # OpenMP: torch's own runtime, for its threads; no warnings about the vector types' ABI
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-Wno-psabi"]
 ENV = "MT_NATIVE_KERNELS"
 STALE_LOCK_S = 120.0  # a build lock older than this was left by a killed build
 
 _LOCK = threading.Lock()
-_STATE: dict[str, object] = {}  # "op": the operator or None, "why": the reason it is None
+_STATE: dict[str, object] = {}  # "loaded": whether the kernels are, "why": the reason they are not
 
 
 def enabled() -> bool:
@@ -68,8 +75,8 @@ def build_name() -> str:
     """The extension's name: a digest of the source, the flags, the CPU, torch's and Python's
     versions."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), _cpu_identity().encode(),
-                 torch.__version__.encode(), sys.version.encode()):  # fmt: skip
+    for part in (*(source.read_bytes() for source in SOURCES), " ".join(CFLAGS).encode(),
+                 _cpu_identity().encode(), torch.__version__.encode(), sys.version.encode()):
         digest.update(part)
         digest.update(b"\0")
     return f"mt_native_{digest.hexdigest()[:16]}"
@@ -101,8 +108,8 @@ def clear_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_S) -> None:
         time.sleep(0.1)
 
 
-def _load() -> Callable:
-    """Build (or load the earlier build of) the kernel and return its operator."""
+def _load() -> None:
+    """Build (or load the earlier build of) the kernels, registering their operators."""
     if not hasattr(torch.ops.mt, "short_attention"):  # not yet loaded in this process
         from torch.utils.cpp_extension import load
 
@@ -115,31 +122,49 @@ def _load() -> Callable:
         directory = build_directory()
         directory.mkdir(parents=True, exist_ok=True)
         clear_stale_lock(directory)
-        load(directory.name, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-             build_directory=str(directory), is_python_module=False, verbose=False)  # fmt: skip
-        log.info("mt's attention kernel for this CPU ready (%.1f s: built, or loaded from "
-                 "an earlier build)", time.perf_counter() - start)  # fmt: skip
-    return torch.ops.mt.short_attention
+        load(directory.name, [str(source) for source in SOURCES], extra_cflags=CFLAGS,
+             extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
+             verbose=False)  # fmt: skip
+        log.info("mt's kernels for this CPU ready (%.1f s: built, or loaded from an earlier "
+                 "build)", time.perf_counter() - start)  # fmt: skip
+
+
+def _loaded() -> bool:
+    """Whether the kernels are loaded (built on the first call); False, with the reason logged
+    once and kept for :func:`unavailable_reason`, where they are switched off or cannot be
+    built."""
+    if not enabled():
+        return False
+    with _LOCK:
+        if "loaded" not in _STATE:
+            try:
+                _load()
+                _STATE["loaded"] = True
+            except Exception as exc:  # no compiler, no ninja, a failed build: torch's path
+                _STATE["loaded"], _STATE["why"] = False, f"{type(exc).__name__}: {exc}".strip()
+                first_line = str(_STATE["why"]).splitlines()[0][:300]
+                log.warning(
+                    "mt's kernels could not be built (%s); decoding through torch's and "
+                    "fbgemm's operators instead (slower)", first_line,
+                )  # fmt: skip
+        return bool(_STATE["loaded"])
 
 
 def short_attention() -> Callable | None:
     """``torch.ops.mt.short_attention(q, k, v, bias, scale)`` (see the module docstring), built
     or loaded on the first call; None where it is switched off or cannot be built (the reason
     logged once, and kept in :func:`unavailable_reason`)."""
-    if not enabled():
+    return torch.ops.mt.short_attention if _loaded() else None
+
+
+def int8_linear() -> Callable | None:
+    """``torch.ops.mt.int8_linear(x, w, scale, comp, bias, n, relu)`` (``csrc/int8_linear.cpp``:
+    int8 products for a few rows on AVX-512 VNNI, activations quantized per row), or None where
+    the kernels are off or cannot be built, or this CPU lacks AVX-512 VNNI (int8 decoding then
+    takes fbgemm's products, ``mt.fast.quantize``)."""
+    if not _loaded() or not torch.ops.mt.int8_linear_available():
         return None
-    with _LOCK:
-        if "op" not in _STATE:
-            try:
-                _STATE["op"] = _load()
-            except Exception as exc:  # no compiler, no ninja, a failed build: torch's path
-                _STATE["op"], _STATE["why"] = None, f"{type(exc).__name__}: {exc}".strip()
-                first_line = str(_STATE["why"]).splitlines()[0][:300]
-                log.warning(
-                    "mt's attention kernel could not be built (%s); decoding through torch's "
-                    "products instead (the same results, slower)", first_line,
-                )  # fmt: skip
-        return _STATE["op"]  # type: ignore[return-value]
+    return torch.ops.mt.int8_linear.default
 
 
 def unavailable_reason() -> str | None:

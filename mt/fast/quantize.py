@@ -18,6 +18,7 @@ activations quantized in torch) 801 us against fbgemm's 447 in a second run.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -25,9 +26,11 @@ from functools import partial
 import torch
 from torch import nn
 
+from mt.fast import native
 from mt.fast.modules import replace_modules, shared_copy
 from mt.model.transformer import FeedForward
 
+KERNEL_ENV = "MT_INT8_KERNEL"  # auto | vnni | fbgemm: Int8Linear's default kernel
 _LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default
 _LINEAR_RELU_DYNAMIC = torch.ops.quantized.linear_relu_dynamic.default
 
@@ -36,13 +39,26 @@ class Int8Linear(nn.Module):
     """``x W^T + b`` for float32 ``x``, with ``W`` held as int8 per output channel.
 
     The weight's scales are those of torch's per-channel symmetric weight observer (the
-    largest magnitude of each row over 127.5, at least float32's eps; zero points 0); each
-    call quantizes ``x`` per tensor from its range (fbgemm's reduced range, 7 bits) and
-    accumulates in int32. Not trainable; the float32 weight is not kept.
+    largest magnitude of each row over 127.5, at least float32's eps; zero points 0). Two
+    kernels (``kernel``):
+
+    - ``"vnni"``, mt's own (``torch.ops.mt.int8_linear``, ``mt/fast/csrc/int8_linear.cpp``),
+      where the CPU has AVX-512 VNNI and mt's kernels are built: each row of ``x`` quantized on
+      its own (8 bits, symmetric), so a row's output does not depend on the rows beside it.
+    - ``"fbgemm"``: ``quantized::linear_dynamic``, ``x`` quantized per call from the range of
+      the whole tensor (fbgemm's reduced range, 7 bits), as torch's dynamic quantization did.
+
+    ``"auto"`` takes the first that is available; the default is ``$MT_INT8_KERNEL``, else
+    ``"auto"``. Both accumulate in int32. Not trainable; the float32 weight is not kept.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 kernel: str | None = None) -> None:  # fmt: skip
         super().__init__()
+        kernel = kernel or os.environ.get(KERNEL_ENV, "").strip().lower() or "auto"
+        if kernel not in ("auto", "vnni", "fbgemm"):
+            raise ValueError(f"Int8Linear: kernel {kernel!r} (or ${KERNEL_ENV}) is not auto, "
+                             "vnni or fbgemm")
         w = weight.detach().float()
         self.out_features, self.in_features = w.shape
         largest = torch.maximum(-w.amin(dim=1).clamp(max=0), w.amax(dim=1).clamp(min=0))
@@ -50,50 +66,88 @@ class Int8Linear(nn.Module):
         zero = torch.zeros(w.size(0), dtype=torch.int64)
         b = None if bias is None else bias.detach().float()
         self.bias = b
-        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # for subset()
         with warnings.catch_warnings():  # quantized tensors' own deprecation notice (below)
             warnings.simplefilter("ignore")
             q = torch.quantize_per_channel(w, scale.double(), zero, 0, torch.qint8)
-            self._packed = torch.ops.quantized.linear_prepack(q, b)
+        self._rows = (q.int_repr(), scale)  # the int8 weight and its scales, for subset()
+        self._vnni = native.int8_linear() if kernel != "fbgemm" else None
+        if kernel == "vnni" and self._vnni is None:
+            raise RuntimeError("Int8Linear: mt's int8 kernel is not available here ("
+                               f"{native.unavailable_reason() or 'no AVX-512 VNNI'})")
+        if self._vnni is not None:
+            self._packed = vnni_layout(*self._rows)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._packed = torch.ops.quantized.linear_prepack(q, b)
+
+    @property
+    def kernel(self) -> str:
+        """``"vnni"`` or ``"fbgemm"``: the kernel this layer runs on."""
+        return "fbgemm" if self._vnni is None else "vnni"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) float32 -> (..., out) float32."""
-        return self._product(_LINEAR_DYNAMIC, x)
+        return self._product(_LINEAR_DYNAMIC, x, False)
 
     def subset(self, ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         """The product over output rows ``ids`` only (a vocabulary shortlist's columns of the
         projection): the same int8 weights and per-row scales, so the full product's columns
-        up to float rounding. Packed per call as one per-tensor int8 matrix with the scales
-        applied to the output: fbgemm packs a per-channel weight channel by channel (7.8 ms
-        for 2,000 rows of 256 on an AMD Zen 4, against 1.1 ms per tensor)."""
+        up to float rounding. On fbgemm, packed per call as one per-tensor int8 matrix with
+        the scales applied to the output: fbgemm packs a per-channel weight channel by channel
+        (7.8 ms for 2,000 rows of 256 on an AMD Zen 4, against 1.1 ms per tensor)."""
         if self.bias is not None:
             raise ValueError("a subset of an Int8Linear with a bias is not supported")
-        if self._rows is None:  # the int8 weight and scales, unpacked once
-            q, _ = torch.ops.quantized.linear_unpack(self._packed)
-            self._rows = (q.int_repr(), q.q_per_channel_scales().float())
         weight, scales = self._rows
+        rows, row_scales = weight.index_select(0, ids), scales.index_select(0, ids)
+        if self._vnni is not None:
+            return partial(self._vnni_product, vnni_layout(rows, row_scales), None, False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            q = torch._make_per_tensor_quantized_tensor(weight.index_select(0, ids), 1.0, 0)
+            q = torch._make_per_tensor_quantized_tensor(rows, 1.0, 0)
             packed = torch.ops.quantized.linear_prepack(q, None)
-        return partial(_scaled_product, packed, scales.index_select(0, ids))
+        return partial(_scaled_product, packed, row_scales)
 
     def relu(self, x: torch.Tensor) -> torch.Tensor:
-        """``max(0, x W^T + b)``, the ReLU inside fbgemm's product (on its float32 output, so
-        the same to the bit as ``relu(self(x))``, one pass over the output fewer)."""
-        return self._product(_LINEAR_RELU_DYNAMIC, x)
+        """``max(0, x W^T + b)``, the ReLU inside the product (on its float32 output, so the
+        same to the bit as ``relu(self(x))``, one pass over the output fewer)."""
+        return self._product(_LINEAR_RELU_DYNAMIC, x, True)
 
-    def _product(self, op, x: torch.Tensor) -> torch.Tensor:
-        """fbgemm's ``op`` (reduced range), called with subclasses' ``__torch_function__`` off:
-        torch's Python binding asks every argument for that attribute, and the packed weight
-        (a TorchScript object) answers by throwing a C++ exception, caught and turned into
-        Python's AttributeError at every call; on an AMD Zen 3 that was 25-55 us of the
-        67-120 us of a 32-row, 256-wide product."""
+    def _product(self, op, x: torch.Tensor, relu: bool) -> torch.Tensor:
+        """The product on this layer's kernel: fbgemm's ``op`` (reduced range) or mt's."""
+        if self._vnni is not None:
+            return self._vnni_product(self._packed, self.bias, relu, x)
+        # subclasses' ``__torch_function__`` off: torch's Python binding asks every argument
+        # for that attribute, and the packed weight (a TorchScript object) answers by throwing
+        # a C++ exception, caught and turned into Python's AttributeError at every call; on an
+        # AMD Zen 3 that was 25-55 us of the 67-120 us of a 32-row, 256-wide product
         with torch._C.DisableTorchFunctionSubclass():
             return op(x, self._packed, True)
 
+    def _vnni_product(self, packed: tuple, bias: torch.Tensor | None, relu: bool,
+                      x: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        weight, scales, comp, n = packed
+        return self._vnni(x, weight, scales, comp, bias, n, relu)
+
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, int8 per channel"
+        return f"in={self.in_features}, out={self.out_features}, int8 per channel, {self.kernel}"
+
+
+def vnni_layout(weight: torch.Tensor, scales: torch.Tensor) -> tuple:
+    """An int8 weight (N, K) and its float32 scales (N,) as ``torch.ops.mt.int8_linear`` takes
+    them: ``(w, scale, comp, N)`` with ``w`` (Np/16, Kp/4, 16, 4) the weight padded with zeros
+    to Np (a multiple of 32) rows and Kp (of 4) columns, 16 channels by 4 inputs to a 64-byte
+    block; ``scale`` padded with ones; ``comp`` (Np,) int32 = 128 x each row's sum (what the
+    kernel's unsigned activations, shifted by 128, add to each sum)."""
+    n, k = weight.shape
+    np_, kp = -(-n // 32) * 32, -(-k // 4) * 4
+    padded = torch.zeros(np_, kp, dtype=torch.int8)
+    padded[:n, :k] = weight
+    blocks = padded.view(np_ // 16, 16, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
+    scale = torch.ones(np_)
+    scale[:n] = scales
+    comp = padded.sum(dim=1, dtype=torch.int32).mul_(128)
+    return blocks, scale, comp, n
 
 
 def _scaled_product(packed, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
