@@ -665,24 +665,39 @@ def test_int8_linear_vnni_rows_do_not_depend_on_their_batch():
     assert not torch.equal(fbgemm(x[:1]), fbgemm(x)[:1])
 
 
-def test_int8_linear_vnni_subset_is_the_full_products_columns():
+@pytest.mark.parametrize("kernel", ["vnni", "fbgemm"])
+def test_int8_linear_subset_is_the_full_products_columns(kernel):
+    """A shortlist's product: the full product's columns, the same bits on mt's kernel, up
+    to float rounding on fbgemm's (a per-tensor packing, the scales applied after)."""
     from mt.fast.quantize import Int8Linear
 
-    vnni_or_skip()
+    if kernel == "vnni":
+        vnni_or_skip()
     g = torch.Generator().manual_seed(2)
     w, x = torch.randn(70, 32, generator=g), torch.randn(5, 32, generator=g)
-    layer = Int8Linear(w, kernel="vnni")
+    layer = Int8Linear(w, kernel=kernel)
     ids = torch.tensor([69, 0, 5, 33, 34])
-    assert torch.equal(layer.subset(ids)(x), layer(x)[:, ids])
+    if kernel == "vnni":
+        assert torch.equal(layer.subset(ids)(x), layer(x)[:, ids])
+    else:
+        torch.testing.assert_close(layer.subset(ids)(x), layer(x)[:, ids])
     with pytest.raises(ValueError, match="kernel"):
         Int8Linear(w, kernel="int4")
 
 
-def test_int8_feed_forward_fuses_the_relu_and_equals_the_unfused_blocks_to_the_bit():
-    """The int8 copy's feed-forward blocks put the ReLU inside fbgemm's first product: the
-    same output, bit for bit, as ``w2(relu(w1(x)))`` through two plain int8 products."""
+@pytest.mark.parametrize("kernel", ["vnni", "fbgemm"])
+def test_int8_feed_forward_fuses_the_relu_and_equals_the_unfused_blocks_to_the_bit(
+    kernel, monkeypatch
+):
+    """The int8 copy's feed-forward blocks put the ReLU inside the first product (on either
+    kernel): the same output, bit for bit, as ``w2(relu(w1(x)))`` through two plain int8
+    products."""
     from mt.fast.quantize import Int8FeedForward, Int8Linear, quantize_int8
     from mt.model.transformer import FeedForward
+
+    if kernel == "vnni":
+        vnni_or_skip()
+    monkeypatch.setenv("MT_INT8_KERNEL", kernel)
 
     torch.manual_seed(0)
     ffn = FeedForward(32, 64)

@@ -1,19 +1,20 @@
-"""int8 decoding: every ``nn.Linear`` and the tied pre-softmax projection as dynamically
-quantized int8 products (weights int8 per output channel, symmetric; activations quantized per
-call from their observed range; int32 accumulation, float32 output), on fbgemm's kernels
-(``quantized::linear_dynamic``, VNNI where the CPU has it). Embeddings, LayerNorm, softmax and
-attention stay float32.
+"""int8 decoding: every ``nn.Linear`` and the tied pre-softmax projection as int8 products
+(weights int8 per output channel, symmetric; activations quantized at each call; int32
+accumulation, float32 output). Embeddings, LayerNorm, softmax and attention stay float32.
 
-The products are ATen's own operators, called directly (:class:`Int8Linear`). They were reached
-through ``torch.ao.quantization.quantize_dynamic`` before, the first part of torch's quantization
-to be deprecated (its notice: "will be removed in 2.10"; still present in 2.13) in favour of the
-separate torchao package; :class:`Int8Linear` computes what that path computed, to the bit
-(``tests/test_search.py``), without it. Its quantized weight tensor (``quantize_per_channel``)
-is deprecated too, "in a future release", with no date. The core operators that are not
-deprecated are no substitute on a CPU without VNNI: on a 2-core AMD Zen 3 at 32 rows x 512 ->
-2048, fbgemm's product took 285 us, ``torch._weight_int8pack_mm`` (int8 weights, float
-activations) 40,434 us, ``torch._int_mm`` 35,290 us and oneDNN's ``qlinear_pointwise`` (with the
-activations quantized in torch) 801 us against fbgemm's 447 in a second run.
+The products run on mt's own kernel where the CPU has AVX-512 VNNI (``torch.ops.mt.int8_linear``,
+built by ``mt.fast.native``: the activations quantized per row, 8 bits), else on fbgemm's
+(``quantized::linear_dynamic``: per tensor, 7 bits), both called directly (:class:`Int8Linear`).
+They were reached through ``torch.ao.quantization.quantize_dynamic`` before, the first part of
+torch's quantization to be deprecated (its notice: "will be removed in 2.10"; still present in
+2.13) in favour of the separate torchao package; :class:`Int8Linear` on fbgemm computes what that
+path computed, to the bit (``tests/test_search.py``), without it. Its quantized weight tensor
+(``quantize_per_channel``) is deprecated too, "in a future release", with no date. The core
+operators that are not deprecated are no substitute on a CPU without VNNI: on a 2-core AMD Zen 3
+at 32 rows x 512 -> 2048, fbgemm's product took 285 us, ``torch._weight_int8pack_mm`` (int8
+weights, float activations) 40,434 us, ``torch._int_mm`` 35,290 us and oneDNN's
+``qlinear_pointwise`` (with the activations quantized in torch) 801 us against fbgemm's 447 in a
+second run.
 """
 
 from __future__ import annotations
@@ -69,12 +70,15 @@ class Int8Linear(nn.Module):
         with warnings.catch_warnings():  # quantized tensors' own deprecation notice (below)
             warnings.simplefilter("ignore")
             q = torch.quantize_per_channel(w, scale.double(), zero, 0, torch.qint8)
-        self._rows = (q.int_repr(), scale)  # the int8 weight and its scales, for subset()
         self._vnni = native.int8_linear() if kernel != "fbgemm" else None
         if kernel == "vnni" and self._vnni is None:
             raise RuntimeError("Int8Linear: mt's int8 kernel is not available here ("
                                f"{native.unavailable_reason() or 'no AVX-512 VNNI'})")
+        # the int8 weight and its scales (for subset()): kept for mt's kernel, unpacked from
+        # fbgemm's packing when first asked for
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
         if self._vnni is not None:
+            self._rows = (q.int_repr(), scale)
             self._packed = vnni_layout(*self._rows)
         else:
             with warnings.catch_warnings():
@@ -98,6 +102,9 @@ class Int8Linear(nn.Module):
         (7.8 ms for 2,000 rows of 256 on an AMD Zen 4, against 1.1 ms per tensor)."""
         if self.bias is not None:
             raise ValueError("a subset of an Int8Linear with a bias is not supported")
+        if self._rows is None:
+            q, _ = torch.ops.quantized.linear_unpack(self._packed)
+            self._rows = (q.int_repr(), q.q_per_channel_scales().float())
         weight, scales = self._rows
         rows, row_scales = weight.index_select(0, ids), scales.index_select(0, ids)
         if self._vnni is not None:
