@@ -27,7 +27,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from mt.fast import native
+import mt.fast.native as native
 from mt.fast.modules import replace_modules, shared_copy
 from mt.model.transformer import FeedForward
 
