@@ -17,7 +17,8 @@ matrices, a softmax and the copies around them; without it, the formula in torch
 
 The beams of a sentence share its encoder rows (G rows per sentence, as ``CrossAttention``
 takes them). Used by :class:`mt.fast.decoding.DecodingModel` for the steps it can take (one new
-token, caches filled, no autocast); the first step and everything else go through the model.
+token, no autocast), the first step included, whose encoder-decoder keys/values it makes as the
+model does (``CrossAttention.memory_kv``); everything else goes through the model.
 """
 
 from __future__ import annotations
@@ -33,12 +34,11 @@ from mt.model.kv_cache import DecoderCache
 
 
 def applies(tgt_in: torch.Tensor, cache: DecoderCache | None, module: nn.Module) -> bool:
-    """Whether :func:`decoder_step` computes this call: one new token per row, a cache whose
-    encoder-decoder keys/values are filled (every step after the first), eval mode, float32
-    outside autocast (under bf16 autocast the model's own path casts)."""
+    """Whether :func:`decoder_step` computes this call: one new token per row, a cache (empty
+    at the first step, whose encoder-decoder keys/values the step then makes), eval mode,
+    float32 outside autocast (under bf16 autocast the model's own path casts)."""
     return (
         cache is not None
-        and cache.length > 0
         and tgt_in.size(1) == 1
         and not module.training
         and not torch.is_grad_enabled()
@@ -61,13 +61,15 @@ def _self_attention(attn: nn.Module, cache, kernel, y: torch.Tensor) -> torch.Te
 
 
 def _cross_attention(
-    attn: nn.Module, cache, n: int, bias: torch.Tensor | None, kernel, y: torch.Tensor
+    attn: nn.Module, cache, memory: torch.Tensor, bias: torch.Tensor | None, kernel,
+    y: torch.Tensor,
 ) -> torch.Tensor:
-    """G = B / n queries per sentence against its encoder keys/values: (B, D). ``bias``:
-    the additive source mask, (n, S) for ``kernel``, else (n*H, 1, S); or None."""
-    B, D = y.shape
+    """G = B / n queries per sentence against its encoder keys/values (of ``memory``, n
+    sentences): (B, D). ``bias``: the additive source mask, (n, S) for ``kernel``, else
+    (n*H, 1, S); or None."""
+    B, D, n = *y.shape, memory.size(0)
     H, d_k, G = attn.h, attn.d_k, B // n
-    k, v = cache.k, cache.v  # (n, H, S, d_k)
+    k, v = attn.memory_kv(memory, cache)  # (n, H, S, d_k): made at the first step, then kept
     if kernel is not None:  # (n, H, G, d_k) queries in, (n, G, H, d_k) = (B, D) out
         q = attn.q(y).view(n, G, H, d_k).transpose(1, 2)
         return attn.out(kernel(q, k, v, bias, 1 / math.sqrt(d_k)).view(B, D))
@@ -93,8 +95,8 @@ def decoder_step(
         tgt_in: (B, 1) the new token of each row.
         memory: (n, S, D) encoder output, B = G * n (the G rows of a sentence consecutive).
         src_mask: (n, 1, 1, S) bool, True = real source token, or None (no padding).
-        cache: the rows' state, encoder-decoder keys/values filled (see :func:`applies`);
-            the new keys/values are appended to it.
+        cache: the rows' state (empty at the first step, when the encoder-decoder
+            keys/values are made and kept in it); the new keys/values are appended to it.
         kernel: ``torch.ops.mt.short_attention`` (``mt.fast.native``) to attend with, over
             float32 caches; None: torch's batched products.
 
@@ -119,7 +121,8 @@ def decoder_step(
             x, 0, partial(_self_attention, layer.self_attn, state.self_attn, kernel)
         )
         x = layer.residual(
-            x, 1, partial(_cross_attention, layer.cross_attn, state.cross_attn, n, bias, kernel)
+            x, 1,
+            partial(_cross_attention, layer.cross_attn, state.cross_attn, memory, bias, kernel),
         )
         x = layer.residual(x, 2, layer.ffn)
     return module.decoder_norm(x)

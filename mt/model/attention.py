@@ -186,16 +186,24 @@ class CrossAttention(_MultiHead):
         # The G rows of one sentence become G*T query positions of that sentence's attention:
         # (B, T, D) -> (n, G*T, H, d_k) -> (n, H, G*T, d_k); row i*G+g, position t <-> g*T+t.
         q = self.q(x).view(n, G * T, self.h, self.d_k).transpose(1, 2)
-        if cache is not None and cache.k is not None:
-            k, v = cache.k, cache.v
-        else:
-            # (n, S, 2D) -> (n, S, 2, H, d_k) -> (2, n, H, S, d_k)
-            kv = self.kv(memory).view(n, S, 2, self.h, self.d_k).permute(2, 0, 3, 1, 4)
-            k, v = kv.unbind(0)
-            if cache is not None:
-                k, v = cache.store(k, v)
+        k, v = self.memory_kv(memory, cache)
         p = self.attention_dropout if self.training else 0.0
         out, weights = self.core(q, k, v, mask, False, p, need_weights)
         if weights is not None and G > 1:  # (n, H, G*T, S) -> (B, H, T, S)
             weights = weights.view(n, self.h, G, T, S).transpose(1, 2).reshape(B, self.h, T, S)
         return self.out(out.transpose(1, 2).reshape(B, T, D)), weights  # (n, G*T, H, d_k)
+
+    def memory_kv(
+        self, memory: torch.Tensor, cache: CrossAttentionCache | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values (n, H, S, d_k) of ``memory`` (n, S, D): ``cache``'s where it
+        holds them, else computed (and kept in ``cache``)."""
+        if cache is not None and cache.k is not None:
+            return cache.k, cache.v
+        n, S = memory.shape[:2]
+        # (n, S, 2D) -> (n, S, 2, H, d_k) -> (2, n, H, S, d_k)
+        kv = self.kv(memory).view(n, S, 2, self.h, self.d_k).permute(2, 0, 3, 1, 4)
+        k, v = kv.unbind(0)
+        if cache is not None:
+            k, v = cache.store(k, v)
+        return k, v
