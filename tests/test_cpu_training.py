@@ -470,6 +470,8 @@ def test_packed_ffn_runs_on_the_real_rows_of_a_padded_batch_only():
     flight = InFlight()
     flight.set(padded.src, padded.tgt_in, padded.real)
     assert flight.src is padded.real.src and flight.tgt is padded.real.tgt
+    for pad, tokens in ((flight.src_pad, padded.src), (flight.tgt_pad, padded.tgt_in)):
+        assert torch.equal(pad, (tokens.reshape(-1) == 0).nonzero().squeeze(1))  # the others
     flight.set(even.src, even.tgt_in, even.real)
     assert flight.src is None and flight.tgt is None  # no padding at all
     flight.set(even_src.src, even_src.tgt_in, even_src.real)
@@ -483,6 +485,8 @@ def test_packed_ffn_runs_on_the_real_rows_of_a_padded_batch_only():
     packed = Packed(ffn, flight, "tgt")
     x = torch.randn(*padded.tgt_in.shape, 16, requires_grad=True)
     flight.set(padded.src, padded.tgt_in, padded.real)
+    with torch.no_grad():  # memory that held NaN before: the padded rows still come out 0
+        torch.full((64, 32), float("nan"))
     y = packed(x)
     real = padded.tgt_in.reshape(-1) != 0  # tgt_in: BOS + ids, PAD after
     flat, want = y.reshape(-1, 16), ffn(x).reshape(-1, 16)

@@ -26,24 +26,36 @@ MIN_PADDING = 0.10  # pack a side when at least this share of its positions is p
 
 
 class InFlight:
-    """The real rows of the batch in the forward pass now (None: that side is not packed)."""
+    """The real rows of the batch in the forward pass now, and its padded rows, per side
+    (None: that side is not packed)."""
 
-    __slots__ = ("src", "tgt")
+    __slots__ = ("src", "tgt", "src_pad", "tgt_pad")
 
     def __init__(self) -> None:
         self.src: torch.Tensor | None = None
         self.tgt: torch.Tensor | None = None
+        self.src_pad: torch.Tensor | None = None
+        self.tgt_pad: torch.Tensor | None = None
 
     def set(self, src: torch.Tensor, tgt_in: torch.Tensor, real: RealPositions | None) -> None:
         """The rows to pack for ``src`` (B, S) and ``tgt_in`` (B, T): ``real``'s, where the
-        side's padding share reaches :data:`MIN_PADDING` (sizes only: no read of the device)."""
-        self.src = self.tgt = None
+        side's padding share reaches :data:`MIN_PADDING` (sizes only: no read of the device),
+        and the other rows of that side (the padding, which the packed products fill with
+        zeros)."""
+        self.src = self.tgt = self.src_pad = self.tgt_pad = None
         if real is None:
             return
         if real.src is not None and real.src.numel() <= (1 - MIN_PADDING) * src.numel():
-            self.src = real.src
+            self.src, self.src_pad = real.src, _others(real.src, src.numel())
         if real.tgt is not None and real.tgt.numel() <= (1 - MIN_PADDING) * tgt_in.numel():
-            self.tgt = real.tgt
+            self.tgt, self.tgt_pad = real.tgt, _others(real.tgt, tgt_in.numel())
+
+
+def _others(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """The indices below ``n`` that ``rows`` does not hold, increasing."""
+    keep = torch.ones(n, dtype=torch.bool, device=rows.device)
+    keep[rows] = False
+    return keep.nonzero().squeeze(1)
 
 
 class Packed(nn.Module):
@@ -62,8 +74,12 @@ class Packed(nn.Module):
             return self.module(x)
         B, L, D = x.shape
         packed = self.module(x.reshape(B * L, D).index_select(0, rows))  # (n, out)
-        out = packed.new_zeros(B * L, packed.size(-1))  # the product's dtype, as unpacked
-        return out.index_copy(0, rows, packed).view(B, L, -1)
+        # the product's dtype, as unpacked; zeros written at the padded rows only, the real
+        # ones copied in place (a zero-filled tensor and an out-of-place copy wrote all rows
+        # twice more)
+        out = packed.new_empty(B * L, packed.size(-1))
+        out.index_fill_(0, getattr(self.in_flight, f"{self.side}_pad"), 0.0)
+        return out.index_copy_(0, rows, packed).view(B, L, -1)
 
 
 def pack(model: nn.Module) -> InFlight:
