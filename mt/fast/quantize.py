@@ -92,7 +92,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) float32 -> (..., out) float32."""
-        return self._product(_LINEAR_DYNAMIC, x, False)
+        return self._product(x, relu=False)
 
     def subset(self, ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         """The product over output rows ``ids`` only (a vocabulary shortlist's columns of the
@@ -118,12 +118,14 @@ class Int8Linear(nn.Module):
     def relu(self, x: torch.Tensor) -> torch.Tensor:
         """``max(0, x W^T + b)``, the ReLU inside the product (on its float32 output, so the
         same to the bit as ``relu(self(x))``, one pass over the output fewer)."""
-        return self._product(_LINEAR_RELU_DYNAMIC, x, True)
+        return self._product(x, relu=True)
 
-    def _product(self, op, x: torch.Tensor, relu: bool) -> torch.Tensor:
-        """The product on this layer's kernel: fbgemm's ``op`` (reduced range) or mt's."""
+    def _product(self, x: torch.Tensor, relu: bool) -> torch.Tensor:
+        """The product (its ReLU inside where ``relu``) on this layer's kernel: mt's, or
+        fbgemm's (reduced range)."""
         if self._vnni is not None:
             return self._vnni_product(self._packed, self.bias, relu, x)
+        op = _LINEAR_RELU_DYNAMIC if relu else _LINEAR_DYNAMIC
         # subclasses' ``__torch_function__`` off: torch's Python binding asks every argument
         # for that attribute, and the packed weight (a TorchScript object) answers by throwing
         # a C++ exception, caught and turned into Python's AttributeError at every call; on an
