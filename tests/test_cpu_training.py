@@ -508,6 +508,66 @@ def test_packed_ffn_runs_on_the_real_rows_of_a_padded_batch_only():
     assert sorted(sides) == sorted(want)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_packed_rows_come_at_the_products_row_counts(precision):
+    """With the products' row counts (``InFlight(bucket)``), the real rows are joined by as many
+    padded ones as reach such a count, so no product pads its input; the padded rows' gradient
+    is zero, and the training copy's loss and gradients are those of the real rows alone
+    (bf16: to the bit; fp32: the weight gradients' sums run over more rows, zeros, whose
+    order MKL may block otherwise)."""
+    import numpy as np
+
+    from mt.data.batches import collate
+    from mt.fast.packing import InFlight, Packed, pack
+    from mt.fast.training import TrainingModel
+    from mt.train.update import batch_loss
+
+    rng = np.random.default_rng(5)
+    lens = [(9, 3), (2, 8), (4, 5), (6, 1)]
+    batch = collate([(rng.integers(4, 40, n), rng.integers(4, 40, m)) for n, m in lens])
+    flight = InFlight(bucket_rows)
+    flight.set(batch.src, batch.tgt_in, batch.real)
+    for side, tokens, real in (("src", batch.src, batch.real.src), ("tgt", batch.tgt_in,
+                                                                      batch.real.tgt)):  # fmt: skip
+        rows, pad = getattr(flight, side), getattr(flight, f"{side}_pad")
+        want = min(bucket_rows(real.numel()), tokens.numel())
+        assert real.numel() < want == rows.numel()  # padded rows joined (this batch has them)
+        assert torch.equal(rows[: real.numel()], real)
+        assert torch.equal(torch.cat((rows, pad)).sort().values, torch.arange(tokens.numel()))
+        assert torch.all(tokens.reshape(-1)[rows[real.numel() :]] == 0)
+
+    torch.manual_seed(12)
+    cfg = ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.0)
+    model = build_model(cfg, vocab_size=40)
+    onednn = precision == "fp32" and onednn_available()
+    copy = training_copy(model, products=onednn, bucketed=precision == "bf16")
+    in_flight = pack(copy, bucket_rows)
+    product = linear if onednn else (bucketed_linear if precision == "bf16" else F.linear)
+    trainer = TrainingModel(copy, blockwise=True, product=product, in_flight=in_flight)
+    seen = []
+    for m in copy.modules():
+        if isinstance(m, Packed):
+            m.register_forward_pre_hook(lambda mod, args: seen.append(
+                getattr(mod.in_flight, mod.side).numel()))  # fmt: skip
+
+    def loss_and_grads(bucket):
+        in_flight.bucket = bucket
+        model.zero_grad()
+        loss, nll = batch_loss(trainer, batch, 0.1, precision)
+        (loss / batch.ntokens).backward()
+        return [loss, nll] + [p.grad.clone() for p in model.parameters()]
+
+    joined, alone = loss_and_grads(bucket_rows), seen[:]
+    seen.clear()
+    real = loss_and_grads(None)
+    assert all(bucket_rows(n) == n for n in alone) and not all(bucket_rows(n) == n for n in seen)
+    for a, b in zip(joined, real):
+        if precision == "bf16":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_training_products_follow_the_probe(monkeypatch):
     """fp32 training on a CPU runs its products on oneDNN only where that measures faster than
     torch's at the run's shapes (on an AMD Zen 3 it is slower)."""

@@ -327,3 +327,36 @@ def test_the_gpu_training_model_scores_in_blocks():
     model = build_model(ModelConfig(N=1, d_model=16, d_ff=32, h=2), 40)
     on_gpu = for_training(model, torch.device("cuda"), True, "bf16")
     assert on_gpu.model is model and on_gpu.blockwise and on_gpu.in_flight is None
+
+
+def test_projected_blocks_come_at_the_products_row_counts():
+    """Given the row counts a product pads to (``bucket``), the blocks hold such counts: full
+    blocks are cut to one, the last block's rows of h are padded with zeros here (D wide), so
+    the product never pads the (rows, V) scores' gradient itself; the padding rows count for
+    nothing in the sums and gradients (float64, against the textbook formula)."""
+    from mt.fast.loss import projected_cross_entropy
+
+    def bucket(r):  # a multiple of 4
+        return -(-r // 4) * 4
+
+    h, weight, target = _projection_data(N=11)
+    calls = []
+
+    def product(x, w, bias):
+        calls.append(x.size(0))
+        return F.linear(x, w, bias)
+
+    h1, w1 = h.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    loss, nll = projected_cross_entropy(h1, w1, target, 0.1, 13, product, rows=6, bucket=bucket)
+    loss.backward()
+    # rows 6 -> 4 (the largest count <= 6 that needs no padding): blocks of 4, 4 and 3 (-> 4);
+    # each block's scores and its G W
+    assert calls == [4, 4, 4, 4, 4, 4]
+    h2, w2 = h.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    ref_loss, ref_nll = _explicit(h2 @ w2[:13].t(), target, 0.1)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(nll, ref_nll)
+    torch.testing.assert_close(h1.grad, h2.grad)
+    torch.testing.assert_close(w1.grad, w2.grad)
+    assert torch.all(w1.grad[13:] == 0)

@@ -72,6 +72,10 @@ class _WrittenOutAttention(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)  # float32 under autocast
     def forward(ctx, q, k, v, mask, is_causal, p):
+        # q, k, v are views of the packed projections' (B, T, 3, H, d_k): each batched product
+        # would copy its operands (and k^T) again, forward and backward; copied once here, and
+        # kept for backward instead of the views (the projection's output is then let go)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         weights = attention_weights(q, k, mask, is_causal)  # (B, H, T, S)
         keep, c = keep_mask(weights.shape, p, weights.device) if p > 0 else (None, 1.0)
         out = (apply_mask(weights, keep, c) if keep is not None else weights) @ v
@@ -83,6 +87,7 @@ class _WrittenOutAttention(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cpu")
     def backward(ctx, grad):
         q, k, v, weights, keep = ctx.saved_tensors
+        grad = grad.contiguous()  # a view of (B, T, H, d_k): once, not for each product
         # the scaled mask, made once for the dropped weights and for their gradient
         scaled = keep.to(weights.dtype).mul_(ctx.c) if keep is not None else None
         dropped = weights * scaled if scaled is not None else weights

@@ -17,6 +17,8 @@ only above :data:`MIN_PADDING`, decided on the host from the counts alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -26,16 +28,26 @@ MIN_PADDING = 0.10  # pack a side when at least this share of its positions is p
 
 
 class InFlight:
-    """The real rows of the batch in the forward pass now, and its padded rows, per side
-    (None: that side is not packed)."""
+    """The rows of the batch in the forward pass now that the packed products run on, and
+    its other rows, per side (None: that side is not packed).
 
-    __slots__ = ("src", "tgt", "src_pad", "tgt_pad")
+    Args:
+        bucket: the row counts the products pad their input to (``mt.fast.onednn.bucket_rows``),
+            or None. Given, the real rows are joined by as many padded ones as reach such a
+            count (where the batch has them), so that the products, forward and backward, run
+            without a pad of their own (a copy of each input). A padded row's value is then
+            whatever the product makes of it (finite, and read by nothing, as the zeros were),
+            and its gradient is zero, so the real rows' values and gradients are the same.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("src", "tgt", "src_pad", "tgt_pad", "bucket")
+
+    def __init__(self, bucket: Callable[[int], int] | None = None) -> None:
         self.src: torch.Tensor | None = None
         self.tgt: torch.Tensor | None = None
         self.src_pad: torch.Tensor | None = None
         self.tgt_pad: torch.Tensor | None = None
+        self.bucket = bucket
 
     def set(self, src: torch.Tensor, tgt_in: torch.Tensor, real: RealPositions | None) -> None:
         """The rows to pack for ``src`` (B, S) and ``tgt_in`` (B, T): ``real``'s, where the
@@ -46,9 +58,19 @@ class InFlight:
         if real is None:
             return
         if real.src is not None and real.src.numel() <= (1 - MIN_PADDING) * src.numel():
-            self.src, self.src_pad = real.src, _others(real.src, src.numel())
+            self.src, self.src_pad = self._split(real.src, src.numel())
         if real.tgt is not None and real.tgt.numel() <= (1 - MIN_PADDING) * tgt_in.numel():
-            self.tgt, self.tgt_pad = real.tgt, _others(real.tgt, tgt_in.numel())
+            self.tgt, self.tgt_pad = self._split(real.tgt, tgt_in.numel())
+
+    def _split(self, real: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the rows the products run on, the others) of a side of ``n`` positions."""
+        others = _others(real, n)
+        if self.bucket is None:
+            return real, others
+        extra = min(self.bucket(real.numel()) - real.numel(), others.numel())
+        if extra <= 0:
+            return real, others
+        return torch.cat((real, others[:extra])), others[extra:]
 
 
 def _others(rows: torch.Tensor, n: int) -> torch.Tensor:
@@ -82,12 +104,12 @@ class Packed(nn.Module):
         return out.index_copy_(0, rows, packed).view(B, L, -1)
 
 
-def pack(model: nn.Module) -> InFlight:
+def pack(model: nn.Module, bucket: Callable[[int], int] | None = None) -> InFlight:
     """Give the encoder's and decoder's FFNs and attention projections of ``model`` (in
     place; pass a copy) the packed form; returns the :class:`InFlight` its passes read. The
     encoder-decoder attention's queries and output are on the target side, its keys and
-    values on the source side (the encoder's output)."""
-    in_flight = InFlight()
+    values on the source side (the encoder's output). ``bucket``: see :class:`InFlight`."""
+    in_flight = InFlight(bucket)
     for side, layers in (("src", model.encoder), ("tgt", model.decoder)):
         for layer in layers:
             layer.ffn = Packed(layer.ffn, in_flight, side)

@@ -49,7 +49,14 @@ from mt.fast.loss import label_smoothed_cross_entropy, projected_cross_entropy
 from mt.fast.master import MasterWeights
 from mt.fast.memory import hold_freed_memory
 from mt.fast.modules import replace_modules, shared_copy
-from mt.fast.onednn import BucketedLinear, Linear, bucketed_linear, linear, onednn_available
+from mt.fast.onednn import (
+    BucketedLinear,
+    Linear,
+    bucket_rows,
+    bucketed_linear,
+    linear,
+    onednn_available,
+)
 from mt.fast.packing import InFlight, pack
 from mt.fast.precision import layer_step
 from mt.model.masks import RealPositions
@@ -85,6 +92,8 @@ class TrainingModel(nn.Module):
         super().__init__()
         self.model, self.blockwise, self.product = model, blockwise, product
         self.in_flight, self.master = in_flight, master
+        # oneDNN's products pad their rows to few counts: the loss's blocks come at those
+        self.bucket = bucket_rows if product in (linear, bucketed_linear) else None
 
     def forward(
         self,
@@ -106,8 +115,9 @@ class TrainingModel(nn.Module):
         m = self.model
         if self.blockwise:
             return projected_cross_entropy(
-                h, m.output_weight, target, smoothing, m.vocab_size, self.product
-            )
+                h, m.output_weight, target, smoothing, m.vocab_size, self.product,
+                bucket=self.bucket,
+            )  # fmt: skip
         return label_smoothed_cross_entropy(m.project(h), target, smoothing, None)
 
 
@@ -193,8 +203,8 @@ def for_training(
     products = precision == "fp32" and onednn_products(model, device, tokens, cache_dir)
     bucketed = precision != "fp32"  # 16-bit products run on oneDNN: few row counts
     copy = training_copy(model, products=products, bucketed=bucketed)
-    in_flight = pack(copy)
     product = linear if products else (bucketed_linear if bucketed else F.linear)
+    in_flight = pack(copy, bucket_rows if product is not F.linear else None)
     return TrainingModel(
         copy, blockwise=True, product=product, in_flight=in_flight, master=master
     )
