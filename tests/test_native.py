@@ -133,11 +133,17 @@ def test_the_build_name_follows_the_cpu_the_sources_and_torch(monkeypatch, tmp_p
         monkeypatch.setattr(native, "SOURCES", tuple(others))
         names.add(native.build_name())
         monkeypatch.undo()
+    for header in native.HEADERS:  # and each header's
+        edited = tmp_path / header.name
+        edited.write_text(header.read_text() + "\n// edited\n")
+        monkeypatch.setattr(native, "HEADERS", (edited,))
+        names.add(native.build_name())
+        monkeypatch.undo()
     monkeypatch.setattr(native, "_cpu_identity", lambda: "vendor_id=Other|flags=sse2")
     names.add(native.build_name())
     monkeypatch.setattr(torch, "__version__", "0.0.0")
     names.add(native.build_name())
-    assert len(names) == 3 + len(native.SOURCES)  # each change a name of its own
+    assert len(names) == 3 + len(native.SOURCES) + len(native.HEADERS)  # a name each
 
 
 def test_switched_off_or_unbuildable_decoding_takes_torchs_path(monkeypatch, caplog):
@@ -145,6 +151,7 @@ def test_switched_off_or_unbuildable_decoding_takes_torchs_path(monkeypatch, cap
 
     monkeypatch.setenv("MT_NATIVE_KERNELS", "0")
     assert native.short_attention() is None and native.int8_linear() is None
+    assert native.smoothed_ce() is None  # the training loss through torch's operators
     assert native.unavailable_reason() == "MT_NATIVE_KERNELS=0"
     w = torch.randn(8, 4)
     assert Int8Linear(w).kernel == "fbgemm"  # int8 through fbgemm's products
@@ -237,3 +244,99 @@ def test_int8_kernel_from_the_environment(monkeypatch):
     monkeypatch.delenv("MT_INT8_KERNEL")
     expected = "fbgemm" if native.int8_linear() is None else "vnni"
     assert Int8Linear(w).kernel == expected  # auto: mt's kernel where this CPU has VNNI
+
+
+# mt::smoothed_ce: a block of the training loss (mt.fast.loss) and its gradient, in place.
+
+
+@pytest.fixture(scope="module")
+def ce():
+    kernel = native.smoothed_ce()
+    if kernel is None:
+        if native.enabled() and CAN_BUILD:
+            pytest.fail(f"a compiler and ninja, yet no kernel: {native.unavailable_reason()}")
+        pytest.skip(f"no kernel here: {native.unavailable_reason()}")
+    return kernel
+
+
+def smoothed_reference(z, target, eps):
+    """nll, smooth (-sum log p) and the gradient softmax - q of the real rows, in float64."""
+    V = z.size(1)
+    lp = torch.log_softmax(z[: target.numel()].double(), dim=-1)
+    eps_i = eps / (V - 1)
+    q = torch.full_like(lp, eps_i).scatter_(-1, target[:, None], 1 - eps)
+    return -lp.gather(-1, target[:, None]).squeeze(-1), -lp.sum(-1), lp.exp() - q
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("V,scale,eps", [(1003, 3.0, 0.1), (8, 1.0, 0.0), (77, 30.0, 0.2)])
+def test_smoothed_ce_kernel_computes_the_formula(ce, dtype, V, scale, eps):
+    """Sums and gradient against float64 (rows past `rows` are padding: zeroed); V off the
+    vector width; bfloat16's gradient is the exact one rounded to nearest even."""
+    g = torch.Generator().manual_seed(V)
+    R, rows = 13, 11
+    z = (torch.randn(R, V, generator=g) * scale).to(dtype)
+    target = torch.randint(0, V, (rows,), generator=g)
+    target[0] = V - 1  # the last column, in the scalar tail where V is off the width
+    eps_i = eps / (V - 1)
+    nll_ref, smooth_ref, grad_ref = smoothed_reference(z.float(), target, eps)
+
+    before = z.clone()
+    nll, smooth = ce(z, target, rows, eps_i, -(1 - eps - eps_i), False)
+    assert torch.equal(z, before)  # no gradient asked: the scores stay
+    torch.testing.assert_close(nll.double(), nll_ref, rtol=1e-6, atol=2e-6 * scale)
+    torch.testing.assert_close(smooth.double(), smooth_ref, rtol=1e-6, atol=1e-3)
+
+    nll2, smooth2 = ce(z, target, rows, eps_i, -(1 - eps - eps_i), True)
+    assert torch.equal(nll2, nll) and torch.equal(smooth2, smooth)
+    assert torch.all(z[rows:] == 0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(z[:rows].double(), grad_ref, rtol=1e-5, atol=1e-6)
+    else:
+        rounded = grad_ref.float().bfloat16()
+        assert (z[:rows] == rounded).float().mean() > 0.999  # but for ties of the float32 sum
+        torch.testing.assert_close(z[:rows].float(), rounded.float(), rtol=8e-3, atol=1e-6)
+
+
+def test_smoothed_ce_kernel_names_what_it_cannot_take(ce):
+    z, t = torch.zeros(3, 5), torch.tensor([1, 2])
+    with pytest.raises(RuntimeError, match="outside"):
+        ce(z, torch.tensor([1, 5]), 2, 0.0, -1.0, True)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ce(z.double(), t, 2, 0.0, -1.0, True)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ce(torch.zeros(5, 3).t(), t, 2, 0.0, -1.0, True)
+    with pytest.raises(RuntimeError, match="rows"):
+        ce(z, t, 4, 0.0, -1.0, True)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_training_loss_with_the_kernel_is_torchs(ce, precision, monkeypatch):
+    """mt.fast.loss.projected_cross_entropy on the CPU: the kernel's loss and gradients equal
+    torch's operators' (float32: but for the order of sums; bfloat16: to its rounding)."""
+    import mt.fast.loss as loss_module
+    from mt.fast.onednn import bucket_rows, bucketed_linear
+
+    g = torch.Generator().manual_seed(3)
+    h0, w0 = torch.randn(300, 32, generator=g), torch.randn(1000, 32, generator=g)
+    target = torch.randint(0, 990, (300,), generator=g)
+
+    def run():
+        h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss, nll = loss_module.projected_cross_entropy(
+                h, w, target, 0.1, 990, bucketed_linear, rows=128, bucket=bucket_rows
+            )
+        loss.backward()
+        return loss, nll, h.grad, w.grad
+
+    assert loss_module._block_kernel(torch.device("cpu"), torch.bfloat16) is ce
+    kernel = run()
+    monkeypatch.setattr(loss_module, "_block_kernel", lambda device, dtype: None)
+    torch_ops = run()
+    for a, b in zip(kernel, torch_ops):
+        if precision == "fp32":
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=5e-6)
+        else:
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+    assert torch.all(kernel[3][990:] == 0)

@@ -144,23 +144,32 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h) if grads else None
         grad_w = torch.zeros_like(weight, dtype=acc) if grads else None
         nll, smooth = (h.new_empty(N, dtype=acc) for _ in range(2))
+        kernel = _block_kernel(h.device, dtype)
         for i in range(0, N, rows):
             x, t = h[i : i + rows].to(dtype), target[i : i + rows].unsqueeze(-1)
             r = x.size(0)
             padded = bucket(r) if bucket is not None else r
             if padded != r:  # the product's row count, padded here on the narrow side (D)
                 x = F.pad(x, (0, 0, 0, padded - r))  # rather than in G W's (r, V) input
-            lp = torch.log_softmax(product(x, w, None).to(acc), dim=-1)  # (padded, V)
-            real = lp[:r]
-            nll[i : i + r] = -real.gather(-1, t).squeeze(-1)
-            smooth[i : i + r] = -real.sum(dim=-1)
+            scores = product(x, w, None)  # (padded, V)
+            if kernel is not None:  # the sums and, in place, G: mt's kernel, three passes a row
+                nll[i : i + r], smooth[i : i + r] = kernel(
+                    scores, target[i : i + r], r, eps_i, on_target, grads
+                )
+                g = scores
+            else:
+                lp = torch.log_softmax(scores.to(acc), dim=-1)
+                real = lp[:r]
+                nll[i : i + r] = -real.gather(-1, t).squeeze(-1)
+                smooth[i : i + r] = -real.sum(dim=-1)
+                if grads:
+                    g = lp.exp_().sub_(eps_i)  # softmax - eps_i ...
+                    g[:r].scatter_add_(-1, t, g.new_full(t.shape, on_target))  # ... at t
+                    if padded != r:
+                        g[r:] = 0.0  # the padding rows: no gradient
+                    g = g.to(dtype)
             if not grads:
                 continue
-            g = lp.exp_().sub_(eps_i)  # softmax - eps_i ...
-            g[:r].scatter_add_(-1, t, g.new_full(t.shape, on_target))  # ... - (1-eps-eps_i) at t
-            if padded != r:
-                g[r:] = 0.0  # the padding rows: no gradient
-            g = g.to(dtype)
             grad_h[i : i + r] = product(g, w.t(), None)[:r]  # G W: W^T as the (in, out) weight
             if dtype == acc:
                 grad_w[:vocab].addmm_(g.t(), x)  # += G^T x
@@ -178,6 +187,16 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         grad_h = grad_h * grad_loss.to(grad_h.dtype)
         grad_w = (grad_w * grad_loss).to(ctx.weight_dtype)
         return grad_h, grad_w, None, None, None, None, None, None, None
+
+
+def _block_kernel(device: torch.device, dtype: torch.dtype) -> Callable | None:
+    """mt's kernel for a block's sums and gradient (``mt.fast.native.smoothed_ce``) where it
+    applies (float32 or bfloat16 scores on a CPU) and is built; None: torch's operators."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    from mt.fast.native import smoothed_ce
+
+    return smoothed_ce()
 
 
 BLOCKWISE_BLOCK_BYTES = 1 << 24  # 16 MB of float32 scores per block (512 rows at V = 8000)
