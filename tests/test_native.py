@@ -25,15 +25,19 @@ CAN_BUILD = shutil.which("c++") is not None and (
 )
 
 
-@pytest.fixture(scope="module")
-def op():
-    """The kernel, built here (a compiler and ninja) or the reason it cannot be."""
-    kernel = native.short_attention()
+def built(kernel):
+    """A kernel of mt.fast.native, built here (a compiler and ninja), or the reason it cannot
+    be (a failure where it should have been built, a skip elsewhere)."""
     if kernel is None:
         if native.enabled() and CAN_BUILD:
             pytest.fail(f"a compiler and ninja, yet no kernel: {native.unavailable_reason()}")
         pytest.skip(f"no kernel here: {native.unavailable_reason()}")
     return kernel
+
+
+@pytest.fixture(scope="module")
+def op():
+    return built(native.short_attention())
 
 
 def reference(q, k, v, bias, scale_d):
@@ -251,12 +255,7 @@ def test_int8_kernel_from_the_environment(monkeypatch):
 
 @pytest.fixture(scope="module")
 def ce():
-    kernel = native.smoothed_ce()
-    if kernel is None:
-        if native.enabled() and CAN_BUILD:
-            pytest.fail(f"a compiler and ninja, yet no kernel: {native.unavailable_reason()}")
-        pytest.skip(f"no kernel here: {native.unavailable_reason()}")
-    return kernel
+    return built(native.smoothed_ce())
 
 
 def smoothed_reference(z, target, eps):

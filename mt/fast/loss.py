@@ -6,7 +6,8 @@
   logits' dtype. What a GPU and the plain CPU path train with.
 - :func:`projected_cross_entropy` (decoder output and projection in, blockwise): the logits
   themselves never exist whole; each block of rows is projected, scored and turned into its
-  gradient at once. What the CPU training copy trains with (``mt.fast.training``).
+  gradient at once (on a CPU by mt's kernel ``mt::smoothed_ce`` where it is built, in place on
+  the block's scores). What the CPU training copy trains with (``mt.fast.training``).
 
 Both return the reference's ``(loss_sum, nll_sum)``; ``tests/test_loss.py`` holds them equal to
 the formula in values and gradients.
