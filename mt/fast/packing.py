@@ -8,7 +8,8 @@ positions are known on the host when the batch is made (``mt.data.batches.collat
 the (n, D) real rows and writes zeros at the padded ones. Nothing reads those: padded keys are
 masked, the causal mask keeps real target queries off the right padding, and the loss scores
 real positions only, so the values and gradients at real positions are the model's (a padded
-position never reaches a real one).
+position never reaches a real one). Where the products pad their rows to few counts
+(oneDNN's), a few padded rows join the real ones to reach such a count (:class:`InFlight`).
 
 Packing costs a gather and a scatter per product; it pays where a batch is well padded (random
 lengths: ~23% padding), not on length-sorted batches (Multi30k: ~5%), so a batch is packed
