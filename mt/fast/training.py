@@ -92,8 +92,7 @@ class TrainingModel(nn.Module):
         super().__init__()
         self.model, self.blockwise, self.product = model, blockwise, product
         self.in_flight, self.master = in_flight, master
-        # oneDNN's products pad their rows to few counts: the loss's blocks come at those
-        self.bucket = bucket_rows if product in (linear, bucketed_linear) else None
+        self.bucket = row_buckets(product)  # the loss's blocks come at those row counts
 
     def forward(
         self,
@@ -119,6 +118,12 @@ class TrainingModel(nn.Module):
                 bucket=self.bucket,
             )  # fmt: skip
         return label_smoothed_cross_entropy(m.project(h), target, smoothing, None)
+
+
+def row_buckets(product: Callable) -> Callable[[int], int] | None:
+    """The row counts ``product`` pads its input to (oneDNN's products: ``bucket_rows``), or
+    None where it takes any count (torch's ``F.linear``)."""
+    return bucket_rows if product in (linear, bucketed_linear) else None
 
 
 def training_copy(model: Transformer, products: bool = True, bucketed: bool = False) -> Transformer:
@@ -204,7 +209,7 @@ def for_training(
     bucketed = precision != "fp32"  # 16-bit products run on oneDNN: few row counts
     copy = training_copy(model, products=products, bucketed=bucketed)
     product = linear if products else (bucketed_linear if bucketed else F.linear)
-    in_flight = pack(copy, bucket_rows if product is not F.linear else None)
+    in_flight = pack(copy, row_buckets(product))
     return TrainingModel(
         copy, blockwise=True, product=product, in_flight=in_flight, master=master
     )
