@@ -87,11 +87,11 @@ def _searcher(model, args, device, k: int, a: float, b: float, min_len: int, pla
 # Where a decoder step's time goes: top-level torch ops (called from Python) by kind.
 PRODUCTS = {"aten::linear", "aten::addmm", "aten::mm", "mkldnn::_linear_pointwise",
             "quantized::linear_dynamic", "onednn::qlinear_pointwise", "aten::_int_mm",
-            "aten::_weight_int8pack_mm"}  # fmt: skip
+            "aten::_weight_int8pack_mm", "mt::int8_linear"}  # fmt: skip
 ATTENTION = {"aten::matmul", "aten::bmm", "aten::softmax", "aten::_softmax",
              "aten::scaled_dot_product_attention", "aten::masked_fill_",
              "mt::short_attention"}  # fmt: skip
-VOCAB = {"aten::log_softmax", "aten::_log_softmax"}
+VOCAB = {"aten::log_softmax", "aten::_log_softmax", "mt::best_token"}
 BEAM = {"aten::topk", "aten::sort", "aten::argsort", "aten::gather", "aten::nonzero",
         "aten::repeat_interleave", "aten::index", "aten::index_select", "aten::cat",
         "aten::index_copy_", "aten::index_put_", "aten::isfinite", "aten::any", "aten::eq",

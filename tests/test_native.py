@@ -19,6 +19,7 @@ from mt.fast.decoding import for_decoding
 from mt.model.attention import attention
 from mt.model.transformer import build_model
 from mt.schema import ModelConfig
+from mt.vocab import EOS
 
 CAN_BUILD = shutil.which("c++") is not None and (
     shutil.which("ninja") is not None or (Path(sys.executable).parent / "ninja").exists()
@@ -339,3 +340,109 @@ def test_the_training_loss_with_the_kernel_is_torchs(ce, precision, monkeypatch)
         else:
             torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
     assert torch.all(kernel[3][990:] == 0)
+
+
+# mt::best_token: a greedy step's token and log-probability straight from the logits.
+
+
+@pytest.fixture(scope="module")
+def pick():
+    return built(native.best_token())
+
+
+def pick_reference(z, bias, forbid):
+    """Greedy's way through torch, in float64: log-softmax of the (restricted) logits, -inf at
+    the forbidden columns, the first largest column and its value."""
+    lp = torch.log_softmax((z if bias is None else z + bias).double(), dim=-1)
+    for col in range(4):
+        if forbid >> col & 1:
+            lp[:, col] = float("-inf")
+    best = lp.max(dim=-1)
+    return best.indices, best.values
+
+
+@pytest.mark.parametrize("V", [5, 8, 77, 8000])
+@pytest.mark.parametrize("forbid", [0, 0b0101, 0b1101])
+@pytest.mark.parametrize("biased", [False, True])
+def test_best_token_is_greedys_choice_through_the_log_softmax(pick, V, forbid, biased):
+    g = torch.Generator().manual_seed(V + forbid)
+    z = torch.randn(9, V, generator=g) * 4
+    z[:, :4] += 3.0  # the special columns often the largest: the forbidding matters
+    bias = None
+    if biased:  # a shortlist's rows: some columns -inf, the specials never
+        bias = torch.zeros(9, V).masked_fill_(torch.rand(9, V, generator=g) < 0.4, float("-inf"))
+        bias[:, :4] = 0.0
+    token, lprob = pick(z, bias, forbid)
+    ref_token, ref_lprob = pick_reference(z, bias, forbid)
+    assert token.dtype == torch.int64 and lprob.dtype == torch.float32
+    assert token.tolist() == ref_token.tolist()
+    torch.testing.assert_close(lprob.double(), ref_lprob, rtol=1e-6, atol=2e-6)  # torch: ~2e-6
+
+
+def test_best_token_takes_the_first_of_equal_largest_and_says_nan_as_torch_does(pick):
+    z = torch.zeros(4, 40)
+    z[0, [13, 5, 29]] = 2.0  # ties in different lanes and blocks: the first column
+    z[1, [9, 1]] = 2.0  # the first is forbidden (BOS... column 1): the next
+    z[2, 6] = float("nan")  # NaN: the first allowed column, NaN (as log-softmax + argmax)
+    z[3, :] = float("-inf")
+    z[3, 37] = 0.5  # the tail after the last whole block of 8
+    token, lprob = pick(z, None, 0b0011)
+    assert token.tolist()[:2] == [5, 9] and token[3] == 37
+    assert token[2] == 2 and math.isnan(lprob[2])
+    assert lprob[3] == 0.0  # the only finite column: probability 1
+    expected = 2.0 - math.log(3 * math.exp(2.0) + 37)
+    assert math.isclose(lprob[0], expected, rel_tol=1e-6)
+
+
+def test_best_token_names_what_it_cannot_take(pick):
+    z = torch.randn(3, 10)
+    with pytest.raises(RuntimeError, match="float32"):
+        pick(z.double(), None, 0)
+    with pytest.raises(RuntimeError, match="forbid"):
+        pick(z, None, 16)
+    with pytest.raises(RuntimeError, match="bias"):
+        pick(z, torch.zeros(3, 9), 0)
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_greedy_search_with_best_token_finds_what_torchs_path_finds(pick, quantize, monkeypatch):
+    """The same tokens and scores with the kernel and without, min_len, a forced prefix and a
+    shortlist's restriction included."""
+    from mt.decode.search import generate
+    from mt.decode.shortlist import Shortlist
+    from mt.decode.strategies import Greedy
+
+    model = for_decoding(small_model(), quantize, native=True)
+    decode = model.decode
+
+    def eos_likelier(*args, **kw):  # some sentences end at once, so that min_len matters
+        logits = decode(*args, **kw)
+        logits[..., EOS] += 4.0
+        return logits
+
+    model.decode = eos_likelier
+    g = torch.Generator().manual_seed(3)
+    src = make_src([torch.randint(4, 50, (n,), generator=g).tolist() for n in (9, 4, 7, 2, 6)])
+    allowed = torch.rand(5, 30, generator=g) < 0.7
+    allowed[:, :4] = True
+    ids = torch.cat([torch.arange(4), torch.randperm(46, generator=g)[:26].sort().values + 4])
+
+    def run(use, **kw):
+        calls = []
+        counted = lambda *a: calls.append(1) or pick(*a)  # noqa: E731
+        monkeypatch.setattr(native, "best_token", lambda: counted if use else None)
+        with torch.inference_mode():
+            out = generate(model, src, Greedy(), 1.0, 5, 1, **kw)
+        return [h[0] for h in out], calls
+
+    lengths = []
+    for kw in ({}, {"min_len": 3}, {"prefix": [[7, 8], [], [9], [], [5, 6, 7]]},
+               {"shortlist": Shortlist(ids, allowed)}):
+        got, calls = run(True, **kw)
+        expected, none = run(False, **kw)
+        assert calls and not none
+        assert [h.tokens for h in got] == [h.tokens for h in expected]
+        lengths.append([len(h.tokens) for h in got])
+        for a, b in zip(got, expected):
+            assert math.isclose(a.score, b.score, rel_tol=1e-5, abs_tol=1e-5)
+    assert 0 in lengths[0] and min(lengths[1]) >= 3  # EOS at once, and min_len kept it off

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from mt.decode.rows import Rows
 from mt.decode.shortlist import Shortlist
 from mt.decode.strategies import NEG_INF, Beam, Greedy, Sampling
+from mt.fast import native
 from mt.schema import DecodeConfig
 from mt.vocab import BOS, EOS, PAD
 
@@ -152,6 +153,27 @@ def _next_lprobs(
     return lprobs.view(len(rows.sents), rows.width, -1)
 
 
+def _next_best(
+    model: IncrementalDecoder,
+    rows: Rows,
+    step: int,
+    min_len: int,
+    shortlist: Shortlist | None,
+    pick: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy search's next token of each model row and its log-probability, (n,) and (n,):
+    what :func:`_next_lprobs` and :meth:`Greedy.step` give, from the (CPU) logits by ``pick``
+    (``mt.fast.native.best_token``) without writing their log-softmax."""
+    if shortlist is None:
+        logits = model.decode(rows.last, rows.enc, rows.cache)  # (N, 1, V)
+        bias = None
+    else:
+        logits = model.decode(rows.last, rows.enc, rows.cache, vocab=shortlist)  # (N, 1, C)
+        bias = shortlist.bias_rows(rows.sents)
+    forbid = (1 << PAD) | (1 << BOS) | ((1 << EOS) if step < min_len else 0)
+    return pick(logits[:, -1].float().contiguous(), bias, forbid)
+
+
 def prefix_tensor(prefixes: list[list[int]] | None, device: Any = "cpu") -> torch.Tensor | None:
     """(B, P) forced tokens per sentence, -1 where the search is free; None without prefixes."""
     if not prefixes or not any(prefixes):
@@ -204,6 +226,8 @@ def generate(
     if forced is not None and shortlist is not None:
         forced = shortlist.columns(forced)
     rows = Rows(model, src, K)
+    # greedy search on a CPU: each step's choice straight from the logits (mt's kernel)
+    pick = native.best_token() if type(strategy) is Greedy and src.device.type == "cpu" else None
     finished: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
     out: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
 
@@ -228,8 +252,12 @@ def generate(
                 break
         if isinstance(strategy, Sampling):
             strategy.sents = rows.sents
-        lprobs = _next_lprobs(model, rows, step, min_len, forced, shortlist)
-        chosen = strategy.step(rows.scores, lprobs)
+        if pick is not None and (forced is None or step >= forced.size(1)):
+            token, lprob = _next_best(model, rows, step, min_len, shortlist, pick)
+            chosen = Greedy.chosen(rows.scores, lprob, token)
+        else:
+            lprobs = _next_lprobs(model, rows, step, min_len, forced, shortlist)
+            chosen = strategy.step(rows.scores, lprobs)
         step += 1
         for i, k, logprob in chosen.done:
             finished[rows.sents[i]].append(_hyp(rows.hyp(i, k), logprob, step, alpha))

@@ -203,12 +203,19 @@ class Shortlist:
     def restrict(self, logits: torch.Tensor, sents: list[int], width: int) -> torch.Tensor:
         """``logits`` (n * width, T, C) of the rows of sentences ``sents`` (``width`` rows
         each) with the pieces outside each sentence's own list at -inf."""
-        if self.bias is None:
+        bias = self.bias_rows(sents)
+        if bias is None:
             return logits
-        bias = self.bias[torch.tensor(sents, device=self.bias.device)]  # (n, C)
         n, C = bias.shape
         out = logits.float().view(n, width, -1, C) + bias[:, None, None, :]
         return out.view(logits.shape)
+
+    def bias_rows(self, sents: list[int]) -> torch.Tensor | None:
+        """(n, C) 0 where each of sentences ``sents`` may use a piece, -inf elsewhere; None
+        when every sentence may use them all."""
+        if self.bias is None:
+            return None
+        return self.bias[torch.tensor(sents, device=self.bias.device)]
 
     def columns(self, tokens: torch.Tensor) -> torch.Tensor:
         """The columns of vocabulary ids ``tokens`` (each in the shortlist; -1 stays -1)."""

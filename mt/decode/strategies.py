@@ -80,6 +80,12 @@ class Greedy:
         best, token = row_max(lprobs[:, 0])  # (n,), (n,)
         return _one_token_step(scores, best, token)
 
+    @staticmethod
+    def chosen(scores: torch.Tensor, lprob: torch.Tensor, token: torch.Tensor) -> Step:
+        """The Step of the tokens (n,) already chosen, with their log-probabilities (n,)
+        (``mt.fast.native.best_token``'s, from the logits)."""
+        return _one_token_step(scores, lprob, token)
+
 
 BLOCK = 64  # row_topk's block: 64 floats, one cache line's worth four times over
 

@@ -19,6 +19,10 @@ its gradient, three passes over each row where torch's operators make about ten 
 (and cast it to float32 and back). On an AMD Zen 4 the loss of the small model's batches took
 3.6-4.2 ms less a step (of ~40 in bfloat16: -3% of the step, -1.5% in float32).
 
+``torch.ops.mt.best_token`` (``csrc/best_token.cpp``): a greedy decoding step's token and its
+log-probability straight from the logits (and a shortlist's bias), two passes over each row in
+place of a log-softmax written out, masked and searched.
+
 The kernels are compiled with torch's C++ extension loader (``torch.utils.cpp_extension.load``,
 into ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``) for this CPU's instruction
 set (``-march=native``), once per CPU kind, torch and Python version and sources: ~10 s on 2
@@ -26,8 +30,9 @@ cores, then loaded in milliseconds. The build directory's name carries a digest 
 a home directory shared by machines of different CPUs never loads a kernel built for another;
 a build lock left by a killed build is removed after two minutes (torch would wait for ever).
 Where they cannot be built (no C++ compiler or ninja, an unwritable cache) or
-``MT_NATIVE_KERNELS=0`` is set, :func:`short_attention`, :func:`int8_linear` and
-:func:`smoothed_ce` return None, the reason is said once, and decoding takes torch's path
+``MT_NATIVE_KERNELS=0`` is set, :func:`short_attention`, :func:`int8_linear`,
+:func:`smoothed_ce` and :func:`best_token` return None, the reason is said once, and decoding
+takes torch's path
 (``mt.fast.step``), which computes the same, and fbgemm's int8 products; the loss, torch's
 operators.
 """
@@ -49,7 +54,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("short_attention.cpp", "int8_linear.cpp", "smoothed_ce.cpp"))
+                for name in ("short_attention.cpp", "int8_linear.cpp", "smoothed_ce.cpp",
+                             "best_token.cpp"))
 HEADERS = (Path(__file__).with_name("csrc") / "vec.h",)  # included by the sources
 # OpenMP: torch's own runtime, for its threads; no warnings about the vector types' ABI
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-Wno-psabi"]
@@ -181,6 +187,14 @@ def smoothed_ce() -> Callable | None:
     gradient, for the CPU training loss), or None where the kernels are off or cannot be built
     (``mt.fast.loss`` then computes the same through torch's operators)."""
     return torch.ops.mt.smoothed_ce.default if _loaded() else None
+
+
+def best_token() -> Callable | None:
+    """``torch.ops.mt.best_token(logits, bias, forbid) -> (token, lprob)``
+    (``csrc/best_token.cpp``: a greedy step's token and its log-probability from the logits,
+    without writing their log-softmax), or None where the kernels are off or cannot be built
+    (greedy search then takes torch's log-softmax and argmax, ``mt.decode.search``)."""
+    return torch.ops.mt.best_token.default if _loaded() else None
 
 
 def unavailable_reason() -> str | None:
