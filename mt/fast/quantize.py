@@ -80,6 +80,7 @@ class Int8Linear(nn.Module):
         if self._vnni is not None:
             self._rows = (q.int_repr(), scale)
             self._packed = vnni_layout(*self._rows)
+            self._sums = self._packed[2][: self.out_features]  # (for subset())
         else:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -108,7 +109,8 @@ class Int8Linear(nn.Module):
         weight, scales = self._rows
         rows, row_scales = weight.index_select(0, ids), scales.index_select(0, ids)
         if self._vnni is not None:
-            return partial(self._vnni_product, vnni_layout(rows, row_scales), None, False)
+            packed = vnni_layout(rows, row_scales, self._sums.index_select(0, ids))
+            return partial(self._vnni_product, packed, None, False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             q = torch._make_per_tensor_quantized_tensor(rows, 1.0, 0)
@@ -142,21 +144,33 @@ class Int8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, int8 per channel, {self.kernel}"
 
 
-def vnni_layout(weight: torch.Tensor, scales: torch.Tensor) -> tuple:
+def vnni_layout(weight: torch.Tensor, scales: torch.Tensor,
+                comp: torch.Tensor | None = None) -> tuple:  # fmt: skip
     """An int8 weight (N, K) and its float32 scales (N,) as ``torch.ops.mt.int8_linear`` takes
     them: ``(w, scale, comp, N)`` with ``w`` (Np/16, Kp/4, 16, 4) the weight padded with zeros
     to Np (a multiple of 32) rows and Kp (of 4) columns, 16 channels by 4 inputs to a 64-byte
     block; ``scale`` padded with ones; ``comp`` (Np,) int32 = 128 x each row's sum (what the
-    kernel's unsigned activations, shifted by 128, add to each sum)."""
+    kernel's unsigned activations, shifted by 128, add to each sum): :func:`row_sums`' of
+    ``weight``, computed here unless given (a shortlist's rows gather them from the full
+    weight's)."""
     n, k = weight.shape
     np_, kp = -(-n // 32) * 32, -(-k // 4) * 4
     padded = torch.zeros(np_, kp, dtype=torch.int8)
     padded[:n, :k] = weight
-    blocks = padded.view(np_ // 16, 16, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
+    # each 4 inputs as one int32, so the block transpose moves 4-byte words: 10x faster than
+    # permuting int8 elements (0.85 ms against 0.08 for a shortlist's 3,300 rows of 256)
+    words = padded.view(torch.int32).view(np_ // 16, 16, kp // 4)
+    blocks = words.transpose(1, 2).contiguous().view(torch.int8).view(np_ // 16, kp // 4, 16, 4)
     scale = torch.ones(np_)
     scale[:n] = scales
-    comp = padded.sum(dim=1, dtype=torch.int32).mul_(128)
-    return blocks, scale, comp, n
+    sums = torch.zeros(np_, dtype=torch.int32)
+    sums[:n] = row_sums(weight) if comp is None else comp
+    return blocks, scale, sums, n
+
+
+def row_sums(weight: torch.Tensor) -> torch.Tensor:
+    """128 x the sum of each row of an int8 weight (N, K), int32 (N,): the kernel's ``comp``."""
+    return weight.sum(dim=1, dtype=torch.int32).mul_(128)
 
 
 def _scaled_product(packed, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
