@@ -150,9 +150,8 @@ def vnni_layout(weight: torch.Tensor, scales: torch.Tensor,
     them: ``(w, scale, comp, N)`` with ``w`` (Np/16, Kp/4, 16, 4) the weight padded with zeros
     to Np (a multiple of 32) rows and Kp (of 4) columns, 16 channels by 4 inputs to a 64-byte
     block; ``scale`` padded with ones; ``comp`` (Np,) int32 = 128 x each row's sum (what the
-    kernel's unsigned activations, shifted by 128, add to each sum): :func:`row_sums`' of
-    ``weight``, computed here unless given (a shortlist's rows gather them from the full
-    weight's)."""
+    kernel's unsigned activations, shifted by 128, add to each sum), ``row_sums(weight)``:
+    computed here unless given (a shortlist's rows gather theirs from the full weight's)."""
     n, k = weight.shape
     np_, kp = -(-n // 32) * 32, -(-k // 4) * 4
     padded = torch.zeros(np_, kp, dtype=torch.int8)
