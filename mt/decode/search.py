@@ -7,7 +7,9 @@ models with hand-set probabilities can test it.
 
 The loop (:func:`generate`) is shared; a *strategy* (``mt.decode.strategies``: ``Greedy``, ``Beam``,
 ``Sampling``) decides which candidates survive a step, and ``mt.decode.rows.Rows`` keeps the
-hypotheses' tokens, scores and model state rows.
+hypotheses' tokens, scores and model state rows. Greedy search on a CPU takes each step's token
+and its log-probability straight from the logits (``mt.fast.native.best_token``, where mt's
+kernels are built): the same choice and score without writing the log-softmax out.
 
 Conventions (the paper's, made exact):
 
