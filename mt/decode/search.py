@@ -119,6 +119,14 @@ def _hyp(tokens: torch.Tensor, logprob: float, length: int, alpha: float) -> Hyp
 # ---- the loop ------------------------------------------------------------------------------
 
 
+def _logits(model: IncrementalDecoder, rows: Rows, shortlist: Shortlist | None) -> torch.Tensor:
+    """The next step's logits of each model row: (N, 1, V), or (N, 1, C) over a shortlist's
+    columns."""
+    if shortlist is None:
+        return model.decode(rows.last, rows.enc, rows.cache)
+    return model.decode(rows.last, rows.enc, rows.cache, vocab=shortlist)
+
+
 def _next_lprobs(
     model: IncrementalDecoder,
     rows: Rows,
@@ -133,10 +141,8 @@ def _next_lprobs(
     (>= 0) for this step, every other token is forbidden. With a ``shortlist`` the last
     dimension is its columns (C), and ``prefix`` holds columns.
     """
-    if shortlist is None:
-        logits = model.decode(rows.last, rows.enc, rows.cache)  # (N, 1, V)
-    else:
-        logits = model.decode(rows.last, rows.enc, rows.cache, vocab=shortlist)  # (N, 1, C)
+    logits = _logits(model, rows, shortlist)
+    if shortlist is not None:
         logits = shortlist.restrict(logits, rows.sents, rows.width)
     lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)  # (N, V)
     lprobs[:, PAD] = NEG_INF
@@ -166,12 +172,8 @@ def _next_best(
     """Greedy search's next token of each model row and its log-probability, (n,) and (n,):
     what :func:`_next_lprobs` and :meth:`Greedy.step` give, from the (CPU) logits by ``pick``
     (``mt.fast.native.best_token``) without writing their log-softmax."""
-    if shortlist is None:
-        logits = model.decode(rows.last, rows.enc, rows.cache)  # (N, 1, V)
-        bias = None
-    else:
-        logits = model.decode(rows.last, rows.enc, rows.cache, vocab=shortlist)  # (N, 1, C)
-        bias = shortlist.bias_rows(rows.sents)
+    logits = _logits(model, rows, shortlist)
+    bias = None if shortlist is None else shortlist.bias_rows(rows.sents)
     forbid = (1 << PAD) | (1 << BOS) | ((1 << EOS) if step < min_len else 0)
     return pick(logits[:, -1].float().contiguous(), bias, forbid)
 

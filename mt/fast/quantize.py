@@ -80,7 +80,6 @@ class Int8Linear(nn.Module):
         if self._vnni is not None:
             self._rows = (q.int_repr(), scale)
             self._packed = vnni_layout(*self._rows)
-            self._sums = self._packed[2][: self.out_features]  # (for subset())
         else:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -109,7 +108,8 @@ class Int8Linear(nn.Module):
         weight, scales = self._rows
         rows, row_scales = weight.index_select(0, ids), scales.index_select(0, ids)
         if self._vnni is not None:
-            packed = vnni_layout(rows, row_scales, self._sums.index_select(0, ids))
+            # the rows' sums: the full weight's (``comp``), gathered
+            packed = vnni_layout(rows, row_scales, self._packed[2].index_select(0, ids))
             return partial(self._vnni_product, packed, None, False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -150,8 +150,8 @@ def vnni_layout(weight: torch.Tensor, scales: torch.Tensor,
     them: ``(w, scale, comp, N)`` with ``w`` (Np/16, Kp/4, 16, 4) the weight padded with zeros
     to Np (a multiple of 32) rows and Kp (of 4) columns, 16 channels by 4 inputs to a 64-byte
     block; ``scale`` padded with ones; ``comp`` (Np,) int32 = 128 x each row's sum (what the
-    kernel's unsigned activations, shifted by 128, add to each sum), ``row_sums(weight)``:
-    computed here unless given (a shortlist's rows gather theirs from the full weight's)."""
+    kernel's unsigned activations, shifted by 128, add to each sum): computed here unless
+    given (a shortlist's rows gather theirs from the full weight's)."""
     n, k = weight.shape
     np_, kp = -(-n // 32) * 32, -(-k // 4) * 4
     padded = torch.zeros(np_, kp, dtype=torch.int8)
@@ -163,13 +163,8 @@ def vnni_layout(weight: torch.Tensor, scales: torch.Tensor,
     scale = torch.ones(np_)
     scale[:n] = scales
     sums = torch.zeros(np_, dtype=torch.int32)
-    sums[:n] = row_sums(weight) if comp is None else comp
+    sums[:n] = weight.sum(dim=1, dtype=torch.int32).mul_(128) if comp is None else comp
     return blocks, scale, sums, n
-
-
-def row_sums(weight: torch.Tensor) -> torch.Tensor:
-    """128 x the sum of each row of an int8 weight (N, K), int32 (N,): the kernel's ``comp``."""
-    return weight.sum(dim=1, dtype=torch.int32).mul_(128)
 
 
 def _scaled_product(packed, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
