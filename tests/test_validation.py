@@ -171,3 +171,47 @@ def test_validation_leaves_the_training_random_stream_alone(real_data, tmp_path,
     assert torch.equal(torch.get_rng_state(), before)
     quantize_int8(model)  # the int8 decoding copy (mt-translate precision=int8)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_validation_decodes_the_model_as_written(real_data, tmp_path, monkeypatch):
+    """With the decoding settings as they come (decode.onednn null, float32), validation on a
+    CPU decodes the model as written and measures nothing: no decoding copy, no oneDNN product
+    (whose kernels would push training's own out of oneDNN's bounded cache), no speed probe.
+    Its translations are those of the model as written; a decode.onednn or decode.precision the
+    user chose is kept."""
+    import dataclasses
+
+    import mt.fast.decoding as decoding
+    from mt.decode.driver import translate_ids
+    from mt.fast import probe
+    from mt.train.validation import plain_decoding
+
+    monkeypatch.setenv("MT_DATA_DIR", str(real_data))
+    cfg = load_config([*OVERRIDES, f"run_dir={tmp_path / 'run'}"])
+    prepared = prepare(cfg)
+    model = model_for(cfg, prepared.vocab_size).eval()
+    split = prepared.split("valid")
+    src = [split.src[i].tolist() for i in range(25)]
+    plain = translate_ids(model, src, dataclasses.replace(cfg.decode, beam_size=1, onednn=False))
+    plain = prepared.tokenizer.decode(plain, side="tgt")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a oneDNN product, a decoding copy or a speed probe in validation")
+
+    for name in ("OneDNNLinear", "FusedFeedForward", "shared_copy"):
+        monkeypatch.setattr(decoding, name, refuse)
+    monkeypatch.setattr(probe, "choose", refuse)
+    assert valid_hypotheses(model, prepared, cfg, torch.device("cpu")) == plain
+    for setting in ("decode.onednn=true", "decode.precision=bf16"):
+        chosen = load_config([*OVERRIDES, f"run_dir={tmp_path / 'run'}", setting])
+        if setting.endswith("bf16") and not decoding.onednn_bf16_available():
+            continue  # no bfloat16 kernels in oneDNN here: the model decodes as written
+        with pytest.raises(AssertionError, match="a decoding copy"):  # the user's choice kept
+            valid_hypotheses(model, prepared, chosen, torch.device("cpu"))
+
+    decode = cfg.decode
+    assert plain_decoding(decode, "cpu")
+    assert plain_decoding(dataclasses.replace(decode, precision="auto"), "cpu")
+    assert not plain_decoding(decode, "cuda")
+    assert not plain_decoding(dataclasses.replace(decode, quantize="int8"), "cpu")
+    assert not plain_decoding(dataclasses.replace(decode, onednn=False), "cpu")
