@@ -158,7 +158,9 @@ def test_validation_leaves_the_training_random_stream_alone(real_data, tmp_path,
     from mt.fast.quantize import quantize_int8
 
     monkeypatch.setenv("MT_DATA_DIR", str(real_data))
-    cfg = load_config([*OVERRIDES, f"run_dir={tmp_path / 'run'}"])
+    # decode.onednn=true: validation on the fast decoding copy (by default it decodes the model
+    # as written, which has no one-off checks), so that oneDNN's checks run here
+    cfg = load_config([*OVERRIDES, f"run_dir={tmp_path / 'run'}", "decode.onednn=true"])
     prepared = prepare(cfg)
     model = model_for(cfg, prepared.vocab_size)
     monkeypatch.setenv("MT_CACHE_DIR", str(tmp_path / "probes"))  # the probes run here
