@@ -104,9 +104,10 @@ def plain_decoding(decode_cfg, device: torch.device | str) -> bool:
     temporaries then no longer found room in the blocks they had used. ``news_de_en`` on an AMD
     Zen 4 (bf16, 450 updates validated every 100; resident memory at the first validation -> the
     last): the fast copy on oneDNN 1,247 -> 1,360 MB (+9.0%), on torch's products 1,196 -> 1,319
-    (+10.3%), the model as written 1,205 -> 1,269 (+5.4%; another run 1,195 -> 1,246, +4.3%).
-    It decodes Multi30k's ``val`` (1,014 sentences, greedy, 2 threads) in 4.5 s against 3.2 s on
-    the fast copy, the same translations: ~1% of a default ``make train``.
+    (+10.3%), the model as written 1,205 -> 1,269 (+5.4%; another run 1,195 -> 1,246, +4.3%);
+    the whole run 1,226 -> 1,322 MB (+7.8%) against 1,226 -> 1,357 (+10.7%) before, one run
+    each. It decodes Multi30k's ``val`` (1,014 sentences, greedy, 2 threads) in 4.5 s against
+    3.2 s on the fast copy, the same translations: ~1% of a default ``make train``.
     """
     return (
         torch.device(device).type == "cpu"
