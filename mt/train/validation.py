@@ -98,10 +98,11 @@ def plain_decoding(decode_cfg, device: torch.device | str) -> bool:
     with the decoding settings as they come (``decode.onednn`` null, float32 or ``auto``
     precision, no int8); a setting chosen otherwise is kept.
 
-    The fast copy's products and caches are allocated in the middle of training's heap, which
-    keeps its freed memory (``mt.fast.memory``), and oneDNN's products also push training's
-    kernels out of its bounded cache (``mt.allocator.bound_onednn_kernels``); training's large
-    temporaries then no longer found room in the blocks they had used. ``news_de_en`` on an AMD
+    Why: training's heap keeps its freed memory (``mt.fast.memory``), and its resident memory
+    rose in steps in the updates after a validation, the bytes in use level. The fast copy
+    allocates packed products and preallocated caches amid that heap, and its oneDNN products
+    push training's kernels out of oneDNN's bounded cache (``mt.allocator.
+    bound_onednn_kernels``); the model as written does neither. ``news_de_en`` on an AMD
     Zen 4 (bf16, 450 updates validated every 100; resident memory at the first validation -> the
     last): the fast copy on oneDNN 1,247 -> 1,360 MB (+9.0%), on torch's products 1,196 -> 1,319
     (+10.3%), the model as written 1,205 -> 1,269 (+5.4%; another run 1,195 -> 1,246, +4.3%);
@@ -121,8 +122,9 @@ def valid_bleu(
     model: torch.nn.Module, prepared, cfg: Config, device: torch.device, rank: int = 0,
     world_size: int = 1,
 ) -> float:  # fmt: skip
-    """Greedy-decode the valid sources and score them: the code path of final evaluation
-    (shared over ranks as :func:`valid_hypotheses`; every rank scores the gathered set)."""
+    """Greedy-decode the valid sources and score them: the search and scoring of final
+    evaluation, on the model as written where :func:`plain_decoding` says so (shared over ranks
+    as :func:`valid_hypotheses`; every rank scores the gathered set)."""
     from mt.evaluation.metrics import score
 
     hyps = valid_hypotheses(model, prepared, cfg, device, rank, world_size)
