@@ -332,3 +332,17 @@ def build_tokenizer_like(tmp_path):
     tgt.write_text("a dog runs\n" * 50 + "a cat\n" * 50, encoding="utf-8")
     cfg = TokenizerConfig(vocab_size=40, threads=1, byte_fallback=False)
     return Tokenizer.train(src, tgt, tmp_path / "spm", cfg)
+
+
+def test_bias_rows_follow_the_live_sentences():
+    """bias_rows gives each live sentence's own row of the restriction, in the order asked;
+    the rows are kept between steps and gathered again when the live sentences change."""
+    allowed = torch.tensor([[1, 1, 0, 1], [1, 0, 1, 1], [0, 1, 1, 1]], dtype=torch.bool)
+    sl = Shortlist(torch.arange(4), allowed)
+    expect = torch.zeros(3, 4).masked_fill_(~allowed, float("-inf"))
+    assert torch.equal(sl.bias_rows([0, 1, 2]), expect)
+    assert sl.bias_rows([0, 1, 2]) is sl.bias_rows([0, 1, 2])  # kept, not gathered again
+    assert torch.equal(sl.bias_rows([2, 0]), expect[[2, 0]])
+    assert torch.equal(sl.bias_rows([1]), expect[[1]])
+    assert torch.equal(sl.bias_rows([0, 1, 2]), expect)
+    assert Shortlist(torch.arange(4)).bias_rows([0, 1]) is None

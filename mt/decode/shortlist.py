@@ -176,6 +176,7 @@ class Shortlist:
             bias = torch.zeros(allowed.shape, device=allowed.device)
             self.bias = bias.masked_fill_(~allowed, float("-inf"))
         self._products: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self._bias_rows: tuple[tuple[int, ...], torch.Tensor] | None = None  # bias_rows' last
 
     def __len__(self) -> int:
         return self.ids.numel()
@@ -212,10 +213,18 @@ class Shortlist:
 
     def bias_rows(self, sents: list[int]) -> torch.Tensor | None:
         """(n, C) 0 where each of sentences ``sents`` may use a piece, -inf elsewhere; None
-        when every sentence may use them all."""
+        when every sentence may use them all. The rows are gathered again only when ``sents``
+        changes (a sentence ended), not at every step; read-only (shared between calls)."""
         if self.bias is None:
             return None
-        return self.bias[torch.tensor(sents, device=self.bias.device)]
+        key = tuple(sents)
+        if self._bias_rows is None or self._bias_rows[0] != key:
+            if key == tuple(range(self.bias.size(0))):
+                rows = self.bias  # every sentence still searched, in order
+            else:
+                rows = self.bias[torch.tensor(sents, device=self.bias.device)]
+            self._bias_rows = (key, rows)
+        return self._bias_rows[1]
 
     def columns(self, tokens: torch.Tensor) -> torch.Tensor:
         """The columns of vocabulary ids ``tokens`` (each in the shortlist; -1 stays -1)."""

@@ -83,7 +83,7 @@ def valid_hypotheses(
     if plain_decoding(greedy, device):
         greedy = dataclasses.replace(greedy, onednn=False, precision="fp32")
     hyp_ids = translate_ids(model, src_ids, greedy, device) if src_ids else []
-    release_decoding_copies(model)  # rebuilt at the next validation: the weights will change
+    release_decoding_copies(model)  # (where one was built) the weights will change
     model.train(was_training)
     if world_size == 1:
         return prepared.tokenizer.decode(hyp_ids, side="tgt")
@@ -102,13 +102,11 @@ def plain_decoding(decode_cfg, device: torch.device | str) -> bool:
     rose in steps in the updates after a validation, the bytes in use level. The fast copy
     allocates packed products and preallocated caches amid that heap, and its oneDNN products
     push training's kernels out of oneDNN's bounded cache (``mt.allocator.
-    bound_onednn_kernels``); the model as written does neither. ``news_de_en`` on an AMD
-    Zen 4 (bf16, 450 updates validated every 100; resident memory at the first validation -> the
-    last): the fast copy on oneDNN 1,247 -> 1,360 MB (+9.0%), on torch's products 1,196 -> 1,319
-    (+10.3%), the model as written 1,205 -> 1,269 (+5.4%; another run 1,195 -> 1,246, +4.3%);
-    the whole run 1,226 -> 1,322 MB (+7.8%) against 1,226 -> 1,357 (+10.7%) before, one run
-    each. It decodes Multi30k's ``val`` (1,014 sentences, greedy, 2 threads) in 4.5 s against
-    3.2 s on the fast copy, the same translations: ~1% of a default ``make train``.
+    bound_onednn_kernels``); the model as written does neither. ``news_de_en``, 450 updates
+    validated every 100 (AMD Zen 4, bf16): growth from the first validation to the last +9.0 /
+    +10.3 / +11.6% with the fast copy, +5.4 / +6.1% with the model as written, the same
+    validations; it decodes Multi30k's ``val`` in 4.5 s against 3.2 s (README, Performance:
+    "Validation decodes the model as written").
     """
     return (
         torch.device(device).type == "cpu"
