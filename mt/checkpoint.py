@@ -7,7 +7,8 @@ so ``torch.load(weights_only=True)`` reads it. The keys:
   ``vocab_size``, ``specials`` ({pad, unk, bos, eos}), ``tokenizer`` ({"joint": bool, "models":
   list of uint8 tensors}), ``step``, ``epoch``: everything decoding needs.
 - training state adds ``optimizer``, ``scheduler``, ``scaler``, ``rng`` (``mt.train.state``),
-  ``data`` ({epoch, batch}), ``train_cfg``, ``best``.
+  ``data`` ({epoch, batch}), ``train_cfg``, ``best``, and with ``train.ema`` the moving
+  average of the weights, ``ema`` ({decay, updates, weights}, ``mt.train.ema``).
 
 Writes go to a temporary file in the same directory, are flushed and fsynced, then renamed over
 the target (``os.replace`` is atomic on POSIX, see :mod:`mt.files`): a crash mid-save leaves the

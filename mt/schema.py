@@ -165,6 +165,9 @@ class TrainConfig:
     best_metric: str = "bleu"  # bleu (higher is better) | loss (lower is better)
     patience: int = 0  # stop after N validations without improvement (0 = off)
     average_last: int = 0  # at the end, average the last N periodic checkpoints (0 = off)
+    # An exponential moving average of the weights with this decay (0 = off; mt.train.ema):
+    # validated at the end, ema.pt, best.pt when at least as good (fairseq's --ema-decay)
+    ema: float = 0.0
     init_from: Optional[str] = None  # fine-tune: start from these weights, fresh optimiser
     # On resume, start these afresh: optimizer (Adam's moments), schedule (the lr schedule from
     # its first step: warm-up again), meters (best value, patience), data (a new epoch order)

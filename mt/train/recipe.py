@@ -8,7 +8,7 @@ A run directory holds everything a run writes (rank 0 only, holding ``run_dir/.l
     run_dir/tensorboard/       TensorBoard events (when tensorboard is installed)
     run_dir/checkpoints/       last.pt (full training state), best.pt, checkpoint_<step>.pt
                                (full state too: hard links to last.pt as saved),
-                               averaged.pt (train.average_last)
+                               averaged.pt (train.average_last), ema.pt (train.ema)
     run_dir/preempted.json     only after a stop by a signal
 
 Starting ``mt-train`` on a run directory that has ``checkpoints/last.pt`` resumes it exactly:
@@ -48,6 +48,7 @@ from mt.files import remove_stale_temps, write_json
 from mt.model.transformer import build_model
 from mt.schema import Config
 from mt.train import preempt
+from mt.train.ema import WeightEMA
 from mt.train.lock import LockError, RunLock
 from mt.train.progress import progress
 from mt.train.schedule import (
@@ -57,7 +58,7 @@ from mt.train.schedule import (
     describe_budget,
     noam_lambda,
 )
-from mt.train.snapshots import average_into_best, checkpoint_of, restore, save
+from mt.train.snapshots import average_into_best, checkpoint_of, ema_into_best, restore, save
 from mt.train.state import (
     TrainBatches,
     TrainState,
@@ -99,6 +100,7 @@ class Run:
     key: str  # valid_bleu or valid_loss
     stop: preempt.StopFlag = field(default_factory=preempt.StopFlag)
     batches: Optional[Prefetcher] = None  # the current epoch's batches, collated ahead
+    ema: Optional[WeightEMA] = None  # train.ema: the moving average of raw_model's weights
 
     def prefetch(self, source) -> Prefetcher:
         """Collate ``source``'s batches ahead in a background thread (pinned for a GPU)."""
@@ -256,7 +258,23 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     else:
         seed_everything(tc.seed + info.rank)  # different dropout masks on each rank
     key = metric_key(cfg)
-    return Run(cfg, info, run_dir, prepared, raw, forward, update, data, state, metrics, key)
+    run = Run(cfg, info, run_dir, prepared, raw, forward, update, data, state, metrics, key)
+    run.ema = _moving_average(raw, tc.ema, resume, resume_path)
+    return run
+
+
+def _moving_average(raw, decay: float, resume, resume_path) -> Optional[WeightEMA]:
+    """``train.ema``'s average of ``raw``'s weights (None when 0): a resumed run's own, or
+    one that starts at the weights in hand."""
+    if not decay:
+        return None
+    ema = WeightEMA(raw.parameters(), decay)
+    if resume is not None and resume.get("ema") is not None:
+        ema.load_state_dict(resume["ema"], str(resume_path))
+    elif resume is not None:
+        log.info("train.ema: %s holds no moving average; it starts at the resumed weights",
+                 resume_path)  # fmt: skip
+    return ema
 
 
 def train_loop(run: Run) -> str:
@@ -290,6 +308,8 @@ def train_loop(run: Run) -> str:
             state.wall = wall0 + time.perf_counter() - t0
             if result is not None:
                 state.step += 1
+                if run.ema is not None:
+                    run.ema.update()
                 bar.update(1)
                 if tc.log_every > 0:
                     logged.append(result)
@@ -421,6 +441,8 @@ def finish(run: Run, stop: str) -> dict[str, Any]:
         save(run, periodic=not (run.ckpt_dir / f"checkpoint_{state.step}.pt").is_file())
         if tc.average_last > 1 and run.info.is_main:
             average_into_best(run)
+        if run.ema is not None and run.info.is_main:
+            ema_into_best(run)
         distributed.barrier()
     else:
         save(run, periodic=False)

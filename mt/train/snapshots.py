@@ -1,6 +1,7 @@
 """Snapshots of a training run: what its checkpoints hold and when they are written
-(``last.pt``, the periodic ones, the average of the last N), and how a resumed run takes its
-state back (with ``train.reset``'s parts afresh and changed settings applied)."""
+(``last.pt``, the periodic ones, the average of the last N, the moving average of the weights),
+and how a resumed run takes its state back (with ``train.reset``'s parts afresh and changed
+settings applied)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,40 @@ def average_into_best(run) -> None:
     if use:
         avg.update(best=value, best_metric=run.key)
         save_checkpoint(run.ckpt_dir / "best.pt", avg)
+        run.state.best = value  # the bar for the moving average (ema_into_best)
+
+
+def ema_into_best(run) -> None:
+    """Validate the moving average of the weights (``train.ema``), write it to ema.pt, and
+    make it best.pt when it validates at least as well as the best so far (the best single
+    checkpoint, or the average of the last N when that won).
+
+    Called once training is over, after :func:`average_into_best`: the average is written into
+    the run's own model, which is left holding it, and validated there as every checkpoint was.
+    """
+    run.ema.copy_to(run.raw_model.parameters())  # versions bump: decoding copies made anew
+    ckpt = checkpoint_of(run, full=False)
+    ckpt.update(ema_decay=run.ema.decay, ema_updates=run.ema.updates)
+    save_checkpoint(run.ckpt_dir / "ema.pt", ckpt)
+    result = validate(run.raw_model, run.prepared, run.cfg, run.info.device,
+                      loss_model=run.training_model)  # fmt: skip
+    value = result[run.key]
+    best = run.state.best
+    use = best is None or value == best or better(run.key, value, best)
+    run.metrics.write(
+        {
+            "step": run.state.step,
+            "ema_decay": run.ema.decay,
+            **resident_fields(),
+            **{f"ema_{k}": v for k, v in result.items()},
+        }
+    )
+    log.info("moving average of the weights (decay %g): %s %.4g%s", run.ema.decay, run.key,
+             value, " -> best.pt" if use else "")  # fmt: skip
+    if use:
+        ckpt.update(best=value, best_metric=run.key)
+        save_checkpoint(run.ckpt_dir / "best.pt", ckpt)
+        run.state.best = value
 
 
 def checkpoint_of(run, full: bool) -> dict[str, Any]:
@@ -97,7 +132,7 @@ def checkpoint_of(run, full: bool) -> dict[str, Any]:
     update = run.update
     return training_state(
         run.raw_model, run.prepared, run.cfg, run.state,
-        update.optimizer, update.scheduler, update.scaler, full, run.info.world_size,
+        update.optimizer, update.scheduler, update.scaler, full, run.info.world_size, run.ema,
     )  # fmt: skip
 
 

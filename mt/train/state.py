@@ -397,9 +397,10 @@ def _changed_keys(old: str, new: str) -> list[str]:
 
 def training_state(
     raw_model, prepared, cfg: Config, state: TrainState, optimizer, scheduler, scaler, full: bool,
-    world_size: int = 1,
+    world_size: int = 1, ema=None,
 ) -> dict[str, Any]:  # fmt: skip
-    """A checkpoint dict: the self-describing model part, plus training state when ``full``.
+    """A checkpoint dict: the self-describing model part, plus training state when ``full``
+    (with ``ema``, a :class:`mt.train.ema.WeightEMA`, its average too).
 
     With ``full`` every rank must call this (the RNG states of all ranks are gathered).
     """
@@ -415,6 +416,8 @@ def training_state(
             train_cfg=dataclasses.asdict(cfg.train),
             state=dataclasses.asdict(state),
         )
+        if ema is not None:
+            ckpt["ema"] = ema.state_dict()
     return ckpt
 
 
