@@ -69,7 +69,7 @@ def test_single_process_helpers_are_noops(monkeypatch):
 def test_two_ranks_equal_one_rank_with_accumulation(tmp_path):
     """Per-update losses of 2 gloo ranks x max_tokens=M equal 1 rank x accum_steps=2 (dropout 0):
     the gradient is normalised by the tokens of the whole update across ranks."""
-    common = ["model.dropout=0.0", "train.max_steps=6", "train.max_tokens=300"]
+    common = ["model.dropout=0.0", "train.max_steps=6", "train.max_tokens=300", "train.ema=0.5"]
     single = tmp_path / "single"
     train_cfg = _cfg(single, *common, "train.accum_steps=2")
     from mt.train.recipe import train
@@ -94,6 +94,12 @@ def test_two_ranks_equal_one_rank_with_accumulation(tmp_path):
     assert len(b["rng"]) == 2  # each rank's RNG streams are kept for exact resume
     for k in a:
         torch.testing.assert_close(b["model"][k], a[k], rtol=1e-4, atol=1e-5)
+    # the moving average of the weights (train.ema) too, and rank 0 validated it into ema.pt
+    ema_a = load_checkpoint(single / "checkpoints" / "last.pt")["ema"]
+    assert b["ema"]["updates"] == ema_a["updates"] == 6
+    for x, y in zip(ema_a["weights"], b["ema"]["weights"]):
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5)
+    assert load_checkpoint(ddp / "checkpoints" / "ema.pt")["ema_updates"] == 6
 
 
 @pytest.mark.slow
