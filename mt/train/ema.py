@@ -48,14 +48,16 @@ class WeightEMA:
         self.updates = 0
         with torch.no_grad():
             self.weights = [p.detach().float().clone() for p in self.params]
+        # what update() lerps towards: the parameters themselves where they are float32 (the
+        # trained weights are, with autocast and with master weights), else float32 copies
+        self._float32 = all(p.dtype == torch.float32 for p in self.params)
 
     @torch.no_grad()
     def update(self) -> None:
         """Move the average towards the parameters after an optimiser update."""
         self.updates += 1
         weight = 1.0 - decay_at(self.decay, self.updates)
-        now = [p.detach() if p.dtype == torch.float32 else p.detach().float()
-               for p in self.params]  # fmt: skip
+        now = self.params if self._float32 else [p.detach().float() for p in self.params]
         torch._foreach_lerp_(self.weights, now, weight)
 
     @torch.no_grad()

@@ -67,31 +67,8 @@ def average_into_best(run) -> None:
     # Summed in the run's own weights (their versions bump: decoding copies are made anew)
     avg = average_checkpoints(paths, into=run.raw_model.state_dict())
     save_checkpoint(run.ckpt_dir / "averaged.pt", avg)
-    result = validate(run.raw_model, run.prepared, run.cfg, run.info.device,
-                      loss_model=run.training_model)  # fmt: skip
-    value = result[run.key]
-    use = (
-        run.state.best is None or value == run.state.best or better(run.key, value, run.state.best)
-    )
-    run.metrics.write(
-        {
-            "step": run.state.step,
-            "averaged": len(paths),
-            **resident_fields(),
-            **{f"avg_{k}": v for k, v in result.items()},
-        }
-    )
-    log.info(
-        "average of %d checkpoints: %s %.4g%s",
-        len(paths),
-        run.key,
-        value,
-        " -> best.pt" if use else "",
-    )
-    if use:
-        avg.update(best=value, best_metric=run.key)
-        save_checkpoint(run.ckpt_dir / "best.pt", avg)
-        run.state.best = value  # the bar for the moving average (ema_into_best)
+    _validate_into_best(run, avg, "avg_", {"averaged": len(paths)},
+                        f"average of {len(paths)} checkpoints")  # fmt: skip
 
 
 def ema_into_best(run) -> None:
@@ -106,21 +83,22 @@ def ema_into_best(run) -> None:
     ckpt = checkpoint_of(run, full=False)
     ckpt.update(ema_decay=run.ema.decay, ema_updates=run.ema.updates)
     save_checkpoint(run.ckpt_dir / "ema.pt", ckpt)
+    _validate_into_best(run, ckpt, "ema_", {"ema_decay": run.ema.decay},
+                        f"moving average of the weights (decay {run.ema.decay:g})")  # fmt: skip
+
+
+def _validate_into_best(run, ckpt: dict, prefix: str, record: dict, what: str) -> None:
+    """Validate the weights the run's model holds now (those of ``ckpt``), as every
+    checkpoint was (the same loss path, the same decoding); record the figures (keys with
+    ``prefix``, plus ``record``) and log them; ``ckpt`` becomes best.pt, and its value the bar
+    for what follows, when it validates at least as well as the best so far."""
     result = validate(run.raw_model, run.prepared, run.cfg, run.info.device,
                       loss_model=run.training_model)  # fmt: skip
-    value = result[run.key]
-    best = run.state.best
+    value, best = result[run.key], run.state.best
     use = best is None or value == best or better(run.key, value, best)
-    run.metrics.write(
-        {
-            "step": run.state.step,
-            "ema_decay": run.ema.decay,
-            **resident_fields(),
-            **{f"ema_{k}": v for k, v in result.items()},
-        }
-    )
-    log.info("moving average of the weights (decay %g): %s %.4g%s", run.ema.decay, run.key,
-             value, " -> best.pt" if use else "")  # fmt: skip
+    run.metrics.write({"step": run.state.step, **record, **resident_fields(),
+                       **{f"{prefix}{k}": v for k, v in result.items()}})  # fmt: skip
+    log.info("%s: %s %.4g%s", what, run.key, value, " -> best.pt" if use else "")
     if use:
         ckpt.update(best=value, best_metric=run.key)
         save_checkpoint(run.ckpt_dir / "best.pt", ckpt)
