@@ -12,7 +12,7 @@ from torch import nn
 
 import mt.fast.attention as attention_module
 from mt.fast.attention import CPUTrainingAttention
-from mt.fast.dropout import Dropout, dropout, expected_keep, keep_mask
+from mt.fast.dropout import Dropout, drop, dropout, expected_keep
 from mt.fast.onednn import (
     BucketedLinear,
     Linear,
@@ -27,6 +27,21 @@ from mt.model.transformer import build_model
 from mt.schema import ModelConfig
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="no oneDNN linear kernel")
+
+
+@pytest.fixture(params=["native", "torch"])
+def dropout_path(request, monkeypatch):
+    """Dropout through mt's one-pass kernel (mt.fast.native; skipped where it is not built:
+    tests/test_native.py fails if it should have been) and through torch's operators."""
+    import mt.fast.dropout as dropout_module
+    import mt.fast.native as native
+
+    if request.param == "native":
+        if native.dropout() is None:
+            pytest.skip(f"no kernel here: {native.unavailable_reason()}")
+    else:
+        monkeypatch.setattr(dropout_module, "_kernels", lambda: None)
+    return request.param
 
 
 @needs_onednn
@@ -115,7 +130,7 @@ def test_linear_leaves_other_dtypes_to_torch():
     assert y.dtype == torch.bfloat16  # autocast's own bfloat16 product
 
 
-def test_dropout_keeps_units_with_the_stated_probability():
+def test_dropout_keeps_units_with_the_stated_probability(dropout_path):
     torch.manual_seed(2)
     n, p = 1_000_000, 0.1
     x = torch.ones(n)
@@ -135,7 +150,7 @@ def test_dropout_keeps_units_with_the_stated_probability():
 
 
 @pytest.mark.parametrize("p", [0.3, 0.5])
-def test_dropout_other_rates_and_gradient(p):
+def test_dropout_other_rates_and_gradient(p, dropout_path):
     torch.manual_seed(3)
     x = torch.randn(200, 300, requires_grad=True)
     y = dropout(x, p)
@@ -146,7 +161,7 @@ def test_dropout_other_rates_and_gradient(p):
     torch.testing.assert_close(x.grad, mask)
 
 
-def test_dropout_off_and_bad_rate():
+def test_dropout_off_and_bad_rate(dropout_path):
     x = torch.randn(5, 6)
     assert dropout(x, 0.1, training=False) is x
     assert dropout(x, 0.0) is x
@@ -254,7 +269,7 @@ def test_training_copy_scores_in_row_blocks_like_the_model(precision, monkeypatc
 
 @pytest.mark.parametrize("p", [0.0, 0.25])
 @pytest.mark.parametrize("causal", [False, True])
-def test_written_out_attention_is_the_formula_with_its_dropout(p, causal):
+def test_written_out_attention_is_the_formula_with_its_dropout(p, causal, dropout_path):
     torch.manual_seed(7)
     q, k, v = (torch.randn(2, 3, 4, 8, requires_grad=True) for _ in range(3))
     keep = torch.tensor([True, True, True, False]).view(1, 1, 1, 4).expand(2, 1, 1, 4)
@@ -279,7 +294,7 @@ def test_written_out_attention_is_the_formula_with_its_dropout(p, causal):
 
 
 @pytest.mark.parametrize("p", [0.0, 0.25])
-def test_written_out_attention_under_autocast_runs_in_float32(p):
+def test_written_out_attention_under_autocast_runs_in_float32(p, dropout_path):
     """Under bf16 autocast the core takes bfloat16 q, k, v (what the autocast products give)
     and computes the written-out formula in float32 on them, to the bit, forward and backward:
     no bfloat16 batched product (each batch shape would build a oneDNN kernel)."""
@@ -337,7 +352,7 @@ def test_training_attention_keeps_the_weights_and_a_bool_mask_for_backward():
     assert len(floats) == 3
 
 
-def test_dropout_keeps_a_bool_mask_for_backward():
+def test_dropout_keeps_a_bool_mask_for_backward(dropout_path):
     x = torch.randn(50, 40, requires_grad=True)
     saved = _saved_for_backward(lambda: dropout(x, 0.1))
     assert [(t.dtype, t.shape) for t in saved] == [(torch.bool, x.shape)]
@@ -350,11 +365,11 @@ def test_training_copy_attention_goes_through_its_kernels(monkeypatch):
     copy = training_copy(model)
     calls = []
 
-    def spy(shape, p, device):
-        calls.append((tuple(shape), p))
-        return keep_mask(shape, p, device)
+    def spy(x, p):
+        calls.append((tuple(x.shape), p))
+        return drop(x, p)
 
-    monkeypatch.setattr(attention_module, "keep_mask", spy)
+    monkeypatch.setattr(attention_module, "drop", spy)
     src = torch.tensor([[5, 6, 7, 3, 0], [8, 9, 10, 11, 3]])
     tgt = torch.tensor([[2, 12, 13, 0], [2, 14, 15, 16]])
     model(src, tgt)

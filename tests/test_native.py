@@ -446,3 +446,84 @@ def test_greedy_search_with_best_token_finds_what_torchs_path_finds(pick, quanti
         for a, b in zip(got, expected):
             assert math.isclose(a.score, b.score, rel_tol=1e-5, abs_tol=1e-5)
     assert 0 in lengths[0] and min(lengths[1]) >= 3  # EOS at once, and min_len kept it off
+
+
+# mt::dropout and mt::masked_scale: the CPU training copy's dropout (mt.fast.dropout) in one pass.
+
+
+@pytest.fixture(scope="module")
+def drop_ops():
+    return built(native.dropout())
+
+
+def hashed_keep(n, seed, dropped):
+    """The kernel's mask written out in NumPy: element i keeps when the 16 bits at 16 (i mod 4)
+    of SplitMix64's output function over seed + (i div 4 + 1) * golden are >= dropped."""
+    import numpy as np
+
+    word = np.arange(n, dtype=np.uint64) // np.uint64(4)
+    with np.errstate(over="ignore"):
+        z = np.uint64(seed % 2**64) + (word + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    shift = (np.arange(n, dtype=np.uint64) % np.uint64(4)) * np.uint64(16)
+    draws = (z >> shift) & np.uint64(0xFFFF)
+    return torch.from_numpy(draws >= dropped)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,seed", [((7, 13), 12345), ((3, 5, 64), -(2**62) - 7), ((2,), 1)])
+def test_dropout_kernel_is_the_stated_hash_and_scale(drop_ops, dtype, shape, seed):
+    """Mask to the bit against the hash in NumPy (element counts off the 4 draws of a word, a
+    negative seed), kept units times the scale in float32, then rounded to the input's dtype."""
+    forward, backward = drop_ops
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    dropped, scale = 6554, 65536 / (65536 - 6554)
+    y, keep = forward(x, seed, dropped, scale)
+    want_keep = hashed_keep(x.numel(), seed, dropped).view(shape)
+    assert keep.dtype == torch.bool and torch.equal(keep, want_keep)
+    want = torch.where(want_keep, x.float() * torch.tensor(scale, dtype=torch.float32), 0.0)
+    assert y.dtype == dtype and torch.equal(y, want.to(dtype))
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    got = backward(g, keep, scale)
+    want_g = torch.where(want_keep, g.float() * torch.tensor(scale, dtype=torch.float32), 0.0)
+    assert torch.equal(got, want_g.to(dtype))
+
+
+def test_dropout_kernel_keeps_the_stated_share_and_ignores_the_threads(drop_ops):
+    """A million draws keep (65536 - dropped) / 65536 of the units, the four parts of one word
+    independently; the same seed gives the same mask on 1 and 2 threads and from a
+    non-contiguous input; another seed another mask."""
+    forward, _ = drop_ops
+    n, dropped = 1_000_000, round(0.3 * 65536)
+    x = torch.ones(n)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        y1, keep1 = forward(x, 99, dropped, 1.0)
+        torch.set_num_threads(2)
+        y2, keep2 = forward(x, 99, dropped, 1.0)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(keep1, keep2) and torch.equal(y1, y2)
+    share = 1 - dropped / 65536
+    sigma = math.sqrt(share * (1 - share) / n)
+    assert abs(keep1.double().mean().item() - share) < 5 * sigma
+    m = keep1.view(-1, 4).double()
+    for a, b in ((0, 1), (1, 3), (2, 3)):
+        both = (m[:, a] * m[:, b]).mean().item()
+        assert abs(both - share**2) < 5 * math.sqrt(share**2 * (1 - share**2) / (n // 4))
+    assert not torch.equal(forward(x, 100, dropped, 1.0)[1], keep1)
+    z = torch.randn(6, 10).t()  # non-contiguous: the mask follows the input's own indices
+    assert torch.equal(forward(z, 5, dropped, 1.0)[1], forward(z.contiguous(), 5, dropped, 1.0)[1])
+
+
+def test_dropout_kernel_names_what_it_cannot_take(drop_ops):
+    forward, backward = drop_ops
+    with pytest.raises(RuntimeError, match="dropped must be in"):
+        forward(torch.ones(4), 1, 65536, 1.0)
+    with pytest.raises(RuntimeError, match="keep must be bool"):
+        backward(torch.ones(4), torch.ones(4), 1.0)
+    with pytest.raises(RuntimeError, match="shapes differ"):
+        backward(torch.ones(4), torch.ones(3, dtype=torch.bool), 1.0)

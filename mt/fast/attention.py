@@ -37,7 +37,7 @@ import math
 import torch
 from torch import nn
 
-from mt.fast.dropout import apply_mask, dropout, keep_mask
+from mt.fast.dropout import apply_mask, drop, dropout
 from mt.fast.modules import replace_modules
 from mt.model.attention import ScaledDotProduct, attention, attention_weights
 
@@ -77,8 +77,9 @@ class _WrittenOutAttention(torch.autograd.Function):
         # kept for backward instead of the views (the projection's output is then let go)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         weights = attention_weights(q, k, mask, is_causal)  # (B, H, T, S)
-        keep, c = keep_mask(weights.shape, p, weights.device) if p > 0 else (None, 1.0)
-        out = (apply_mask(weights, keep, c) if keep is not None else weights) @ v
+        dropped, keep, c = drop(weights, p) if p > 0 else (weights, None, 1.0)
+        out = dropped @ v
+        del dropped
         ctx.save_for_backward(q, k, v, weights, keep)
         ctx.scale, ctx.c = 1 / math.sqrt(q.size(-1)), c
         return out
@@ -88,15 +89,12 @@ class _WrittenOutAttention(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v, weights, keep = ctx.saved_tensors
         grad = grad.contiguous()  # a view of (B, T, H, d_k): once, not for each product
-        # the scaled mask, made once for the dropped weights and for their gradient
-        scaled = keep.to(weights.dtype).mul_(ctx.c) if keep is not None else None
-        dropped = weights * scaled if scaled is not None else weights
+        dropped = apply_mask(weights, keep, ctx.c) if keep is not None else weights
         grad_v = dropped.transpose(-2, -1) @ grad
         del dropped
         grad_w = (grad @ v.transpose(-2, -1)).to(weights.dtype)  # (B, H, T, S)
-        if scaled is not None:
-            grad_w.mul_(scaled)  # in place: the product is a fresh tensor
-        del scaled
+        if keep is not None:
+            grad_w = apply_mask(grad_w, keep, ctx.c)
         grad_s = torch._softmax_backward_data(grad_w, weights, -1, weights.dtype)
         del grad_w
         grad_s.mul_(ctx.scale)

@@ -5,6 +5,13 @@ drawing the same number of 16-bit integers, and on the small model those draws w
 a training step. Here a unit is dropped with probability ``round(p * 65536) / 65536`` (p = 0.1:
 0.10001) and the kept units are scaled by the inverse of the exact keep probability, so the
 expected output is the input, as with ``F.dropout``.
+
+Where mt's kernels are built (``mt.fast.native``), the draws, the mask and the scaled output
+come from one pass over the tensor (``csrc/dropout.cpp``: each element's 16 bits hashed from a
+seed drawn from torch's generator and the element's index), and the backward pass is one pass
+too; elsewhere torch's operators draw them (:func:`keep_mask`). Either way a seeded run is
+reproducible and a resumed one continues as it would have, since the draws follow torch's
+generator.
 """
 
 from __future__ import annotations
@@ -18,25 +25,59 @@ _BITS = 16
 _LEVELS = 1 << _BITS  # a 16-bit draw takes one of 65536 values
 
 
+def _threshold(p: float) -> tuple[int, float]:
+    """How many of the 65536 values of a 16-bit draw drop a unit at rate ``p``, and the scale
+    of the kept units, ``1 / P(keep)``."""
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    dropped = round(p * _LEVELS)
+    return dropped, _LEVELS / (_LEVELS - dropped)
+
+
 def keep_mask(
     shape: torch.Size, p: float, device: torch.device | str
 ) -> tuple[torch.Tensor, float]:
     """The units kept by dropout at rate ``p`` (bool, ``shape``), drawn from 16 random bits
-    each, and the scale of the kept units, ``1 / P(keep)`` (module docstring)."""
-    if not 0.0 < p < 1.0:
-        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-    dropped = round(p * _LEVELS)
+    each through torch's operators, and the scale of the kept units, ``1 / P(keep)`` (module
+    docstring)."""
+    dropped, scale = _threshold(p)
     # Four 16-bit draws per 64-bit integer: random_(-2**63, None) fills all 64 bits uniformly.
     n = math.prod(shape)
     words = torch.empty(-(-n // 4), dtype=torch.int64, device=device).random_(-(2**63), None)
     draws = words.view(torch.int16)[:n].view(shape)  # uniform over [-32768, 32767]
     keep = draws >= dropped - _LEVELS // 2  # P(keep) = (65536 - dropped) / 65536
-    return keep, _LEVELS / (_LEVELS - dropped)
+    return keep, scale
 
 
 def apply_mask(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
     """``x`` with the units outside ``keep`` zeroed and the rest multiplied by ``scale``."""
+    fused = _kernels() if x.device.type == "cpu" else None
+    if fused is not None:
+        return fused[1](x, keep, scale)
     return x * keep.to(x.dtype).mul_(scale)
+
+
+def drop(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Dropout at rate ``p`` on ``x``: ``(dropped x, keep, scale)``, ``keep`` the bool mask of
+    the units kept and ``scale`` the factor they were multiplied by (module docstring): one
+    pass through mt's kernel on a CPU where it is built, else :func:`keep_mask` and
+    :func:`apply_mask`."""
+    fused = _kernels() if x.device.type == "cpu" else None
+    if fused is None:
+        keep, scale = keep_mask(x.shape, p, x.device)
+        return apply_mask(x, keep, scale), keep, scale
+    dropped, scale = _threshold(p)
+    seed = int(torch.empty((), dtype=torch.int64).random_())  # from torch's generator
+    y, keep = fused[0](x, seed, dropped, scale)
+    return y, keep, scale
+
+
+def _kernels():
+    """(``mt::dropout``, ``mt::masked_scale``), or None where mt's kernels are off or cannot be
+    built."""
+    from mt.fast import native
+
+    return native.dropout()
 
 
 class _Dropout(torch.autograd.Function):
@@ -44,15 +85,15 @@ class _Dropout(torch.autograd.Function):
     would keep the scaled float mask it multiplied by (2-4 bytes)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:
+        y, keep, ctx.scale = drop(x, p)
         ctx.save_for_backward(keep)
-        ctx.scale = scale
-        return apply_mask(x, keep, scale)
+        return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (keep,) = ctx.saved_tensors
-        return apply_mask(grad, keep, ctx.scale), None, None
+        return apply_mask(grad, keep, ctx.scale), None
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
@@ -63,8 +104,7 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     """
     if not training or p == 0.0:
         return x
-    keep, scale = keep_mask(x.shape, p, x.device)
-    return _Dropout.apply(x, keep, scale)
+    return _Dropout.apply(x, p)
 
 
 def expected_keep(p: float) -> float:

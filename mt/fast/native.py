@@ -23,6 +23,12 @@ its gradient, three passes over each row where torch's operators make about ten 
 log-probability straight from the logits (and a shortlist's bias), two passes over each row in
 place of a log-softmax written out, masked and searched.
 
+``torch.ops.mt.dropout`` and ``torch.ops.mt.masked_scale`` (``csrc/dropout.cpp``): the CPU
+training copy's dropout (``mt.fast.dropout``) in one pass, each element's 16 random bits hashed
+from a seed and its index, the bool mask and the scaled output written together, and its
+backward pass in one more: on an AMD Zen 3 (2 threads, a 25x41x256 tensor) 92 us forward and
+24 us backward where torch's operators took 622 and 173.
+
 The kernels are compiled with torch's C++ extension loader (``torch.utils.cpp_extension.load``,
 into ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``) for this CPU's instruction
 set (``-march=native``), once per CPU kind, torch and Python version and sources: ~10 s on 2
@@ -31,10 +37,9 @@ a home directory shared by machines of different CPUs never loads a kernel built
 a build lock left by a killed build is removed after two minutes (torch would wait for ever).
 Where they cannot be built (no C++ compiler or ninja, an unwritable cache) or
 ``MT_NATIVE_KERNELS=0`` is set, :func:`short_attention`, :func:`int8_linear`,
-:func:`smoothed_ce` and :func:`best_token` return None, the reason is said once, and decoding
-takes torch's path
-(``mt.fast.step``), which computes the same, and fbgemm's int8 products; the loss, torch's
-operators.
+:func:`smoothed_ce`, :func:`best_token` and :func:`dropout` return None, the reason is said
+once, and decoding takes torch's path (``mt.fast.step``), which computes the same, and fbgemm's
+int8 products; the loss and dropout, torch's operators.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("short_attention.cpp", "int8_linear.cpp", "smoothed_ce.cpp",
-                             "best_token.cpp"))
+                             "best_token.cpp", "dropout.cpp"))
 HEADERS = (Path(__file__).with_name("csrc") / "vec.h",)  # included by the sources
 # OpenMP: torch's own runtime, for its threads; no warnings about the vector types' ABI
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-Wno-psabi"]
@@ -195,6 +200,16 @@ def best_token() -> Callable | None:
     without writing their log-softmax), or None where the kernels are off or cannot be built
     (greedy search then takes torch's log-softmax and argmax, ``mt.decode.search``)."""
     return torch.ops.mt.best_token.default if _loaded() else None
+
+
+def dropout() -> tuple[Callable, Callable] | None:
+    """``(torch.ops.mt.dropout, torch.ops.mt.masked_scale)`` (``csrc/dropout.cpp``: the CPU
+    training copy's dropout, mask and scaled output in one pass, and its backward pass), or
+    None where the kernels are off or cannot be built (``mt.fast.dropout`` then draws its masks
+    through torch's operators)."""
+    if not _loaded():
+        return None
+    return torch.ops.mt.dropout.default, torch.ops.mt.masked_scale.default
 
 
 def unavailable_reason() -> str | None:

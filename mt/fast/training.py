@@ -12,7 +12,8 @@ validation see one model) and computes the model's math with these things done d
 * **Products over few row counts** in bfloat16 (autocast hands torch's products to oneDNN,
   which builds and keeps a kernel per shape): every ``nn.Linear`` and the projection's row
   blocks pad their rows to one of 16 sizes per doubling (``mt.fast.onednn.bucketed_linear``).
-* **Dropout masks from 16 random bits** per element, kept for the backward pass as booleans
+* **Dropout masks from 16 random bits** per element, kept for the backward pass as booleans,
+  drawn, compared and applied in one pass by mt's kernel where it is built
   (``mt.fast.dropout``).
 * **Attention written out** with those masks, one autograd function that keeps the weights and
   the bool mask for its backward pass, not the dropped weights and a float mask as well

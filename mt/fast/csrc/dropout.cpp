@@ -1,0 +1,161 @@
+// mt::dropout and mt::masked_scale: the CPU training copy's dropout in one pass over a tensor
+// (mt/fast/native.py builds them; mt/fast/dropout.py calls them).
+//
+// dropout(x, seed, dropped, scale) -> (y, keep):
+//   element i of x (contiguous order) draws the 16 bits d_i = (h >> 16 (i mod 4)) & 0xffff of
+//   h = mix64(seed + (i div 4 + 1) * 0x9e3779b97f4a7c15), SplitMix64's output function over a
+//   counter: four draws per 64-bit word, each element's draw a function of the seed and its
+//   index alone, so any split of the work over threads gives the same mask. The element is kept
+//   when d_i >= dropped (P = (65536 - dropped) / 65536), keep_i says so, and
+//   y_i = keep_i ? x_i * scale : 0, the product in float32 (also for 16-bit x).
+// masked_scale(g, keep, scale) -> keep_i ? g_i * scale : 0 (the backward pass; the dropped
+//   weights the attention's backward pass recomputes).
+//
+// Through torch's operators the same took five passes (random_ over int64 words, a comparison,
+// the bool mask cast to floats, scaled, multiplied) forward and three backward.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include "vec.h"
+
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+namespace {
+
+constexpr uint64_t kGamma = 0x9e3779b97f4a7c15ULL;
+constexpr int64_t kGrain = 4096;  // words (16,384 elements) per task at the least
+
+inline uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// Elements [4 w, 4 w + 4) of word w (fewer in the last word), branch-free: a tenth of the
+// elements dropped at random would mispredict a branch on each.
+template <typename T>
+inline void drop_word(const T* x, T* y, bool* keep, int64_t w, int count, uint64_t seed,
+                      uint32_t dropped, float scale) {
+  const uint64_t h = mix64(seed + static_cast<uint64_t>(w + 1) * kGamma);
+  for (int j = 0; j < count; ++j) {
+    const uint32_t d = static_cast<uint32_t>(h >> (16 * j)) & 0xffffu;
+    const bool k = d >= dropped;
+    keep[4 * w + j] = k;
+    y[4 * w + j] = static_cast<T>(static_cast<float>(x[4 * w + j]) * (k ? scale : 0.f));
+  }
+}
+
+// The vector path reads a word's four draws as 16-bit lanes in memory order: little-endian only.
+constexpr bool kVectorPath = __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__;
+
+typedef uint64_t u64x4 __attribute__((vector_size(32)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef int16_t i16x16 __attribute__((vector_size(32)));
+typedef int16_t i16x8 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+
+// Words [w, w + 4) of float32 x, in vector registers: mix64 on the four words' lanes, their 16
+// draws compared at once, the mask stored as 16 bytes and the kept units scaled.
+inline void drop_4words(const float* x, float* y, bool* keep, int64_t w, uint64_t seed,
+                        uint32_t dropped, float scale) {
+  const u64x4 index = {static_cast<uint64_t>(w + 1), static_cast<uint64_t>(w + 2),
+                       static_cast<uint64_t>(w + 3), static_cast<uint64_t>(w + 4)};
+  u64x4 z = seed + index * kGamma;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  z = z ^ (z >> 31);
+  u16x16 d;
+  std::memcpy(&d, &z, sizeof d);  // little-endian: draw j of word i is element 4 i + j
+  const i16x16 k = d >= static_cast<uint16_t>(dropped);  // -1 (kept) or 0
+  const int64_t at = 4 * w;
+  const i8x16 bytes = __builtin_convertvector(-k, i8x16);  // 1 or 0
+  std::memcpy(keep + at, &bytes, sizeof bytes);
+  int32_t bits;
+  std::memcpy(&bits, &scale, sizeof bits);
+  const mt_vec::ivec scale_bits = mt_vec::ivec{} + bits;
+  for (int half = 0; half < 2; ++half) {
+    i16x8 kh;
+    std::memcpy(&kh, reinterpret_cast<const char*>(&k) + 16 * half, sizeof kh);
+    const mt_vec::ivec k32 = __builtin_convertvector(kh, mt_vec::ivec);  // -1 or 0, widened
+    const mt_vec::fvec factor = reinterpret_cast<mt_vec::fvec>(k32 & scale_bits);  // scale or 0
+    mt_vec::store(y + at + 8 * half, mt_vec::load(x + at + 8 * half) * factor);
+  }
+}
+
+template <typename T>
+inline void drop_4words(const T* x, T* y, bool* keep, int64_t w, uint64_t seed, uint32_t dropped,
+                        float scale) {
+  for (int i = 0; i < 4; ++i) drop_word(x, y, keep, w + i, 4, seed, dropped, scale);
+}
+
+template <typename T>
+void drop(const T* x, T* y, bool* keep, int64_t n, uint64_t seed, uint32_t dropped, float scale) {
+  const int64_t whole = n / 4, words = (n + 3) / 4;
+  at::parallel_for(0, words, kGrain, [&](int64_t begin, int64_t end) {
+    const int64_t stop = end < whole ? end : whole;
+    int64_t w = begin;
+    if (kVectorPath) {
+      for (; w + 4 <= stop; w += 4) drop_4words(x, y, keep, w, seed, dropped, scale);
+    }
+    for (; w < stop; ++w) drop_word(x, y, keep, w, 4, seed, dropped, scale);
+    if (end > whole) drop_word(x, y, keep, whole, static_cast<int>(n - 4 * whole), seed, dropped,
+                               scale);
+  });
+}
+
+template <typename T>
+void scale_kept(const T* g, const bool* keep, T* out, int64_t n, float scale) {
+  const uint8_t* k = reinterpret_cast<const uint8_t*>(keep);  // 0 or 1
+  at::parallel_for(0, n, 4 * kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      out[i] = static_cast<T>(static_cast<float>(g[i]) * (static_cast<float>(k[i]) * scale));
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> dropout(const at::Tensor& x_in, int64_t seed, int64_t dropped,
+                                           double scale) {
+  TORCH_CHECK(dropped >= 0 && dropped < 65536, "mt::dropout: dropped must be in [0, 65536)");
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor y = at::empty_like(x);
+  at::Tensor keep = at::empty(x.sizes(), x.options().dtype(at::kBool));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mt::dropout", [&] {
+    drop<scalar_t>(x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), keep.data_ptr<bool>(),
+                   x.numel(), static_cast<uint64_t>(seed), static_cast<uint32_t>(dropped),
+                   static_cast<float>(scale));
+  });
+  return {y, keep};
+}
+
+at::Tensor masked_scale(const at::Tensor& g_in, const at::Tensor& keep_in, double scale) {
+  TORCH_CHECK(keep_in.scalar_type() == at::kBool, "mt::masked_scale: keep must be bool");
+  TORCH_CHECK(g_in.sizes() == keep_in.sizes(), "mt::masked_scale: shapes differ: ",
+              g_in.sizes(), " and ", keep_in.sizes());
+  const at::Tensor g = g_in.contiguous(), keep = keep_in.contiguous();
+  at::Tensor out = at::empty_like(g);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "mt::masked_scale",
+                                  [&] {
+    scale_kept<scalar_t>(g.data_ptr<scalar_t>(), keep.data_ptr<bool>(), out.data_ptr<scalar_t>(),
+                         g.numel(), static_cast<float>(scale));
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mt, m) {
+  m.def("dropout(Tensor x, int seed, int dropped, float scale) -> (Tensor, Tensor)");
+  m.def("masked_scale(Tensor g, Tensor keep, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mt, CPU, m) {
+  m.impl("dropout", &dropout);
+  m.impl("masked_scale", &masked_scale);
+}
