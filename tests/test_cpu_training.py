@@ -40,7 +40,7 @@ def dropout_path(request, monkeypatch):
         if native.dropout() is None:
             pytest.skip(f"no kernel here: {native.unavailable_reason()}")
     else:
-        monkeypatch.setattr(dropout_module, "_kernels", lambda: None)
+        monkeypatch.setattr(dropout_module, "_kernels", lambda x: None)
     return request.param
 
 
@@ -172,6 +172,8 @@ def test_dropout_off_and_bad_rate(dropout_path):
     torch.manual_seed(4)
     b = dropout(torch.ones(1000), 0.2)
     assert torch.equal(a, b)  # torch's generator: seeded runs repeat
+    c = dropout(torch.ones(1000, dtype=torch.float64), 0.2)  # not the kernel's: torch's way
+    assert c.dtype == torch.float64 and set(c.unique().tolist()) == {0.0, 1 / expected_keep(0.2)}
 
 
 CFG = ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.1)

@@ -527,3 +527,5 @@ def test_dropout_kernel_names_what_it_cannot_take(drop_ops):
         backward(torch.ones(4), torch.ones(4), 1.0)
     with pytest.raises(RuntimeError, match="shapes differ"):
         backward(torch.ones(4), torch.ones(3, dtype=torch.bool), 1.0)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16, got Double"):
+        forward(torch.ones(4, dtype=torch.float64), 1, 10, 1.0)

@@ -23,6 +23,7 @@ from torch import nn
 
 _BITS = 16
 _LEVELS = 1 << _BITS  # a 16-bit draw takes one of 65536 values
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what mt::dropout takes
 
 
 def _threshold(p: float) -> tuple[int, float]:
@@ -51,7 +52,7 @@ def keep_mask(
 
 def apply_mask(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
     """``x`` with the units outside ``keep`` zeroed and the rest multiplied by ``scale``."""
-    fused = _kernels() if x.device.type == "cpu" else None
+    fused = _kernels(x)
     if fused is not None:
         return fused[1](x, keep, scale)
     return x * keep.to(x.dtype).mul_(scale)
@@ -62,7 +63,7 @@ def drop(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor, float]:
     the units kept and ``scale`` the factor they were multiplied by (module docstring): one
     pass through mt's kernel on a CPU where it is built, else :func:`keep_mask` and
     :func:`apply_mask`."""
-    fused = _kernels() if x.device.type == "cpu" else None
+    fused = _kernels(x)
     if fused is None:
         keep, scale = keep_mask(x.shape, p, x.device)
         return apply_mask(x, keep, scale), keep, scale
@@ -72,9 +73,11 @@ def drop(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor, float]:
     return y, keep, scale
 
 
-def _kernels():
-    """(``mt::dropout``, ``mt::masked_scale``), or None where mt's kernels are off or cannot be
-    built."""
+def _kernels(x: torch.Tensor):
+    """(``mt::dropout``, ``mt::masked_scale``) for ``x``, or None where they do not apply (not
+    on a CPU, another dtype) or mt's kernels are off or cannot be built."""
+    if x.device.type != "cpu" or x.dtype not in _KERNEL_DTYPES:
+        return None
     from mt.fast import native
 
     return native.dropout()

@@ -16,9 +16,9 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include "vec.h"
@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 
 namespace {
 
@@ -120,16 +121,27 @@ void scale_kept(const T* g, const bool* keep, T* out, int64_t n, float scale) {
   });
 }
 
+// Calls f with a null pointer of x's element type: float32, bfloat16 or float16.
+template <typename F>
+void by_dtype(const at::Tensor& x, const char* op, F&& f) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return f(static_cast<float*>(nullptr));
+    case at::kBFloat16: return f(static_cast<c10::BFloat16*>(nullptr));
+    case at::kHalf: return f(static_cast<c10::Half*>(nullptr));
+    default: TORCH_CHECK(false, op, ": float32, bfloat16 or float16, got ", x.scalar_type());
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> dropout(const at::Tensor& x_in, int64_t seed, int64_t dropped,
                                            double scale) {
   TORCH_CHECK(dropped >= 0 && dropped < 65536, "mt::dropout: dropped must be in [0, 65536)");
   const at::Tensor x = x_in.contiguous();
-  at::Tensor y = at::empty_like(x);
+  at::Tensor y = at::empty(x.sizes(), x.options());
   at::Tensor keep = at::empty(x.sizes(), x.options().dtype(at::kBool));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mt::dropout", [&] {
-    drop<scalar_t>(x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), keep.data_ptr<bool>(),
-                   x.numel(), static_cast<uint64_t>(seed), static_cast<uint32_t>(dropped),
-                   static_cast<float>(scale));
+  by_dtype(x, "mt::dropout", [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    drop<T>(x.data_ptr<T>(), y.data_ptr<T>(), keep.data_ptr<bool>(), x.numel(),
+            static_cast<uint64_t>(seed), static_cast<uint32_t>(dropped), static_cast<float>(scale));
   });
   return {y, keep};
 }
@@ -139,11 +151,11 @@ at::Tensor masked_scale(const at::Tensor& g_in, const at::Tensor& keep_in, doubl
   TORCH_CHECK(g_in.sizes() == keep_in.sizes(), "mt::masked_scale: shapes differ: ",
               g_in.sizes(), " and ", keep_in.sizes());
   const at::Tensor g = g_in.contiguous(), keep = keep_in.contiguous();
-  at::Tensor out = at::empty_like(g);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "mt::masked_scale",
-                                  [&] {
-    scale_kept<scalar_t>(g.data_ptr<scalar_t>(), keep.data_ptr<bool>(), out.data_ptr<scalar_t>(),
-                         g.numel(), static_cast<float>(scale));
+  at::Tensor out = at::empty(g.sizes(), g.options());
+  by_dtype(g, "mt::masked_scale", [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    scale_kept<T>(g.data_ptr<T>(), keep.data_ptr<bool>(), out.data_ptr<T>(), g.numel(),
+                  static_cast<float>(scale));
   });
   return out;
 }
