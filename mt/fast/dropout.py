@@ -21,6 +21,8 @@ import math
 import torch
 from torch import nn
 
+import mt.fast.native as native
+
 _BITS = 16
 _LEVELS = 1 << _BITS  # a 16-bit draw takes one of 65536 values
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what mt::dropout takes
@@ -78,8 +80,6 @@ def _kernels(x: torch.Tensor):
     on a CPU, another dtype) or mt's kernels are off or cannot be built."""
     if x.device.type != "cpu" or x.dtype not in _KERNEL_DTYPES:
         return None
-    from mt.fast import native
-
     return native.dropout()
 
 
