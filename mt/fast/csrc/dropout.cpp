@@ -33,7 +33,9 @@ namespace {
 constexpr uint64_t kGamma = 0x9e3779b97f4a7c15ULL;
 constexpr int64_t kGrain = 4096;  // words (16,384 elements) per task at the least
 
-inline uint64_t mix64(uint64_t z) {
+// SplitMix64's output function, on one word or on the lanes of a vector of words.
+template <typename U>
+inline U mix64(U z) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
   return z ^ (z >> 31);
@@ -44,7 +46,7 @@ inline uint64_t mix64(uint64_t z) {
 template <typename T>
 inline void drop_word(const T* x, T* y, bool* keep, int64_t w, int count, uint64_t seed,
                       uint32_t dropped, float scale) {
-  const uint64_t h = mix64(seed + static_cast<uint64_t>(w + 1) * kGamma);
+  const uint64_t h = mix64<uint64_t>(seed + static_cast<uint64_t>(w + 1) * kGamma);
   for (int j = 0; j < count; ++j) {
     const uint32_t d = static_cast<uint32_t>(h >> (16 * j)) & 0xffffu;
     const bool k = d >= dropped;
@@ -68,10 +70,7 @@ inline void drop_4words(const float* x, float* y, bool* keep, int64_t w, uint64_
                         uint32_t dropped, float scale) {
   const u64x4 index = {static_cast<uint64_t>(w + 1), static_cast<uint64_t>(w + 2),
                        static_cast<uint64_t>(w + 3), static_cast<uint64_t>(w + 4)};
-  u64x4 z = seed + index * kGamma;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  z = z ^ (z >> 31);
+  const u64x4 z = mix64(seed + index * kGamma);
   u16x16 d;
   std::memcpy(&d, &z, sizeof d);  // little-endian: draw j of word i is element 4 i + j
   const i16x16 k = d >= static_cast<uint16_t>(dropped);  // -1 (kept) or 0
