@@ -156,12 +156,15 @@ def test_switched_off_or_unbuildable_decoding_takes_torchs_path(monkeypatch, cap
 
     monkeypatch.setenv("MT_NATIVE_KERNELS", "0")
     assert native.short_attention() is None and native.int8_linear() is None
+    assert native.int8_linear("avx2") is None
     assert native.smoothed_ce() is None  # the training loss through torch's operators
     assert native.unavailable_reason() == "MT_NATIVE_KERNELS=0"
     w = torch.randn(8, 4)
     assert Int8Linear(w).kernel == "fbgemm"  # int8 through fbgemm's products
-    with pytest.raises(RuntimeError, match="MT_NATIVE_KERNELS=0"):
-        Int8Linear(w, kernel="vnni")
+    for kernel in ("vnni", "avx2"):
+        with pytest.raises(RuntimeError, match=rf"\({kernel}\) is not available here "
+                                               r"\(MT_NATIVE_KERNELS=0\)"):
+            Int8Linear(w, kernel=kernel)
     monkeypatch.setenv("MT_NATIVE_KERNELS", "1")
 
     def no_compiler():
@@ -247,8 +250,11 @@ def test_int8_kernel_from_the_environment(monkeypatch):
     with pytest.raises(ValueError, match=r"'int4' \(or \$MT_INT8_KERNEL\)"):
         Int8Linear(w)
     monkeypatch.delenv("MT_INT8_KERNEL")
-    expected = "fbgemm" if native.int8_linear() is None else "vnni"
-    assert Int8Linear(w).kernel == expected  # auto: mt's kernel where this CPU has VNNI
+    # auto: mt's VNNI kernel where this CPU has VNNI, else its AVX2 kernel, else fbgemm's
+    expected = next((k for k in ("vnni", "avx2") if native.int8_linear(k)), "fbgemm")
+    assert Int8Linear(w).kernel == expected
+    with pytest.raises(ValueError, match="kind 'int4'"):
+        native.int8_linear("int4")
 
 
 # mt::smoothed_ce: a block of the training loss (mt.fast.loss) and its gradient, in place.

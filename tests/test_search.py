@@ -601,41 +601,52 @@ def test_int8_linear_equals_torchs_deprecated_dynamic_quantization_to_the_bit():
     assert torch.equal(Int8Linear(lin.weight, lin.bias, kernel="fbgemm")(x), ref(x))
 
 
-def vnni_or_skip():
+def mt_kernel_or_skip(kernel: str) -> None:
+    """Skip unless mt's int8 kernel ``kernel`` (vnni, avx2) runs on this CPU; fbgemm always
+    does."""
     from mt.fast import native
 
-    if native.int8_linear() is None:
-        why = native.unavailable_reason() or "no AVX-512 VNNI"
-        pytest.skip(f"mt's int8 kernel is not available here ({why})")
+    if kernel != "fbgemm" and native.int8_linear(kernel) is None:
+        missing = "AVX-512 VNNI" if kernel == "vnni" else "AVX2"
+        why = native.unavailable_reason() or f"no {missing}"
+        pytest.skip(f"mt's int8 kernel ({kernel}) is not available here ({why})")
 
 
-@pytest.mark.parametrize("shape", [(7, 40, 24), (1, 3, 1), (19, 255, 37), (40, 1024, 64)])
-def test_int8_linear_vnni_is_the_per_row_formula(shape):
-    """mt's VNNI kernel against an independent computation: each row of x rounded to the
-    nearest of 255 levels of its own scale (largest magnitude / 127), the integer sums exact
-    (here in float64, exact at these sizes), then times the two scales plus the bias; the ReLU
-    on that. Shapes off the kernel's blocks (K not a multiple of 4, N of 32, M of 8), a zero
-    row of x and a zero row of W included."""
+# each kernel's levels on either side of 0: 8 bits (VNNI), 7 bits (AVX2's vpmaddubsw)
+MT_INT8_LEVELS = {"vnni": 127, "avx2": 63}
+
+
+@pytest.mark.parametrize("kernel", ["vnni", "avx2"])
+@pytest.mark.parametrize("shape", [(7, 40, 24), (1, 3, 1), (19, 255, 37), (40, 1024, 64),
+                                   (13, 17, 9)])  # fmt: skip
+def test_int8_linear_mt_kernel_is_the_per_row_formula(shape, kernel):
+    """mt's kernels against an independent computation: each row of x rounded to the nearest
+    of 2L + 1 levels of its own scale (largest magnitude / L: L = 127 on VNNI, 63 on AVX2),
+    the integer sums exact (here in float64, exact at these sizes), then times the two scales
+    plus the bias; the ReLU on that. Shapes off the kernels' blocks (K not a multiple of 4 or
+    8, N of 32, 16 or 8, M of 8 or 6), a zero row of x and a zero row of W included, and each
+    row's largest value negative in one row (a weight of -128 in the product)."""
     from mt.fast.quantize import Int8Linear
 
-    vnni_or_skip()
+    mt_kernel_or_skip(kernel)
     M, K, N = shape
     g = torch.Generator().manual_seed(M + K + N)
     w, b = torch.randn(N, K, generator=g) * 0.05, torch.randn(N, generator=g)
     w[N // 2] = 0.0
     x = torch.randn(M, K, generator=g) * 3
     x[M // 2] = 0.0
-    layer = Int8Linear(w, b, kernel="vnni")
-    assert layer.kernel == "vnni"
+    layer = Int8Linear(w, b, kernel=kernel)
+    assert layer.kernel == kernel
     weight, scale = layer._rows
     ref_scale = (w.abs().amax(dim=1) / 127.5).clamp(min=torch.finfo(torch.float32).eps)
     assert torch.equal(scale, ref_scale)
     rounded = torch.round(w * (1 / scale)[:, None]).clamp(-128, 127).to(torch.int8)
     assert torch.equal(weight, rounded)
+    top = MT_INT8_LEVELS[kernel]
     largest = x.abs().amax(dim=1, keepdim=True)
-    step = torch.where(largest > 0, largest / 127, torch.ones_like(largest))
+    step = torch.where(largest > 0, largest / top, torch.ones_like(largest))
     levels = torch.round(x * (1 / step))
-    assert levels.abs().max() <= 127
+    assert levels.abs().max() == (top if M > 1 else 0)  # (M = 1: the zero row alone)
     sums = (levels.double() @ weight.double().t()).float()
     expected = sums * step * scale + b
     torch.testing.assert_close(layer(x), expected, rtol=1e-6, atol=1e-6)
@@ -646,18 +657,43 @@ def test_int8_linear_vnni_is_the_per_row_formula(shape):
     assert ((layer(x) - (x @ w.t() + b)).abs() <= bound * 1.01 + 1e-5).all()
 
 
-def test_int8_linear_vnni_rows_do_not_depend_on_their_batch():
+@pytest.mark.parametrize("kernel", ["vnni", "avx2"])
+def test_int8_linear_mt_kernel_sums_are_exact_at_the_extremes(kernel):
+    """The largest products the kernels meet: weights of -128 and 127 against rows at their
+    largest level of either sign (AVX2's vpmaddubsw adds pairs in 16 bits with saturation:
+    127 + 64 = 127 unsigned times -128, twice, is -32,512, inside), K = 1,024; the sums equal
+    the exact integer products."""
+    from mt.fast import native
+    from mt.fast.quantize import vnni_layout
+
+    mt_kernel_or_skip(kernel)
+    K, N = 1024, 40
+    g = torch.Generator().manual_seed(5)
+    weight = torch.where(torch.rand(N, K, generator=g) < 0.5, -128, 127).to(torch.int8)
+    weight[0] = -128
+    scales = torch.ones(N)
+    top = MT_INT8_LEVELS[kernel]  # x at +-top: each row's scale 1, its levels x itself
+    x = torch.where(torch.rand(9, K, generator=g) < 0.5, -top, top).float()
+    x[0], x[1] = top, -top
+    w, scale, comp, n = vnni_layout(weight, scales)
+    out = native.int8_linear(kernel)(x, w, scale, comp, None, n, False)
+    assert torch.equal(out.double(), x.double() @ weight.double().t())  # exact in float32
+    assert out[0, 0] == -128 * top * K and out[1, 0] == 128 * top * K
+
+
+@pytest.mark.parametrize("kernel", ["vnni", "avx2"])
+def test_int8_linear_mt_kernel_rows_do_not_depend_on_their_batch(kernel):
     """Per-row quantization: a row's output is the same to the bit alone or in any batch (the
     property that makes int8 decoding's batched == one by one hold); fbgemm's per-tensor
     range makes it depend on the other rows."""
     from mt.fast.quantize import Int8Linear
 
-    vnni_or_skip()
+    mt_kernel_or_skip(kernel)
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
     x = torch.randn(11, 64, generator=g)
     x[3] *= 50  # one row of a much wider range
-    layer = Int8Linear(w, b, kernel="vnni")
+    layer = Int8Linear(w, b, kernel=kernel)
     batched = layer(x)
     for i in range(11):
         assert torch.equal(layer(x[i : i + 1]), batched[i : i + 1])
@@ -665,19 +701,43 @@ def test_int8_linear_vnni_rows_do_not_depend_on_their_batch():
     assert not torch.equal(fbgemm(x[:1]), fbgemm(x)[:1])
 
 
-@pytest.mark.parametrize("kernel", ["vnni", "fbgemm"])
+@pytest.mark.parametrize("beam", [1, 3])
+@pytest.mark.parametrize("kernel", ["vnni", "avx2"])
+def test_int8_decoding_on_mt_kernels_batched_equals_one_by_one(real_model, kernel, beam,
+                                                               monkeypatch):  # fmt: skip
+    """With mt's per-row int8 products the whole search decodes a batch as it decodes each
+    sentence alone, greedy and beam, as float32 does; fbgemm's per-call range (the range of
+    the whole batch) does not: 4 of these 8 sentences decode otherwise alone, greedy and beam."""
+    from mt.fast.decoding import release_decoding_copies
+
+    mt_kernel_or_skip(kernel)
+    monkeypatch.setenv("MT_INT8_KERNEL", kernel)
+    release_decoding_copies(real_model)  # an int8 copy built on another kernel
+    try:
+        ids = random_sources(8, [4, 9, 13, 6, 20, 3, 11, 8])
+        cfg = DecodeConfig(beam_size=beam, max_len_a=0.5, max_len_b=5, batch_size=8,
+                           quantize="int8")  # fmt: skip
+        batched = translate_nbest(real_model, ids, cfg)
+        alone = [translate_nbest(real_model, [s], cfg)[0] for s in ids]
+        # the same tokens; the scores to float rounding (the float32 operations beside the
+        # products, e.g. the attention over a batch's padded sources, round by batch)
+        assert_same_nbest(batched, alone)
+    finally:
+        release_decoding_copies(real_model)
+
+
+@pytest.mark.parametrize("kernel", ["vnni", "avx2", "fbgemm"])
 def test_int8_linear_subset_is_the_full_products_columns(kernel):
     """A shortlist's product: the full product's columns, the same bits on mt's kernel, up
     to float rounding on fbgemm's (a per-tensor packing, the scales applied after)."""
     from mt.fast.quantize import Int8Linear
 
-    if kernel == "vnni":
-        vnni_or_skip()
+    mt_kernel_or_skip(kernel)
     g = torch.Generator().manual_seed(2)
     w, x = torch.randn(70, 32, generator=g), torch.randn(5, 32, generator=g)
     layer = Int8Linear(w, kernel=kernel)
     ids = torch.tensor([69, 0, 5, 33, 34])
-    if kernel == "vnni":
+    if kernel != "fbgemm":
         assert torch.equal(layer.subset(ids)(x), layer(x)[:, ids])
     else:
         torch.testing.assert_close(layer.subset(ids)(x), layer(x)[:, ids])
@@ -685,7 +745,7 @@ def test_int8_linear_subset_is_the_full_products_columns(kernel):
         Int8Linear(w, kernel="int4")
 
 
-@pytest.mark.parametrize("kernel", ["vnni", "fbgemm"])
+@pytest.mark.parametrize("kernel", ["vnni", "avx2", "fbgemm"])
 def test_int8_feed_forward_fuses_the_relu_and_equals_the_unfused_blocks_to_the_bit(
     kernel, monkeypatch
 ):
@@ -695,8 +755,7 @@ def test_int8_feed_forward_fuses_the_relu_and_equals_the_unfused_blocks_to_the_b
     from mt.fast.quantize import Int8FeedForward, Int8Linear, quantize_int8
     from mt.model.transformer import FeedForward
 
-    if kernel == "vnni":
-        vnni_or_skip()
+    mt_kernel_or_skip(kernel)
     monkeypatch.setenv("MT_INT8_KERNEL", kernel)
 
     torch.manual_seed(0)

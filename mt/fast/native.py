@@ -8,10 +8,12 @@ batched products of thousands of tiny matrices and a softmax: on an AMD Zen 4 th
 decoding of real text (Multi30k, 1,000 sentences, one thread, int8) from 409 to 500 sentences/s
 greedy and from 148 to 170 with beam 5, +9% with beam 5 in float32 (the same outputs there).
 
-``torch.ops.mt.int8_linear`` (``csrc/int8_linear.cpp``): int8 decoding's products
-(``mt.fast.quantize.Int8Linear``) on AVX-512 VNNI, each row of the activations quantized on its
-own; where the CPU lacks VNNI the source compiles to a stub (``mt::int8_linear_available``
-says false) and int8 decoding stays on fbgemm's products.
+``torch.ops.mt.int8_linear`` and ``torch.ops.mt.int8_linear_avx2`` (``csrc/int8_linear.cpp``):
+int8 decoding's products (``mt.fast.quantize.Int8Linear``) on AVX-512 VNNI (8 bits) and on AVX2
+(7 bits), each row of the activations quantized on its own; where the CPU lacks an instruction
+set its kernel compiles to a stub (``mt::int8_linear_available``,
+``mt::int8_linear_avx2_available`` say false), and without either int8 decoding stays on
+fbgemm's products.
 
 ``torch.ops.mt.smoothed_ce`` (``csrc/smoothed_ce.cpp``): a row block of the CPU training loss
 (``mt.fast.loss``): the label-smoothed cross-entropy of float32 or bfloat16 scores and, in place,
@@ -176,14 +178,21 @@ def short_attention() -> Callable | None:
     return torch.ops.mt.short_attention if _loaded() else None
 
 
-def int8_linear() -> Callable | None:
+def int8_linear(kind: str = "vnni") -> Callable | None:
     """``torch.ops.mt.int8_linear(x, w, scale, comp, bias, n, relu)`` (``csrc/int8_linear.cpp``:
-    int8 products for a few rows on AVX-512 VNNI, activations quantized per row), or None where
-    the kernels are off or cannot be built, or this CPU lacks AVX-512 VNNI (int8 decoding then
-    takes fbgemm's products, ``mt.fast.quantize``)."""
-    if not _loaded() or not torch.ops.mt.int8_linear_available():
+    int8 products for a few rows, activations quantized per row) on ``kind``: ``"vnni"``
+    (AVX-512 VNNI's ``vpdpbusd``, 8 bits) or ``"avx2"`` (``torch.ops.mt.int8_linear_avx2``,
+    the same arguments and weight layout: AVX2's ``vpmaddubsw``, 7 bits). None where the
+    kernels are off or cannot be built, or this CPU lacks the instructions of that kind (int8
+    decoding then takes another, ``mt.fast.quantize``)."""
+    if kind not in ("vnni", "avx2"):
+        raise ValueError(f"int8_linear: kind {kind!r} is not vnni or avx2")
+    if not _loaded():
         return None
-    return torch.ops.mt.int8_linear.default
+    if kind == "vnni":
+        return torch.ops.mt.int8_linear.default if torch.ops.mt.int8_linear_available() else None
+    return (torch.ops.mt.int8_linear_avx2.default if torch.ops.mt.int8_linear_avx2_available()
+            else None)  # fmt: skip
 
 
 def smoothed_ce() -> Callable | None:

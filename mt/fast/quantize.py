@@ -2,9 +2,11 @@
 (weights int8 per output channel, symmetric; activations quantized at each call; int32
 accumulation, float32 output). Embeddings, LayerNorm, softmax and attention stay float32.
 
-The products run on mt's own kernel where the CPU has AVX-512 VNNI (``torch.ops.mt.int8_linear``,
-built by ``mt.fast.native``: the activations quantized per row, 8 bits), else on fbgemm's
-(``quantized::linear_dynamic``: per tensor, 7 bits), both called directly (:class:`Int8Linear`).
+The products run on mt's own kernels (built by ``mt.fast.native``), the activations quantized
+per row: ``torch.ops.mt.int8_linear`` where the CPU has AVX-512 VNNI (8 bits), else
+``torch.ops.mt.int8_linear_avx2`` where it has AVX2 (7 bits, as fbgemm's AVX2 products); where
+neither can be built, on fbgemm's (``quantized::linear_dynamic``: per tensor, 7 bits), called
+directly (:class:`Int8Linear`).
 They were reached through ``torch.ao.quantization.quantize_dynamic`` before, the first part of
 torch's quantization to be deprecated (its notice: "will be removed in 2.10"; still present in
 2.13) in favour of the separate torchao package; :class:`Int8Linear` on fbgemm computes what that
@@ -31,7 +33,8 @@ import mt.fast.native as native
 from mt.fast.modules import replace_modules, shared_copy
 from mt.model.transformer import FeedForward
 
-KERNEL_ENV = "MT_INT8_KERNEL"  # auto | vnni | fbgemm: Int8Linear's default kernel
+KERNEL_ENV = "MT_INT8_KERNEL"  # auto | vnni | avx2 | fbgemm: Int8Linear's default kernel
+KERNELS = ("auto", "vnni", "avx2", "fbgemm")
 _LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default
 _LINEAR_RELU_DYNAMIC = torch.ops.quantized.linear_relu_dynamic.default
 
@@ -46,20 +49,23 @@ class Int8Linear(nn.Module):
     - ``"vnni"``, mt's own (``torch.ops.mt.int8_linear``, ``mt/fast/csrc/int8_linear.cpp``),
       where the CPU has AVX-512 VNNI and mt's kernels are built: each row of ``x`` quantized on
       its own (8 bits, symmetric), so a row's output does not depend on the rows beside it.
+    - ``"avx2"``, mt's own for AVX2 without VNNI (``torch.ops.mt.int8_linear_avx2``, the same
+      weight layout): each row quantized on its own in 7 bits (AVX2's ``vpmaddubsw`` would
+      saturate with 8), so it too is independent of the rows beside it.
     - ``"fbgemm"``: ``quantized::linear_dynamic``, ``x`` quantized per call from the range of
       the whole tensor (fbgemm's reduced range, 7 bits), as torch's dynamic quantization did.
 
-    ``"auto"`` takes the first that is available; the default is ``$MT_INT8_KERNEL``, else
-    ``"auto"``. Both accumulate in int32. Not trainable; the float32 weight is not kept.
+    ``"auto"`` takes the first of them that is available; the default is ``$MT_INT8_KERNEL``,
+    else ``"auto"``. All accumulate in int32. Not trainable; the float32 weight is not kept.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  kernel: str | None = None) -> None:  # fmt: skip
         super().__init__()
         kernel = kernel or os.environ.get(KERNEL_ENV, "").strip().lower() or "auto"
-        if kernel not in ("auto", "vnni", "fbgemm"):
-            raise ValueError(f"Int8Linear: kernel {kernel!r} (or ${KERNEL_ENV}) is not auto, "
-                             "vnni or fbgemm")
+        if kernel not in KERNELS:
+            raise ValueError(f"Int8Linear: kernel {kernel!r} (or ${KERNEL_ENV}) is not one of "
+                             f"{', '.join(KERNELS)}")
         w = weight.detach().float()
         self.out_features, self.in_features = w.shape
         largest = torch.maximum(-w.amin(dim=1).clamp(max=0), w.amax(dim=1).clamp(min=0))
@@ -70,14 +76,11 @@ class Int8Linear(nn.Module):
         with warnings.catch_warnings():  # quantized tensors' own deprecation notice (below)
             warnings.simplefilter("ignore")
             q = torch.quantize_per_channel(w, scale.double(), zero, 0, torch.qint8)
-        self._vnni = native.int8_linear() if kernel != "fbgemm" else None
-        if kernel == "vnni" and self._vnni is None:
-            raise RuntimeError("Int8Linear: mt's int8 kernel is not available here ("
-                               f"{native.unavailable_reason() or 'no AVX-512 VNNI'})")
+        self._layout, self._mt = _mt_kernel(kernel)
         # the int8 weight and its scales (for subset()): kept for mt's kernel, unpacked from
         # fbgemm's packing when first asked for
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
-        if self._vnni is not None:
+        if self._mt is not None:
             self._rows = (q.int_repr(), scale)
             self._packed = vnni_layout(*self._rows)
         else:
@@ -87,8 +90,8 @@ class Int8Linear(nn.Module):
 
     @property
     def kernel(self) -> str:
-        """``"vnni"`` or ``"fbgemm"``: the kernel this layer runs on."""
-        return "fbgemm" if self._vnni is None else "vnni"
+        """``"vnni"``, ``"avx2"`` or ``"fbgemm"``: the kernel this layer runs on."""
+        return self._layout or "fbgemm"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) float32 -> (..., out) float32."""
@@ -107,10 +110,10 @@ class Int8Linear(nn.Module):
             self._rows = (q.int_repr(), q.q_per_channel_scales().float())
         weight, scales = self._rows
         rows, row_scales = weight.index_select(0, ids), scales.index_select(0, ids)
-        if self._vnni is not None:
-            # the rows' sums: the full weight's (``comp``), gathered
+        if self._mt is not None:
+            # the rows' sums (VNNI): the full weight's (``comp``), gathered
             packed = vnni_layout(rows, row_scales, self._packed[2].index_select(0, ids))
-            return partial(self._vnni_product, packed, None, False)
+            return partial(self._mt_product, packed, None, False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             q = torch._make_per_tensor_quantized_tensor(rows, 1.0, 0)
@@ -125,8 +128,8 @@ class Int8Linear(nn.Module):
     def _product(self, x: torch.Tensor, relu: bool) -> torch.Tensor:
         """The product (its ReLU inside where ``relu``) on this layer's kernel: mt's, or
         fbgemm's (reduced range)."""
-        if self._vnni is not None:
-            return self._vnni_product(self._packed, self.bias, relu, x)
+        if self._mt is not None:
+            return self._mt_product(self._packed, self.bias, relu, x)
         op = _LINEAR_RELU_DYNAMIC if relu else _LINEAR_DYNAMIC
         # subclasses' ``__torch_function__`` off: torch's Python binding asks every argument
         # for that attribute, and the packed weight (a TorchScript object) answers by throwing
@@ -135,13 +138,29 @@ class Int8Linear(nn.Module):
         with torch._C.DisableTorchFunctionSubclass():
             return op(x, self._packed, True)
 
-    def _vnni_product(self, packed: tuple, bias: torch.Tensor | None, relu: bool,
-                      x: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def _mt_product(self, packed: tuple, bias: torch.Tensor | None, relu: bool,
+                    x: torch.Tensor) -> torch.Tensor:  # fmt: skip
         weight, scales, comp, n = packed
-        return self._vnni(x, weight, scales, comp, bias, n, relu)
+        return self._mt(x, weight, scales, comp, bias, n, relu)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int8 per channel, {self.kernel}"
+
+
+def _mt_kernel(kernel: str) -> tuple[str | None, Callable | None]:
+    """The layout and operator of mt's own kernel for ``kernel`` (auto: VNNI, else AVX2), or
+    ``(None, None)`` for fbgemm's (asked for, or auto where mt's is not available)."""
+    if kernel == "fbgemm":
+        return None, None
+    for layout in (kernel,) if kernel != "auto" else ("vnni", "avx2"):
+        op = native.int8_linear(layout)
+        if op is not None:
+            return layout, op
+        if kernel != "auto":
+            missing = "AVX-512 VNNI" if layout == "vnni" else "AVX2"
+            raise RuntimeError(f"Int8Linear: mt's int8 kernel ({layout}) is not available here "
+                               f"({native.unavailable_reason() or 'no ' + missing})")
+    return None, None
 
 
 def vnni_layout(weight: torch.Tensor, scales: torch.Tensor,
