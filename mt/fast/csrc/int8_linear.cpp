@@ -272,6 +272,7 @@ void vnni_product(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& c
   const int8_t* wp = w.const_data_ptr<int8_t>();
   const int32_t* cp = comp.const_data_ptr<int32_t>();
   const int64_t blocks = Np / 32, block_bytes = Kp * 16;
+  const int64_t chunks = (M + kRows - 1) / kRows;  // rows in even chunks, as on AVX2 below
   // blocks of 32 channels per task: a small product stays on the calling thread
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * Kp * 32 / 64));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
@@ -280,10 +281,11 @@ void vnni_product(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& c
       const int8_t* w1 = w0 + block_bytes;
       const int64_t col = 32 * j, valid = std::min<int64_t>(32, n - col);
       const float* bj = bp ? bp + col : nullptr;
-      for (int64_t m = 0; m < M; m += kRows) {
-        const int64_t r = std::min<int64_t>(kRows, M - m);
+      for (int64_t c = 0, m = 0; c < chunks; ++c) {
+        const int64_t r = M / chunks + (c < M % chunks);
         rows_kernel(r)(u.data() + m * Kp, Kp, w0, w1, sx.data() + m, sp + col, cp + col, bj, relu,
                        op + m * n + col, n, valid);
+        m += r;
       }
     }
   });
@@ -300,6 +302,9 @@ void avx2_product(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& c
   const int8_t* wp = w.const_data_ptr<int8_t>();
   const int32_t* cp = comp.const_data_ptr<int32_t>();
   const int64_t blocks = w.size(0), block_bytes = Kp * 16;
+  // the rows in chunks of at most kRowsAvx2, as even as they go (8 rows as 4 + 4, not 6 + 2:
+  // a chunk of 2 reads the weights as often as one of 6, for a third of the work)
+  const int64_t chunks = (M + kRowsAvx2 - 1) / kRowsAvx2;
   // blocks of 16 channels per task: a small product stays on the calling thread
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * Kp * 16 / 64));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
@@ -309,10 +314,11 @@ void avx2_product(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& c
         const int64_t col = 16 * j + 8 * h, valid = std::min<int64_t>(8, n - col);
         if (valid <= 0) break;
         const float* bj = bp ? bp + col : nullptr;
-        for (int64_t m = 0; m < M; m += kRowsAvx2) {
-          const int64_t r = std::min<int64_t>(kRowsAvx2, M - m);
+        for (int64_t c = 0, m = 0; c < chunks; ++c) {
+          const int64_t r = M / chunks + (c < M % chunks);
           rows8_kernel(r)(q.data() + m * Kp, Kp, wj + 32 * h, sx.data() + m, sp + col, cp + col,
                           bj, relu, op + m * n + col, n, valid);
+          m += r;
         }
       }
     }
