@@ -130,7 +130,7 @@ def _masked_loss(model, batch, eps, precision):
 
 def _float_loss(model, batch, eps, precision):
     loss, nll = batch_loss(model, batch, eps, precision)
-    if float(nll) < 0:  # a host-side decision on a device value
+    if float(nll.detach()) < 0:  # a host-side decision on a device value
         raise AssertionError
     return loss, nll
 
