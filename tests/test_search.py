@@ -637,7 +637,7 @@ def test_int8_linear_mt_kernel_is_the_per_row_formula(shape, kernel):
     x[M // 2] = 0.0
     layer = Int8Linear(w, b, kernel=kernel)
     assert layer.kernel == kernel
-    weight, scale = layer._rows
+    weight, scale = layer.int8_weight()
     ref_scale = (w.abs().amax(dim=1) / 127.5).clamp(min=torch.finfo(torch.float32).eps)
     assert torch.equal(scale, ref_scale)
     rounded = torch.round(w * (1 / scale)[:, None]).clamp(-128, 127).to(torch.int8)

@@ -77,12 +77,11 @@ class Int8Linear(nn.Module):
             warnings.simplefilter("ignore")
             q = torch.quantize_per_channel(w, scale.double(), zero, 0, torch.qint8)
         self._layout, self._mt = _mt_kernel(kernel)
-        # the int8 weight and its scales (for subset()): kept for mt's kernel, unpacked from
-        # fbgemm's packing when first asked for
+        # fbgemm's int8 weight and its scales (for subset()): unpacked from its packing when
+        # first asked for; mt's kernels gather a subset's rows from their own layout
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
         if self._mt is not None:
-            self._rows = (q.int_repr(), scale)
-            self._packed = vnni_layout(*self._rows)
+            self._packed = vnni_layout(q.int_repr(), scale)
         else:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -105,20 +104,32 @@ class Int8Linear(nn.Module):
         (7.8 ms for 2,000 rows of 256 on an AMD Zen 4, against 1.1 ms per tensor)."""
         if self.bias is not None:
             raise ValueError("a subset of an Int8Linear with a bias is not supported")
-        if self._rows is None:
-            q, _ = torch.ops.quantized.linear_unpack(self._packed)
-            self._rows = (q.int_repr(), q.q_per_channel_scales().float())
-        weight, scales = self._rows
-        rows, row_scales = weight.index_select(0, ids), scales.index_select(0, ids)
         if self._mt is not None:
+            w, scales, comp, _ = self._packed
+            # row i is lane i % 16 of block i // 16, over all its (Kp/4, 4) inputs
+            rows = w[ids // 16, :, ids % 16].reshape(len(ids), -1)[:, : self.in_features]
             # the rows' sums (VNNI): the full weight's (``comp``), gathered
-            packed = vnni_layout(rows, row_scales, self._packed[2].index_select(0, ids))
+            packed = vnni_layout(rows, scales.index_select(0, ids), comp.index_select(0, ids))
             return partial(self._mt_product, packed, None, False)
+        weight, row_scales = self.int8_weight()
+        rows, row_scales = weight.index_select(0, ids), row_scales.index_select(0, ids)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             q = torch._make_per_tensor_quantized_tensor(rows, 1.0, 0)
             packed = torch.ops.quantized.linear_prepack(q, None)
         return partial(_scaled_product, packed, row_scales)
+
+    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 weight (out, in) and its float32 scales (out,), as quantized: unpacked
+        from the kernel's layout (fbgemm's kept after the first call)."""
+        if self._mt is not None:
+            w, scales, _, n = self._packed
+            full = w.transpose(1, 2).reshape(w.size(0) * 16, -1)  # (Np, Kp)
+            return full[:n, : self.in_features], scales[:n]
+        if self._rows is None:
+            q, _ = torch.ops.quantized.linear_unpack(self._packed)
+            self._rows = (q.int_repr(), q.q_per_channel_scales().float())
+        return self._rows
 
     def relu(self, x: torch.Tensor) -> torch.Tensor:
         """``max(0, x W^T + b)``, the ReLU inside the product (on its float32 output, so the
