@@ -178,6 +178,9 @@ def short_attention() -> Callable | None:
     return torch.ops.mt.short_attention if _loaded() else None
 
 
+_INT8_OPS = {"vnni": "int8_linear", "avx2": "int8_linear_avx2"}  # each with its *_available
+
+
 def int8_linear(kind: str = "vnni") -> Callable | None:
     """``torch.ops.mt.int8_linear(x, w, scale, comp, bias, n, relu)`` (``csrc/int8_linear.cpp``:
     int8 products for a few rows, activations quantized per row) on ``kind``: ``"vnni"``
@@ -185,14 +188,12 @@ def int8_linear(kind: str = "vnni") -> Callable | None:
     the same arguments and weight layout: AVX2's ``vpmaddubsw``, 7 bits). None where the
     kernels are off or cannot be built, or this CPU lacks the instructions of that kind (int8
     decoding then takes another, ``mt.fast.quantize``)."""
-    if kind not in ("vnni", "avx2"):
+    if kind not in _INT8_OPS:
         raise ValueError(f"int8_linear: kind {kind!r} is not vnni or avx2")
     if not _loaded():
         return None
-    if kind == "vnni":
-        return torch.ops.mt.int8_linear.default if torch.ops.mt.int8_linear_available() else None
-    return (torch.ops.mt.int8_linear_avx2.default if torch.ops.mt.int8_linear_avx2_available()
-            else None)  # fmt: skip
+    op = getattr(torch.ops.mt, _INT8_OPS[kind])
+    return op.default if getattr(torch.ops.mt, f"{_INT8_OPS[kind]}_available")() else None
 
 
 def smoothed_ce() -> Callable | None:

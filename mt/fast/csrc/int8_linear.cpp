@@ -62,6 +62,18 @@ namespace {
 bool int8_linear_available() { return MT_INT8_VNNI; }
 bool int8_linear_avx2_available() { return MT_INT8_AVX2; }
 
+// f(m, r) for M rows in chunks of at most `most`, as even as they go (8 rows by at most 6 as
+// 4 + 4, not 6 + 2: a short chunk reads the weights as often as a full one, for less work).
+template <typename F>
+inline void even_chunks(int64_t M, int64_t most, F&& f) {
+  const int64_t chunks = (M + most - 1) / most;
+  for (int64_t c = 0, m = 0; c < chunks; ++c) {
+    const int64_t r = M / chunks + (c < M % chunks);
+    f(m, r);
+    m += r;
+  }
+}
+
 #if MT_INT8_VNNI
 
 constexpr int64_t kRows = 8;  // rows of x per micro-kernel call
@@ -272,7 +284,6 @@ void vnni_product(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& c
   const int8_t* wp = w.const_data_ptr<int8_t>();
   const int32_t* cp = comp.const_data_ptr<int32_t>();
   const int64_t blocks = Np / 32, block_bytes = Kp * 16;
-  const int64_t chunks = (M + kRows - 1) / kRows;  // rows in even chunks, as on AVX2 below
   // blocks of 32 channels per task: a small product stays on the calling thread
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * Kp * 32 / 64));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
@@ -281,12 +292,10 @@ void vnni_product(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& c
       const int8_t* w1 = w0 + block_bytes;
       const int64_t col = 32 * j, valid = std::min<int64_t>(32, n - col);
       const float* bj = bp ? bp + col : nullptr;
-      for (int64_t c = 0, m = 0; c < chunks; ++c) {
-        const int64_t r = M / chunks + (c < M % chunks);
+      even_chunks(M, kRows, [&](int64_t m, int64_t r) {
         rows_kernel(r)(u.data() + m * Kp, Kp, w0, w1, sx.data() + m, sp + col, cp + col, bj, relu,
                        op + m * n + col, n, valid);
-        m += r;
-      }
+      });
     }
   });
 }
@@ -302,9 +311,6 @@ void avx2_product(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& c
   const int8_t* wp = w.const_data_ptr<int8_t>();
   const int32_t* cp = comp.const_data_ptr<int32_t>();
   const int64_t blocks = w.size(0), block_bytes = Kp * 16;
-  // the rows in chunks of at most kRowsAvx2, as even as they go (8 rows as 4 + 4, not 6 + 2:
-  // a chunk of 2 reads the weights as often as one of 6, for a third of the work)
-  const int64_t chunks = (M + kRowsAvx2 - 1) / kRowsAvx2;
   // blocks of 16 channels per task: a small product stays on the calling thread
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * Kp * 16 / 64));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
@@ -314,22 +320,22 @@ void avx2_product(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& c
         const int64_t col = 16 * j + 8 * h, valid = std::min<int64_t>(8, n - col);
         if (valid <= 0) break;
         const float* bj = bp ? bp + col : nullptr;
-        for (int64_t c = 0, m = 0; c < chunks; ++c) {
-          const int64_t r = M / chunks + (c < M % chunks);
+        even_chunks(M, kRowsAvx2, [&](int64_t m, int64_t r) {
           rows8_kernel(r)(q.data() + m * Kp, Kp, wj + 32 * h, sx.data() + m, sp + col, cp + col,
                           bj, relu, op + m * n + col, n, valid);
-          m += r;
-        }
+        });
       }
     }
   });
 }
 #endif
 
-// The checks both kernels make; x as (M, K), rows contiguous.
-at::Tensor checked_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                        const at::Tensor& comp, const std::optional<at::Tensor>& bias,
-                        int64_t n) {
+// The operators' common part: the checks, the output, then product(x2, scale, bias, out) on
+// x as (M, K), rows contiguous, where M > 0.
+template <typename Product>
+at::Tensor checked_product(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                           const at::Tensor& comp, const std::optional<at::Tensor>& bias,
+                           int64_t n, Product&& product) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1,
               "int8_linear: x must be float32 on the CPU");
   TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 4 && w.size(2) == 16 &&
@@ -342,21 +348,20 @@ at::Tensor checked_rows(const at::Tensor& x, const at::Tensor& w, const at::Tens
               "int8_linear: scale must be float32 (", Np, ")");
   TORCH_CHECK(comp.scalar_type() == at::kInt && comp.numel() == Np && comp.is_contiguous(),
               "int8_linear: comp must be int32 (", Np, ")");
-  if (bias.has_value() && bias->defined()) {
+  const bool biased = bias.has_value() && bias->defined();
+  if (biased) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(),
                 "int8_linear: bias must be float32 (", n, ")");
   }
-  return x.reshape({-1, K}).contiguous();
-}
-
-at::Tensor empty_out(const at::Tensor& x, int64_t n) {
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
-  return at::empty(shape, x.options());
-}
-
-const float* bias_data(const std::optional<at::Tensor>& bias) {
-  return bias.has_value() && bias->defined() ? bias->const_data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty(shape, x.options());
+  if (x2.size(0) > 0) {
+    product(x2, scale.const_data_ptr<float>(), biased ? bias->const_data_ptr<float>() : nullptr,
+            out.mutable_data_ptr<float>());
+  }
+  return out;
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
@@ -365,13 +370,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 #if !MT_INT8_VNNI
   TORCH_CHECK(false, "int8_linear: built without AVX-512 VNNI (see int8_linear_available)");
 #else
-  const at::Tensor x2 = checked_rows(x, w, scale, comp, bias, n);
-  at::Tensor out = empty_out(x, n);
-  if (x2.size(0) > 0) {
-    vnni_product(x2, w, comp, scale.const_data_ptr<float>(), bias_data(bias), n, relu,
-                 out.mutable_data_ptr<float>());
-  }
-  return out;
+  return checked_product(x, w, scale, comp, bias, n,
+                         [&](const at::Tensor& x2, const float* sp, const float* bp, float* op) {
+                           vnni_product(x2, w, comp, sp, bp, n, relu, op);
+                         });
 #endif
 }
 
@@ -382,13 +384,10 @@ at::Tensor int8_linear_avx2(const at::Tensor& x, const at::Tensor& w, const at::
 #if !MT_INT8_AVX2
   TORCH_CHECK(false, "int8_linear_avx2: built without AVX2 (see int8_linear_avx2_available)");
 #else
-  const at::Tensor x2 = checked_rows(x, w, scale, comp, bias, n);
-  at::Tensor out = empty_out(x, n);
-  if (x2.size(0) > 0) {
-    avx2_product(x2, w, comp, scale.const_data_ptr<float>(), bias_data(bias), n, relu,
-                 out.mutable_data_ptr<float>());
-  }
-  return out;
+  return checked_product(x, w, scale, comp, bias, n,
+                         [&](const at::Tensor& x2, const float* sp, const float* bp, float* op) {
+                           avx2_product(x2, w, comp, sp, bp, n, relu, op);
+                         });
 #endif
 }
 
