@@ -11,7 +11,7 @@ import mt.fast.step
 from mt.data.batches import make_src
 from mt.fast.decoding import DecodingModel, for_decoding
 from mt.fast.onednn import onednn_available
-from mt.fast.step import applies, decoder_step
+from mt.fast.step import Int8Step, applies, decoder_step
 from mt.model.transformer import EncoderOut, build_model
 from mt.schema import ModelConfig
 from mt.vocab import BOS
@@ -115,6 +115,8 @@ def test_every_decoding_copy_takes_the_step_and_agrees_with_its_own_modules(kind
     calls = []
     real = mt.fast.step.decoder_step
     monkeypatch.setattr(mt.fast.decoding, "decoder_step", lambda *a: calls.append(1) or real(*a))
+    fused = Int8Step.__call__  # an int8 copy on mt's kernels: the whole step in one call
+    monkeypatch.setattr(Int8Step, "__call__", lambda *a: calls.append(1) or fused(*a))
     src = sources([6, 2, 4])
     tokens = torch.randint(4, 45, (3, 5), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
@@ -127,3 +129,106 @@ def test_every_decoding_copy_takes_the_step_and_agrees_with_its_own_modules(kind
             assert got.shape == expected.shape == (3, 1, 45)
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     assert len(calls) == tokens.size(1)  # every step, the first included
+
+
+def int8_kernel_or_skip(monkeypatch) -> str:
+    """The int8 kernel of mt's that runs here (vnni, else avx2), set for ``Int8Linear``; skip
+    where neither does (``tests/test_search.py`` tests the kernels themselves)."""
+    for kernel in ("vnni", "avx2"):
+        if native.int8_linear(kernel) is not None:
+            monkeypatch.setenv("MT_INT8_KERNEL", kernel)
+            return kernel
+    pytest.skip(f"no int8 kernel of mt's here: {native.unavailable_reason() or 'no AVX2'}")
+
+
+def grown_model(norm: str, max_positions: int = 12) -> torch.nn.Module:
+    torch.manual_seed(5)
+    cfg = ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.1, norm=norm,
+                      max_positions=max_positions)  # fmt: skip
+    model = build_model(cfg, vocab_size=45).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+@pytest.mark.parametrize("G", [1, 3])
+@pytest.mark.parametrize("padded", [True, False])
+def test_the_fused_int8_step_computes_what_the_layers_compute(norm, G, padded, monkeypatch):
+    """``Int8Step`` (every layer in one C++ call) against the same int8 copy stepped layer by
+    layer (``decoder_step`` with mt's attention kernel): the same outputs to float rounding at
+    every step, 20 steps (the caches grow past their first 16 positions), the same caches."""
+    int8_kernel_or_skip(monkeypatch)
+    from mt.fast.quantize import quantize_int8
+
+    model = grown_model(norm, max_positions=24)
+    copy, _ = quantize_int8(model)
+    fused, kernel = Int8Step.build(copy), native.short_attention()
+    assert fused is not None and fused.pre_norm == (norm == "pre")
+    src = sources([7, 3, 5] if padded else [5, 5, 5])
+    tokens = torch.randint(4, 45, (3 * G, 20), generator=torch.Generator().manual_seed(G))
+    tokens[:, 0] = BOS
+    with torch.inference_mode():
+        enc = copy.encode(src)
+        if not padded:
+            enc = EncoderOut(enc.memory, None)
+        ours, ref = copy.new_cache(torch.float32), copy.new_cache(torch.float32)
+        for t in range(tokens.size(1)):
+            step_in = tokens[:, t : t + 1]
+            expected = decoder_step(copy, step_in, enc.memory, enc.src_mask, ref, kernel)
+            got = fused(copy, step_in, enc.memory, enc.src_mask, ours)
+            assert got.shape == expected.shape == (3 * G, 32)
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+            assert ours.length == ref.length == t + 1
+    for a, b in zip(ours.layers, ref.layers):
+        assert a.self_attn.k.size(2) == 32  # grown from 16 as append grows it
+        torch.testing.assert_close(a.self_attn.filled(), b.self_attn.filled(), atol=1e-4,
+                                   rtol=1e-4)  # fmt: skip
+        assert torch.equal(a.cross_attn.k, b.cross_attn.k)
+
+
+def test_int8_copies_take_the_fused_step_only_on_mts_kernels(monkeypatch):
+    """``for_decoding(quantize=int8)`` steps through ``Int8Step`` where mt's int8 kernels run
+    (and its decode gives the layer-by-layer copy's logits); on fbgemm's products, in float32,
+    or with mt's kernels off, layer by layer."""
+    kernel = int8_kernel_or_skip(monkeypatch)
+    model = grown_model("post")
+    fast = for_decoding(model, "int8", "fp32")
+    assert fast.fused is not None and fast.fused.vnni == (kernel == "vnni")
+    layered = DecodingModel(fast.module, fast.head, fast.cache_dtype, step=True,
+                            kernel=fast.kernel)  # fmt: skip
+    src = sources([6, 2, 4])
+    tokens = torch.randint(4, 45, (3, 6), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        a_enc, a_cache = fast.encode(src), fast.new_cache()
+        b_enc, b_cache = layered.encode(src), layered.new_cache()
+        for t in range(tokens.size(1)):
+            step_in = tokens[:, t : t + 1]
+            torch.testing.assert_close(fast.decode(step_in, a_enc, a_cache),
+                                       layered.decode(step_in, b_enc, b_cache), atol=1e-4,
+                                       rtol=1e-4)  # fmt: skip
+    assert for_decoding(model, "none", "fp32").fused is None
+    monkeypatch.setenv("MT_INT8_KERNEL", "fbgemm")
+    assert for_decoding(grown_model("post"), "int8", "fp32").fused is None
+    monkeypatch.setenv("MT_INT8_KERNEL", kernel)
+    assert for_decoding(grown_model("post"), "int8", "fp32", native=False).fused is None
+
+
+def test_the_fused_step_names_what_does_not_fit(monkeypatch):
+    """The operator's checks: a wrong number of parameters, a cache without room for the new
+    position, each said with what was given."""
+    int8_kernel_or_skip(monkeypatch)
+    from mt.fast.quantize import quantize_int8
+
+    copy, _ = quantize_int8(grown_model("post"))
+    fused = Int8Step.build(copy)
+    x = torch.randn(2, 32)
+    cache = [torch.zeros(2, 4, 3, 8) for _ in range(2)]
+    cross = [torch.zeros(2, 4, 5, 8) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="2 layers need 60 parameters"):
+        fused.op(x, fused.params[:-1], fused.widths, cache, cache, 0, cross, cross, None, 4,
+                 False, 1e-5, fused.vnni)  # fmt: skip
+    with pytest.raises(RuntimeError, match="no room for position 3"):
+        fused.op(x, fused.params, fused.widths, cache, cache, 3, cross, cross, None, 4, False,
+                 1e-5, fused.vnni)  # fmt: skip

@@ -53,7 +53,7 @@ from mt.fast.onednn import (
     onednn_bf16_available,
 )
 from mt.fast.quantize import quantize_int8
-from mt.fast.step import applies, decoder_step
+from mt.fast.step import Int8Step, applies, decoder_step
 from mt.model.kv_cache import DecoderCache
 from mt.model.transformer import FeedForward, Transformer
 
@@ -78,6 +78,8 @@ class DecodingModel(nn.Module):
             ``mt.fast.step.decoder_step`` where it applies; False: always the module's own.
         kernel: the steps' attention through ``torch.ops.mt.short_attention``
             (``mt.fast.native``; float32 caches), or None: torch's batched products.
+        fused: an int8 copy's steps in one C++ call (``mt.fast.step.Int8Step``; with
+            ``step``), or None: layer by layer (``mt.fast.step.decoder_step``).
     """
 
     def __init__(
@@ -87,10 +89,11 @@ class DecodingModel(nn.Module):
         cache_dtype=None,
         step: bool = False,
         kernel=None,
+        fused: Int8Step | None = None,
     ) -> None:
         super().__init__()
         self.module, self.head, self.cache_dtype, self.step = module, head, cache_dtype, step
-        self.kernel = kernel
+        self.kernel, self.fused = kernel, fused
         self.max_positions: int = module.max_positions
         self.vocab_size: int = module.vocab_size
 
@@ -108,7 +111,11 @@ class DecodingModel(nn.Module):
         of the head's kind (int8, oneDNN float32 or bfloat16) over those pieces' rows, made
         once per batch."""
         if self.step and applies(tgt_in, cache, self.module):
-            h = decoder_step(self.module, tgt_in, enc.memory, enc.src_mask, cache, self.kernel)
+            if self.fused is not None:
+                h = self.fused(self.module, tgt_in, enc.memory, enc.src_mask, cache)
+            else:
+                h = decoder_step(self.module, tgt_in, enc.memory, enc.src_mask, cache,
+                                 self.kernel)  # fmt: skip
             h = h[:, None]
         elif vocab is None and self.head is None:
             return self.module.decode(tgt_in, enc, cache)
@@ -309,7 +316,10 @@ def for_decoding(
     if fast_attention:
         install(clone, ShortQueryAttention)
     cache_dtype = torch.float32 if fast_attention else None
-    decoder = DecodingModel(clone, head, cache_dtype, step=fast_attention, kernel=kernel)
+    # an int8 copy on mt's kernels: each step in one C++ call
+    fused = Int8Step.build(clone) if kind == "int8" and kernel is not None else None
+    decoder = DecodingModel(clone, head, cache_dtype, step=fast_attention, kernel=kernel,
+                            fused=fused)  # fmt: skip
     copies[key] = (identity, decoder)
     return decoder
 

@@ -25,6 +25,10 @@ its gradient, three passes over each row where torch's operators make about ten 
 log-probability straight from the logits (and a shortlist's bias), two passes over each row in
 place of a log-softmax written out, masked and searched.
 
+``torch.ops.mt.int8_decoder_step`` (``csrc/decoder_step.cpp``): a whole decoder step of an int8
+decoding copy in one call from Python, every layer's products, cache writes, attention, residual
+additions and LayerNorms run from C++ (``mt.fast.step.Int8Step``).
+
 ``torch.ops.mt.dropout`` and ``torch.ops.mt.masked_scale`` (``csrc/dropout.cpp``): the CPU
 training copy's dropout (``mt.fast.dropout``) in one pass, each element's 16 random bits hashed
 from a seed and its index, the bool mask and the scaled output written together, and its
@@ -62,7 +66,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("short_attention.cpp", "int8_linear.cpp", "smoothed_ce.cpp",
-                             "best_token.cpp", "dropout.cpp"))
+                             "best_token.cpp", "dropout.cpp", "decoder_step.cpp"))
 HEADERS = (Path(__file__).with_name("csrc") / "vec.h",)  # included by the sources
 # OpenMP: torch's own runtime, for its threads; no warnings about the vector types' ABI
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-Wno-psabi"]
@@ -220,6 +224,14 @@ def dropout() -> tuple[Callable, Callable] | None:
     if not _loaded():
         return None
     return torch.ops.mt.dropout.default, torch.ops.mt.masked_scale.default
+
+
+def int8_decoder_step() -> Callable | None:
+    """``torch.ops.mt.int8_decoder_step`` (``csrc/decoder_step.cpp``: an int8 decoding copy's
+    whole decoder step, every layer, in one call; ``mt.fast.step.Int8Step``), or None where the
+    kernels are off or cannot be built (the step then goes layer by layer through the modules,
+    ``mt.fast.step.decoder_step``)."""
+    return torch.ops.mt.int8_decoder_step.default if _loaded() else None
 
 
 def unavailable_reason() -> str | None:

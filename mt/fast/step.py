@@ -29,6 +29,7 @@ from functools import partial
 import torch
 from torch import nn
 
+import mt.fast.native as native
 from mt.model.attention import attention
 from mt.model.kv_cache import DecoderCache
 
@@ -126,3 +127,83 @@ def decoder_step(
         )
         x = layer.residual(x, 2, layer.ffn)
     return module.decoder_norm(x)
+
+
+class Int8Step:
+    """An int8 decoding copy's decoder step in one call into C++
+    (``torch.ops.mt.int8_decoder_step``, ``mt/fast/csrc/decoder_step.cpp``): what
+    :func:`decoder_step` computes, the embedding and the caches' bookkeeping in Python, every
+    layer's products (mt's int8 kernels), cache writes, attention (``mt::short_attention``),
+    residual additions and LayerNorms in C++. Build with :meth:`build`.
+
+    The layers' parameters are gathered once, as the operator takes them: per layer the six
+    products' packed weights, scales, row sums and biases (``mt.fast.quantize.Int8Linear``),
+    then the three LayerNorms' weights and biases.
+    """
+
+    def __init__(self, op, params: list[torch.Tensor], widths: list[int], heads: int,
+                 d_k: int, pre_norm: bool, eps: float, vnni: bool) -> None:  # fmt: skip
+        self.op, self.params, self.widths = op, params, widths
+        self.heads, self.d_k, self.pre_norm, self.eps, self.vnni = heads, d_k, pre_norm, eps, vnni
+
+    @classmethod
+    def build(cls, module: nn.Module) -> Int8Step | None:
+        """The fused step of ``module`` (an int8 decoding copy, ``mt.fast.quantize.
+        quantize_int8``), or None where it does not compute the same: a product not on mt's
+        int8 kernels (fbgemm's) or not all on one, LayerNorms without weights or with
+        differing eps, or mt's kernels not built (``mt.fast.native.int8_decoder_step``)."""
+        from mt.fast.quantize import Int8Linear  # (quantize does not import this module)
+
+        op = native.int8_decoder_step()
+        if op is None or not len(module.decoder):
+            return None
+        params: list[torch.Tensor] = []
+        widths: list[int] = []
+        kinds, eps, pre = set(), set(), set()
+        for layer in module.decoder:
+            products = (layer.self_attn.qkv, layer.self_attn.out, layer.cross_attn.q,
+                        layer.cross_attn.out, getattr(layer.ffn, "w1", None),
+                        getattr(layer.ffn, "w2", None))  # fmt: skip
+            for linear in products:
+                if not isinstance(linear, Int8Linear) or linear.kernel == "fbgemm":
+                    return None
+                kinds.add(linear.kernel)
+                w, scale, comp, n = linear._packed
+                bias = linear.bias if linear.bias is not None else torch.empty(0)
+                params += [w, scale, comp, bias]
+                widths.append(n)
+            for norm in layer.norms:
+                if norm.weight is None or norm.bias is None:
+                    return None
+                params += [norm.weight.detach(), norm.bias.detach()]
+                eps.add(norm.eps)
+            pre.add(layer.pre_norm)
+        if len(kinds) != 1 or len(eps) != 1 or len(pre) != 1:
+            return None
+        attn = module.decoder[0].self_attn
+        return cls(op, params, widths, attn.h, attn.d_k, pre.pop(), float(eps.pop()),
+                   kinds.pop() == "vnni")  # fmt: skip
+
+    def __call__(self, module: nn.Module, tgt_in: torch.Tensor, memory: torch.Tensor, src_mask,
+                 cache: DecoderCache) -> torch.Tensor:  # fmt: skip
+        """As :func:`decoder_step` (without ``kernel``): (B, D) for one new token per row; the
+        caches hold float32 (``DecodingModel``'s ``cache_dtype``)."""
+        B, n, past = tgt_in.size(0), memory.size(0), cache.length
+        x = module._embed(tgt_in, module.tgt_embedding, past).view(B, -1)  # (B, D)
+        bias = None  # (n, S): 0 where a sentence may attend, -inf at its padding
+        if src_mask is not None:
+            bias = x.new_zeros(n, src_mask.size(-1)).masked_fill_(~src_mask.view(n, -1),
+                                                                  float("-inf"))  # fmt: skip
+        self_k, self_v, cross_k, cross_v = [], [], [], []
+        for layer, state in zip(module.decoder, cache.layers):
+            k, v = state.self_attn.reserve(past + 1, B, self.heads, self.d_k, torch.float32)
+            self_k.append(k)
+            self_v.append(v)
+            k, v = layer.cross_attn.memory_kv(memory, state.cross_attn)  # made at the first step
+            cross_k.append(k)
+            cross_v.append(v)
+        out = self.op(x, self.params, self.widths, self_k, self_v, past, cross_k, cross_v, bias,
+                      self.heads, self.pre_norm, self.eps, self.vnni)  # fmt: skip
+        for state in cache.layers:
+            state.self_attn.length = past + 1
+        return module.decoder_norm(out)

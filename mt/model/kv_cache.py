@@ -51,16 +51,28 @@ class SelfAttentionCache:
         if self.dtype is not None and k.dtype != self.dtype:
             k, v = k.to(self.dtype), v.to(self.dtype)
         past, end = self.length, self.length + k.size(2)
-        if self.k is None or self.k.size(2) < end or self.k.dtype != k.dtype:
-            B, H, _, d_k = k.shape
-            capacity = max(end, 2 * past, 16)
-            new_k, new_v = k.new_empty(B, H, capacity, d_k), v.new_empty(B, H, capacity, d_k)
-            if past:
-                new_k[:, :, :past], new_v[:, :, :past] = self.filled()
-            self.k, self.v = new_k, new_v
+        B, H, _, d_k = k.shape
+        self.reserve(end, B, H, d_k, k.dtype, k.device)
         self.k[:, :, past:end], self.v[:, :, past:end] = k, v
         self.length = end
         return self.filled()
+
+    def reserve(
+        self, end: int, B: int, H: int, d_k: int, dtype: torch.dtype, device=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for positions up to ``end`` (exclusive) in buffers of ``dtype``: where they are
+        shorter (or none yet), new ones of (B, H, max(end, 2 * length, 16), d_k), the filled
+        positions copied over. Returns the whole buffers; whoever writes positions into them
+        sets ``length`` (``mt.fast.step.Int8Step`` does both in C++ and Python)."""
+        if self.k is None or self.k.size(2) < end or self.k.dtype != dtype:
+            past = self.length
+            capacity = max(end, 2 * past, 16)
+            new_k = torch.empty(B, H, capacity, d_k, dtype=dtype, device=device)
+            new_v = torch.empty_like(new_k)
+            if past:
+                new_k[:, :, :past], new_v[:, :, :past] = self.filled()
+            self.k, self.v = new_k, new_v
+        return self.k, self.v
 
     def filled(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, H, length, d_k) views of the filled positions."""

@@ -1,0 +1,222 @@
+// mt::int8_decoder_step: one incremental decoder step of an int8 decoding copy, every layer in
+// one call (mt/fast/native.py builds it; mt/fast/step.py's fused_step calls it).
+//
+// mt/fast/step.py's decoder_step computes a step through the layers' modules: ~20 calls from
+// Python a layer (products, cache writes, attention, additions, LayerNorms), each a few
+// microseconds of interpreter and dispatch around work of about as long at a greedy step's few
+// rows. Here the same formula runs from C++: the products on mt's int8 kernels
+// (mt::int8_linear on AVX-512 VNNI, mt::int8_linear_avx2 on AVX2) and the attention on
+// mt::short_attention, reached through torch's dispatcher; the new keys/values written into
+// the caches, the residual additions and the LayerNorms as loops here.
+//
+//   x          (B, D) float32: the step's embedded input, B = n * G rows (G per sentence)
+//   params     30 tensors a layer: for each of its six products (self-attention's qkv and out,
+//              encoder-decoder attention's q and out, the feed-forward block's w1 and w2) the
+//              int8 kernel's w, scale, comp and bias (an empty tensor for none), then its three
+//              LayerNorms' weight and bias
+//   widths     6 ints a layer: the products' output widths (the kernels' n)
+//   self_k, self_v    a layer each: (B, H, C, d) float32 caches with C > past; the step writes
+//                     position `past` and attends over positions 0..past
+//   cross_k, cross_v  a layer each: (n, H, S, d) float32 encoder-decoder keys/values
+//   bias       (n, S) float32 added to the encoder-decoder scores (0 or -inf), or none
+//   heads, pre_norm (x + f(LN(x)) where true, LN(x + f(x)) where false), eps (the LayerNorms'),
+//   vnni       which int8 kernel (the one the weights were packed for: the layout is the same)
+// Returns (B, D): the last layer's output (a pre-norm model's final LayerNorm not applied).
+//
+// The LayerNorms are the formula of torch's (biased variance, eps inside the square root),
+// their sums in another order: results agree with the modules' to float rounding.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "vec.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+namespace {
+
+using namespace mt_vec;
+
+constexpr int64_t kProducts = 6, kTensorsPerLayer = kProducts * 4 + 3 * 2;
+
+using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const std::optional<at::Tensor>&, int64_t, bool);
+using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const std::optional<at::Tensor>&, double);
+
+c10::TypedOperatorHandle<LinearFn> linear_op(bool vnni) {
+  static const auto vnni_op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mt::int8_linear", "").typed<LinearFn>();
+  static const auto avx2_op = c10::Dispatcher::singleton()
+                                  .findSchemaOrThrow("mt::int8_linear_avx2", "")
+                                  .typed<LinearFn>();
+  return vnni ? vnni_op : avx2_op;
+}
+
+c10::TypedOperatorHandle<AttentionFn> attention_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mt::short_attention", "")
+                             .typed<AttentionFn>();
+  return op;
+}
+
+// out = LN(x), row by row (D floats each).
+void norm_rows(const float* x, float* out, int64_t B, int64_t D, const float* g, const float* b,
+               float eps) {
+  for (int64_t r = 0; r < B; ++r) {
+    const float* row = x + r * D;
+    float* y = out + r * D;
+    fvec acc{};
+    int64_t j = 0;
+    for (; j + kLanes <= D; j += kLanes) acc += load(row + j);
+    float sum = hsum(acc);
+    for (; j < D; ++j) sum += row[j];
+    const float mean = sum / static_cast<float>(D);
+    fvec sq{};
+    j = 0;
+    for (; j + kLanes <= D; j += kLanes) {
+      const fvec c = load(row + j) - mean;
+      sq += c * c;
+    }
+    float var = hsum(sq);
+    for (; j < D; ++j) var += (row[j] - mean) * (row[j] - mean);
+    const float rstd = 1.f / std::sqrt(var / static_cast<float>(D) + eps);
+    j = 0;
+    for (; j + kLanes <= D; j += kLanes) {
+      store(y + j, (load(row + j) - mean) * rstd * load(g + j) + load(b + j));
+    }
+    for (; j < D; ++j) y[j] = (row[j] - mean) * rstd * g[j] + b[j];
+  }
+}
+
+// Row by row, in place: x = LN(x + o) (post-norm) or x = x + o (pre-norm: `g` null).
+void add_norm(float* x, const float* o, int64_t B, int64_t D, const float* g, const float* b,
+              float eps) {
+  for (int64_t i = 0; i < B * D; ++i) x[i] += o[i];
+  if (g != nullptr) norm_rows(x, x, B, D, g, b, eps);
+}
+
+// One product of a layer: params[at .. at + 4) on x (M, K), ReLU inside where asked.
+at::Tensor product(const c10::TypedOperatorHandle<LinearFn>& op, const at::TensorList params,
+                   int64_t at, int64_t width, const at::Tensor& x, bool relu = false) {
+  const at::Tensor& bias = params[at + 3];
+  const std::optional<at::Tensor> b =
+      bias.numel() > 0 ? std::optional<at::Tensor>(bias) : std::nullopt;
+  return op.call(x, params[at], params[at + 1], params[at + 2], b, width, relu);
+}
+
+at::Tensor int8_decoder_step(const at::Tensor& x_in, at::TensorList params,
+                             at::IntArrayRef widths, at::TensorList self_k,
+                             at::TensorList self_v, int64_t past, at::TensorList cross_k,
+                             at::TensorList cross_v, const std::optional<at::Tensor>& bias,
+                             int64_t heads, bool pre_norm, double eps, bool vnni) {
+  const int64_t L = static_cast<int64_t>(self_k.size());
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
+              "int8_decoder_step: x must be float32 (B, D) on the CPU");
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == L * kTensorsPerLayer &&
+                  static_cast<int64_t>(widths.size()) == L * kProducts &&
+                  static_cast<int64_t>(self_v.size()) == L &&
+                  static_cast<int64_t>(cross_k.size()) == L &&
+                  static_cast<int64_t>(cross_v.size()) == L,
+              "int8_decoder_step: ", L, " layers need ", L * kTensorsPerLayer, " parameters, ",
+              L * kProducts, " widths and a cache of each kind a layer");
+  const int64_t B = x_in.size(0), D = x_in.size(1);
+  TORCH_CHECK(heads > 0 && D % heads == 0, "int8_decoder_step: ", heads, " heads for D ", D);
+  const int64_t H = heads, d = D / H;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const float e = static_cast<float>(eps);
+  const auto linear = linear_op(vnni);
+  const auto attend = attention_op();
+  at::Tensor x = x_in.clone(at::MemoryFormat::Contiguous);  // the residual stream, updated in place
+  float* xp = x.mutable_data_ptr<float>();
+
+  // The input of a sublayer: x itself (post-norm) or LN(x) (pre-norm, the sublayer's norm).
+  auto sublayer_input = [&](const at::TensorList p, int64_t norm) -> at::Tensor {
+    if (!pre_norm) return x;
+    at::Tensor y = at::empty({B, D}, x.options());
+    norm_rows(xp, y.mutable_data_ptr<float>(), B, D, p[24 + 2 * norm].const_data_ptr<float>(),
+              p[25 + 2 * norm].const_data_ptr<float>(), e);
+    return y;
+  };
+  auto residual = [&](const at::TensorList p, int64_t norm, const at::Tensor& out) {
+    TORCH_CHECK(out.is_contiguous() && out.numel() == B * D, "int8_decoder_step: a sublayer "
+                "gave ", out.sizes(), " for (", B, ", ", D, ")");
+    add_norm(xp, out.const_data_ptr<float>(), B, D,
+             pre_norm ? nullptr : p[24 + 2 * norm].const_data_ptr<float>(),
+             pre_norm ? nullptr : p[25 + 2 * norm].const_data_ptr<float>(), e);
+  };
+
+  for (int64_t l = 0; l < L; ++l) {
+    const at::TensorList p = params.slice(l * kTensorsPerLayer, kTensorsPerLayer);
+    const int64_t* n = widths.data() + l * kProducts;
+    for (int64_t i = 24; i < kTensorsPerLayer; ++i) {
+      TORCH_CHECK(p[i].scalar_type() == at::kFloat && p[i].numel() == D && p[i].is_contiguous(),
+                  "int8_decoder_step: layer ", l, "'s LayerNorm parameters must be float32 (",
+                  D, ")");
+    }
+    TORCH_CHECK(n[0] == 3 * D && n[1] == D && n[2] == D && n[3] == D && n[5] == D,
+                "int8_decoder_step: layer ", l, "'s product widths do not fit D ", D);
+    const at::Tensor& kc = self_k[l];
+    const at::Tensor& vc = self_v[l];
+    TORCH_CHECK(kc.dim() == 4 && vc.dim() == 4 && kc.scalar_type() == at::kFloat &&
+                    vc.scalar_type() == at::kFloat && kc.size(0) == B && vc.size(0) == B &&
+                    kc.size(1) == H && vc.size(1) == H && kc.size(3) == d && vc.size(3) == d &&
+                    kc.size(2) > past && vc.size(2) > past && past >= 0 &&
+                    kc.stride(3) == 1 && vc.stride(3) == 1,
+                "int8_decoder_step: layer ", l, "'s self-attention caches ", kc.sizes(), ", ",
+                vc.sizes(), " have no room for position ", past, " of (", B, ", ", H, ", ", d,
+                ")");
+
+    // self-attention: the new position's keys/values into the caches, then its query
+    // against positions 0..past
+    at::Tensor qkv = product(linear, p, 0, n[0], sublayer_input(p, 0));  // (B, 3D)
+    const float* qkvp = qkv.const_data_ptr<float>();
+    float* kp = kc.mutable_data_ptr<float>();
+    float* vp = vc.mutable_data_ptr<float>();
+    for (int64_t r = 0; r < B; ++r) {
+      for (int64_t h = 0; h < H; ++h) {
+        std::memcpy(kp + r * kc.stride(0) + h * kc.stride(1) + past * kc.stride(2),
+                    qkvp + r * 3 * D + D + h * d, d * sizeof(float));
+        std::memcpy(vp + r * vc.stride(0) + h * vc.stride(1) + past * vc.stride(2),
+                    qkvp + r * 3 * D + 2 * D + h * d, d * sizeof(float));
+      }
+    }
+    const at::Tensor q = qkv.view({B, 3, H, 1, d}).select(1, 0);  // (B, H, 1, d)
+    at::Tensor a = attend.call(q, kc.narrow(2, 0, past + 1), vc.narrow(2, 0, past + 1),
+                               std::nullopt, scale);  // (B, 1, H, d)
+    residual(p, 0, product(linear, p, 4, n[1], a.view({B, D})));
+
+    // encoder-decoder attention: a sentence's G rows against its encoder keys/values
+    const at::Tensor& ck = cross_k[l];
+    const int64_t sents = ck.size(0);
+    TORCH_CHECK(sents > 0 && B % sents == 0, "int8_decoder_step: ", B, " rows for ", sents,
+                " sentences");
+    const int64_t G = B / sents;
+    const at::Tensor cq = product(linear, p, 8, n[2], sublayer_input(p, 1))
+                              .view({sents, G, H, d})
+                              .transpose(1, 2);  // (n, H, G, d)
+    a = attend.call(cq, ck, cross_v[l], bias, scale);  // (n, G, H, d)
+    residual(p, 1, product(linear, p, 12, n[3], a.view({B, D})));
+
+    // feed-forward: the ReLU inside the first product
+    const at::Tensor hidden = product(linear, p, 16, n[4], sublayer_input(p, 2), true);
+    residual(p, 2, product(linear, p, 20, n[5], hidden));
+  }
+  return x;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mt, m) {
+  m.def("int8_decoder_step(Tensor x, Tensor[] params, int[] widths, Tensor(a!)[] self_k, "
+        "Tensor(b!)[] self_v, int past, Tensor[] cross_k, Tensor[] cross_v, Tensor? bias, "
+        "int heads, bool pre_norm, float eps, bool vnni) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mt, CPU, m) { m.impl("int8_decoder_step", &int8_decoder_step); }
