@@ -87,11 +87,12 @@ def _searcher(model, args, device, k: int, a: float, b: float, min_len: int, pla
 # Where a decoder step's time goes: top-level torch ops (called from Python) by kind.
 PRODUCTS = {"aten::linear", "aten::addmm", "aten::mm", "mkldnn::_linear_pointwise",
             "quantized::linear_dynamic", "onednn::qlinear_pointwise", "aten::_int_mm",
-            "aten::_weight_int8pack_mm", "mt::int8_linear"}  # fmt: skip
+            "aten::_weight_int8pack_mm", "mt::int8_linear", "mt::int8_linear_avx2"}  # fmt: skip
 ATTENTION = {"aten::matmul", "aten::bmm", "aten::softmax", "aten::_softmax",
              "aten::scaled_dot_product_attention", "aten::masked_fill_",
              "mt::short_attention"}  # fmt: skip
-VOCAB = {"aten::log_softmax", "aten::_log_softmax", "mt::best_token"}
+VOCAB = {"aten::log_softmax", "aten::_log_softmax", "mt::best_token", "mt::top_tokens"}
+FUSED = {"mt::int8_decoder_step"}  # a whole decoder step: its products and attention inside
 BEAM = {"aten::topk", "aten::sort", "aten::argsort", "aten::gather", "aten::nonzero",
         "aten::repeat_interleave", "aten::index", "aten::index_select", "aten::cat",
         "aten::index_copy_", "aten::index_put_", "aten::isfinite", "aten::any", "aten::eq",
@@ -112,15 +113,22 @@ def profile_breakdown(run, src) -> dict[str, float]:
     wall = (time.perf_counter() - start) * 1e3
     kinds = {"products": 0.0, "attention": 0.0, "vocab_softmax": 0.0, "beam_bookkeeping": 0.0,
              "other_ops": 0.0}  # fmt: skip
+    def kind_of(name: str) -> str:
+        return ("products" if name in PRODUCTS else "attention" if name in ATTENTION
+                else "vocab_softmax" if name in VOCAB else "beam_bookkeeping" if name in BEAM
+                else "other_ops")  # fmt: skip
+
     for event in prof.events():
         if event.cpu_parent is not None:
             continue
         ms = event.cpu_time_total / 1e3
-        name = event.name
-        kind = ("products" if name in PRODUCTS else "attention" if name in ATTENTION
-                else "vocab_softmax" if name in VOCAB else "beam_bookkeeping" if name in BEAM
-                else "other_ops")  # fmt: skip
-        kinds[kind] += ms
+        if event.name in FUSED:  # the ops it calls by kind; its own loops (norms, adds) other
+            for child in event.cpu_children:
+                kinds[kind_of(child.name)] += child.cpu_time_total / 1e3
+                ms -= child.cpu_time_total / 1e3
+            kinds["other_ops"] += ms
+            continue
+        kinds[kind_of(event.name)] += ms
     # the profiler's own cost inflates the Python share a little; the op times are its own
     kinds["python"] = max(0.0, wall - sum(kinds.values()))
     return {k: round(v, 3) for k, v in kinds.items()} | {"wall_ms": round(wall, 3)}

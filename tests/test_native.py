@@ -460,6 +460,115 @@ def test_greedy_search_with_best_token_finds_what_torchs_path_finds(pick, quanti
     assert 0 in lengths[0] and min(lengths[1]) >= 3  # EOS at once, and min_len kept it off
 
 
+# mt::top_tokens: a beam step's k best tokens per row and their log-probabilities.
+
+
+@pytest.fixture(scope="module")
+def top():
+    return built(native.top_tokens())
+
+
+@pytest.mark.parametrize("V", [6, 8, 77, 8000])
+@pytest.mark.parametrize("forbid", [0, 0b0110, 0b1110])
+@pytest.mark.parametrize("biased", [False, True])
+def test_top_tokens_are_beams_candidates_through_the_log_softmax(top, V, forbid, biased):
+    """Each row's k best columns and log-probabilities as torch's log-softmax (float64), -inf at
+    the forbidden columns and a top-k give them; a shortlist's bias row shared by `width` rows."""
+    g = torch.Generator().manual_seed(V + forbid)
+    width, n = 3, 4
+    z = torch.randn(n * width, V, generator=g) * 4
+    z[:, :4] += 3.0  # the special columns often among the best: the forbidding matters
+    bias = None
+    if biased:  # a sentence's shortlist: some columns -inf for all its rows, the specials never
+        bias = torch.zeros(n, V).masked_fill_(torch.rand(n, V, generator=g) < 0.4, float("-inf"))
+        bias[:, :4] = 0.0
+    k = min(6, V - bin(forbid).count("1"))
+    lprob, token = top(z, bias, width, forbid, k)
+    assert lprob.shape == token.shape == (n * width, k) and token.dtype == torch.int64
+    full = z if bias is None else z + bias.repeat_interleave(width, dim=0)
+    lp = torch.log_softmax(full.double(), dim=-1)
+    for col in range(4):
+        if forbid >> col & 1:
+            lp[:, col] = float("-inf")
+    ref = lp.topk(k, dim=1)
+    finite = torch.isfinite(ref.values)
+    assert torch.equal(torch.isfinite(lprob), finite)
+    assert token[finite].tolist() == ref.indices[finite].tolist()  # no ties in random values
+    torch.testing.assert_close(lprob[finite].double(), ref.values[finite], rtol=1e-6, atol=2e-6)
+    taken = token.gather(1, torch.arange(k).expand(n * width, k))
+    assert all(len(set(row)) == k for row in taken.tolist())  # k different columns
+    assert not any(forbid >> int(c) & 1 for c in token.flatten() if c < 4)
+
+
+def test_top_tokens_order_equal_values_by_column_and_fill_with_allowed_columns(top):
+    z = torch.full((3, 40), float("-inf"))
+    z[0, [13, 5, 29, 38]] = 2.0  # ties in different lanes, blocks and the tail: by column
+    z[1, :] = 0.0  # all equal: the first allowed columns, in order
+    z[2, 20] = 1.0  # one finite allowed column: the rest -inf, the first allowed columns
+    lprob, token = top(z, None, 1, 0b0011, 5)
+    assert token[0].tolist()[:4] == [5, 13, 29, 38] and token[1].tolist() == [2, 3, 4, 5, 6]
+    assert token[2].tolist() == [20, 2, 3, 4, 5] and lprob[2, 0] == 0.0
+    assert torch.isinf(lprob[2, 1:]).all()
+    assert math.isclose(lprob[0, 0], 2.0 - math.log(4 * math.exp(2.0)), rel_tol=1e-6)
+    nan = torch.zeros(1, 16)
+    nan[0, 7] = float("nan")
+    assert torch.isnan(top(nan, None, 1, 0, 3)[0]).all()  # NaN, as the log-softmax gives
+
+
+def test_top_tokens_names_what_it_cannot_take(top):
+    z = torch.randn(4, 10)
+    with pytest.raises(RuntimeError, match="float32"):
+        top(z.double(), None, 1, 0, 2)
+    with pytest.raises(RuntimeError, match="k 9 of 8 allowed"):
+        top(z, None, 1, 0b0011, 9)
+    with pytest.raises(RuntimeError, match="4 rows in groups of 3"):
+        top(z, None, 3, 0, 2)
+    with pytest.raises(RuntimeError, match="bias"):
+        top(z, torch.zeros(4, 10), 2, 0, 2)
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_beam_search_with_top_tokens_finds_what_torchs_path_finds(top, quantize, K, monkeypatch):
+    """The same hypotheses, scores to float rounding, with the kernel and without: min_len, a
+    forced prefix (torch's path for its steps), a shortlist and n-best lists included."""
+    from mt.decode.search import generate
+    from mt.decode.shortlist import Shortlist
+    from mt.decode.strategies import Beam
+
+    model = for_decoding(small_model(), quantize, native=True)
+    decode = model.decode
+
+    def eos_likelier(*args, **kw):
+        logits = decode(*args, **kw)
+        logits[..., EOS] += 3.0
+        return logits
+
+    model.decode = eos_likelier
+    g = torch.Generator().manual_seed(5)
+    src = make_src([torch.randint(4, 50, (n,), generator=g).tolist() for n in (9, 4, 7, 2, 6)])
+    allowed = torch.rand(5, 30, generator=g) < 0.7
+    allowed[:, :4] = True
+    ids = torch.cat([torch.arange(4), torch.randperm(46, generator=g)[:26].sort().values + 4])
+
+    def run(use, **kw):
+        calls = []
+        counted = lambda *a: calls.append(1) or top(*a)  # noqa: E731
+        monkeypatch.setattr(native, "top_tokens", lambda: counted if use else None)
+        with torch.inference_mode():
+            return generate(model, src, Beam(K), 1.0, 6, K, alpha=1.0, **kw), calls
+
+    for kw in ({}, {"min_len": 3}, {"prefix": [[7, 8], [], [9], [], [5, 6, 7]]},
+               {"shortlist": Shortlist(ids, allowed)}):
+        got, calls = run(True, **kw)
+        expected, none = run(False, **kw)
+        assert calls and not none
+        for a, b in zip(got, expected):
+            assert [h.tokens for h in a] == [h.tokens for h in b]
+            for x, y in zip(a, b):
+                assert math.isclose(x.score, y.score, rel_tol=1e-5, abs_tol=1e-5)
+
+
 # mt::dropout and mt::masked_scale: the CPU training copy's dropout (mt.fast.dropout) in one pass.
 
 

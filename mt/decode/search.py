@@ -178,6 +178,27 @@ def _next_best(
     return pick(logits[:, -1].float().contiguous(), bias, forbid)
 
 
+def _next_top(
+    model: IncrementalDecoder,
+    rows: Rows,
+    step: int,
+    min_len: int,
+    shortlist: Shortlist | None,
+    top: Any,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Beam search's k best next tokens of each model row and their log-probabilities,
+    (n, width, k) each: the best of :func:`_next_lprobs`'s rows, from the (CPU) logits by
+    ``top`` (``mt.fast.native.top_tokens``) without writing their log-softmax."""
+    logits = _logits(model, rows, shortlist)[:, -1].float().contiguous()
+    bias = None if shortlist is None else shortlist.bias_rows(rows.sents)
+    forbid = (1 << PAD) | (1 << BOS) | ((1 << EOS) if step < min_len else 0)
+    allowed = logits.size(1) - sum(forbid >> j & 1 for j in range(min(4, logits.size(1))))
+    k = min(k, allowed)  # a vocabulary (or shortlist) narrower than 2K
+    lprob, token = top(logits, bias, rows.width, forbid, k)
+    return lprob.view(len(rows.sents), rows.width, k), token.view(len(rows.sents), rows.width, k)
+
+
 def prefix_tensor(prefixes: list[list[int]] | None, device: Any = "cpu") -> torch.Tensor | None:
     """(B, P) forced tokens per sentence, -1 where the search is free; None without prefixes."""
     if not prefixes or not any(prefixes):
@@ -232,6 +253,8 @@ def generate(
     rows = Rows(model, src, K)
     # greedy search on a CPU: each step's choice straight from the logits (mt's kernel)
     pick = native.best_token() if type(strategy) is Greedy and src.device.type == "cpu" else None
+    # beam search on a CPU: each row's 2K best tokens straight from the logits (mt's kernel)
+    top = native.top_tokens() if type(strategy) is Beam and src.device.type == "cpu" else None
     finished: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
     out: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
 
@@ -259,6 +282,9 @@ def generate(
         if pick is not None and (forced is None or step >= forced.size(1)):
             token, lprob = _next_best(model, rows, step, min_len, shortlist, pick)
             chosen = Greedy.chosen(rows.scores, lprob, token)
+        elif top is not None and (forced is None or step >= forced.size(1)):
+            lprob, token = _next_top(model, rows, step, min_len, shortlist, top, 2 * K)
+            chosen = strategy.step_top(rows.scores, lprob, token)
         else:
             lprobs = _next_lprobs(model, rows, step, min_len, forced, shortlist)
             chosen = strategy.step(rows.scores, lprobs)

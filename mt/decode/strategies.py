@@ -56,9 +56,25 @@ class Beam:
         else:  # the first step: one row per sentence, broadcast to its K (equal) hypotheses
             cand = (scores[:, :, None] + lprobs).view(n, K * V)
         top_score, top_index = row_topk(cand, min(2 * K, K * V))  # (n, 2K), best first
-        top_beam, top_tok = top_index // V, top_index % V
+        return self._choose(top_score, top_index // V, top_index % V)
+
+    def step_top(self, scores: torch.Tensor, lprob: torch.Tensor, token: torch.Tensor) -> Step:
+        """:meth:`step` from each row's k best next tokens only (``mt.fast.native.top_tokens``):
+        ``lprob`` and ``token`` (n, K or 1, k), best first, k >= min(2K, V). Every one of a
+        sentence's 2K best candidates is among them (a candidate below k others of its own row
+        is below k of the sentence's), so the choice is :meth:`step`'s."""
+        n, K, k = scores.size(0), self.K, lprob.size(-1)
+        cand = (scores[:, :, None] + lprob).view(n, K * k)  # the first step: broadcast
+        top_score, top_index = cand.topk(min(2 * K, K * k), dim=1)  # (n, 2K), best first
+        tokens = token.expand(n, K, k).reshape(n, K * k)
+        return self._choose(top_score, top_index // k, tokens.gather(1, top_index))
+
+    def _choose(self, top_score: torch.Tensor, top_beam: torch.Tensor,
+                top_tok: torch.Tensor) -> Step:  # fmt: skip
+        """The Step of a sentence's 2K best candidates (n, 2K), best first: parent, token."""
+        K = self.K
         is_eos = top_tok == EOS
-        ranked_in_k = torch.arange(top_index.size(1), device=cand.device) < K
+        ranked_in_k = torch.arange(top_score.size(1), device=top_score.device) < K
         finished = is_eos & ranked_in_k & torch.isfinite(top_score)
         done = []
         if bool(finished.any()):

@@ -23,7 +23,8 @@ its gradient, three passes over each row where torch's operators make about ten 
 
 ``torch.ops.mt.best_token`` (``csrc/best_token.cpp``): a greedy decoding step's token and its
 log-probability straight from the logits (and a shortlist's bias), two passes over each row in
-place of a log-softmax written out, masked and searched.
+place of a log-softmax written out, masked and searched; ``torch.ops.mt.top_tokens``, the same for
+a beam step: each row's k best tokens and their log-probabilities.
 
 ``torch.ops.mt.int8_decoder_step`` (``csrc/decoder_step.cpp``): a whole decoder step of an int8
 decoding copy in one call from Python, every layer's products, cache writes, attention, residual
@@ -214,6 +215,14 @@ def best_token() -> Callable | None:
     without writing their log-softmax), or None where the kernels are off or cannot be built
     (greedy search then takes torch's log-softmax and argmax, ``mt.decode.search``)."""
     return torch.ops.mt.best_token.default if _loaded() else None
+
+
+def top_tokens() -> Callable | None:
+    """``torch.ops.mt.top_tokens(logits, bias, width, forbid, k) -> (lprob, token)``
+    (``csrc/best_token.cpp``: a beam step's k best next tokens of each row and their
+    log-probabilities, without writing the log-softmax), or None where the kernels are off or
+    cannot be built (beam search then takes torch's log-softmax and top-k)."""
+    return torch.ops.mt.top_tokens.default if _loaded() else None
 
 
 def dropout() -> tuple[Callable, Callable] | None:
