@@ -9,7 +9,9 @@ The loop (:func:`generate`) is shared; a *strategy* (``mt.decode.strategies``: `
 ``Sampling``) decides which candidates survive a step, and ``mt.decode.rows.Rows`` keeps the
 hypotheses' tokens, scores and model state rows. Greedy search on a CPU takes each step's token
 and its log-probability straight from the logits (``mt.fast.native.best_token``, where mt's
-kernels are built): the same choice and score without writing the log-softmax out.
+kernels are built): the same choice and score without writing the log-softmax out; beam search
+takes each row's 2K best tokens the same way (``mt.fast.native.top_tokens``), a sentence's 2K
+best candidates being among them (``Beam.step_top``).
 
 Conventions (the paper's, made exact):
 

@@ -21,7 +21,8 @@ IncrementalDecoder``):
 * attention (in those copies): the short-query cores of ``mt.fast.attention`` and float32
   caches; every step after the first through ``mt.fast.step`` (the same formula with fewer
   calls into torch), its attention over the caches in mt's C++ kernel where it builds
-  (``mt.fast.native``; ``native=False`` or ``MT_NATIVE_KERNELS=0``: torch's products).
+  (``mt.fast.native``; ``native=False`` or ``MT_NATIVE_KERNELS=0``: torch's products); an int8
+  copy on mt's int8 kernels takes each step in one C++ call (``mt.fast.step.Int8Step``).
 
 Elsewhere (a GPU, ``onednn=False``) the model itself decodes: SDPA's fused kernels, callers
 autocast for bf16.

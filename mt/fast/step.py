@@ -15,6 +15,11 @@ With ``kernel`` (``torch.ops.mt.short_attention``, built by ``mt.fast.native``) 
 over the caches is one C++ call per layer and kind instead of two batched products of tiny
 matrices, a softmax and the copies around them; without it, the formula in torch.
 
+:class:`Int8Step` goes further for an int8 copy on mt's int8 kernels: the whole step, every
+layer, in one call into C++ (``torch.ops.mt.int8_decoder_step``), Python keeping only the
+embedding and the caches' bookkeeping; on an AMD Zen 3 greedy int8 decoding of real text ran
+1.30x as fast as layer by layer (beam 5: 1.07x), the same outputs.
+
 The beams of a sentence share its encoder rows (G rows per sentence, as ``CrossAttention``
 takes them). Used by :class:`mt.fast.decoding.DecodingModel` for the steps it can take (one new
 token, no autocast), the first step included, whose encoder-decoder keys/values it makes as the
