@@ -11,7 +11,7 @@ import mt.fast.step
 from mt.data.batches import make_src
 from mt.fast.decoding import DecodingModel, for_decoding
 from mt.fast.onednn import onednn_available
-from mt.fast.step import Int8Step, applies, decoder_step
+from mt.fast.step import FusedStep, applies, decoder_step
 from mt.model.transformer import EncoderOut, build_model
 from mt.schema import ModelConfig
 from mt.vocab import BOS
@@ -115,8 +115,8 @@ def test_every_decoding_copy_takes_the_step_and_agrees_with_its_own_modules(kind
     calls = []
     real = mt.fast.step.decoder_step
     monkeypatch.setattr(mt.fast.decoding, "decoder_step", lambda *a: calls.append(1) or real(*a))
-    fused = Int8Step.__call__  # an int8 copy on mt's kernels: the whole step in one call
-    monkeypatch.setattr(Int8Step, "__call__", lambda *a: calls.append(1) or fused(*a))
+    fused = FusedStep.__call__  # where it runs the copy's products: the step in one call
+    monkeypatch.setattr(FusedStep, "__call__", lambda *a: calls.append(1) or fused(*a))
     src = sources([6, 2, 4])
     tokens = torch.randint(4, 45, (3, 5), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
@@ -152,32 +152,50 @@ def grown_model(norm: str, max_positions: int = 12) -> torch.nn.Module:
     return model
 
 
+FUSED_KINDS = ["int8", "linear"] + (["onednn"] if onednn_available() else [])
+
+
+def decoding_copy(model, kind: str, monkeypatch):
+    """``for_decoding``'s copy of ``model`` whose products are of ``kind``: mt's int8 kernels,
+    torch's float32 (``nn.Linear``, where oneDNN measured slower) or oneDNN's float32."""
+    if kind == "int8":
+        int8_kernel_or_skip(monkeypatch)
+        return for_decoding(model, "int8", "fp32")
+    if kind == "linear":
+        monkeypatch.setattr(mt.fast.decoding, "onednn_decodes", lambda *a, **k: False)
+        monkeypatch.setattr(mt.fast.decoding, "onednn_projects", lambda *a, **k: False)
+        return for_decoding(model, "none", "fp32", None)
+    return for_decoding(model, "none", "fp32", True)
+
+
+@pytest.mark.parametrize("kind", FUSED_KINDS)
 @pytest.mark.parametrize("norm", ["post", "pre"])
 @pytest.mark.parametrize("G", [1, 3])
 @pytest.mark.parametrize("padded", [True, False])
-def test_the_fused_int8_step_computes_what_the_layers_compute(norm, G, padded, monkeypatch):
-    """``Int8Step`` (every layer in one C++ call) against the same int8 copy stepped layer by
-    layer (``decoder_step`` with mt's attention kernel): the same outputs to float rounding at
-    every step, 20 steps (the caches grow past their first 16 positions), the same caches."""
-    int8_kernel_or_skip(monkeypatch)
-    from mt.fast.quantize import quantize_int8
-
-    model = grown_model(norm, max_positions=24)
-    copy, _ = quantize_int8(model)
-    fused, kernel = Int8Step.build(copy), native.short_attention()
-    assert fused is not None and fused.pre_norm == (norm == "pre")
+def test_the_fused_step_computes_what_the_layers_compute(kind, norm, G, padded, monkeypatch):
+    """``FusedStep`` (every layer in one C++ call) against the same copy stepped layer by layer
+    (``decoder_step`` with mt's attention kernel), for each kind of product: the same outputs
+    to float rounding at every step, 20 steps (the caches grow past their first 16
+    positions), the same caches."""
+    if native.decoder_step() is None:
+        pytest.skip(f"no kernels here: {native.unavailable_reason()}")
+    copy = decoding_copy(grown_model(norm, max_positions=24), kind, monkeypatch)
+    fused, kernel = copy.fused, native.short_attention()
+    assert fused is not None and fused.products.startswith(kind)
+    assert fused.pre_norm == (norm == "pre")
+    module = copy.module
     src = sources([7, 3, 5] if padded else [5, 5, 5])
     tokens = torch.randint(4, 45, (3 * G, 20), generator=torch.Generator().manual_seed(G))
     tokens[:, 0] = BOS
     with torch.inference_mode():
-        enc = copy.encode(src)
+        enc = module.encode(src)
         if not padded:
             enc = EncoderOut(enc.memory, None)
-        ours, ref = copy.new_cache(torch.float32), copy.new_cache(torch.float32)
+        ours, ref = copy.new_cache(), copy.new_cache()
         for t in range(tokens.size(1)):
             step_in = tokens[:, t : t + 1]
-            expected = decoder_step(copy, step_in, enc.memory, enc.src_mask, ref, kernel)
-            got = fused(copy, step_in, enc.memory, enc.src_mask, ours)
+            expected = decoder_step(module, step_in, enc.memory, enc.src_mask, ref, kernel)
+            got = fused(module, step_in, enc.memory, enc.src_mask, ours)
             assert got.shape == expected.shape == (3 * G, 32)
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
             assert ours.length == ref.length == t + 1
@@ -188,14 +206,16 @@ def test_the_fused_int8_step_computes_what_the_layers_compute(norm, G, padded, m
         assert torch.equal(a.cross_attn.k, b.cross_attn.k)
 
 
-def test_int8_copies_take_the_fused_step_only_on_mts_kernels(monkeypatch):
-    """``for_decoding(quantize=int8)`` steps through ``Int8Step`` where mt's int8 kernels run
-    (and its decode gives the layer-by-layer copy's logits); on fbgemm's products, in float32,
-    or with mt's kernels off, layer by layer."""
-    kernel = int8_kernel_or_skip(monkeypatch)
+@pytest.mark.parametrize("kind", FUSED_KINDS)
+def test_decoding_copies_take_the_fused_step_where_it_runs_their_products(kind, monkeypatch):
+    """``for_decoding`` steps through ``FusedStep`` for int8 copies on mt's kernels and
+    float32 copies on oneDNN's or torch's products, its decode giving the layer-by-layer
+    copy's logits; int8 on fbgemm's products, or with mt's kernels off, layer by layer."""
+    if native.decoder_step() is None:
+        pytest.skip(f"no kernels here: {native.unavailable_reason()}")
     model = grown_model("post")
-    fast = for_decoding(model, "int8", "fp32")
-    assert fast.fused is not None and fast.fused.vnni == (kernel == "vnni")
+    fast = decoding_copy(model, kind, monkeypatch)
+    assert fast.fused is not None
     layered = DecodingModel(fast.module, fast.head, fast.cache_dtype, step=True,
                             kernel=fast.kernel)  # fmt: skip
     src = sources([6, 2, 4])
@@ -208,27 +228,33 @@ def test_int8_copies_take_the_fused_step_only_on_mts_kernels(monkeypatch):
             torch.testing.assert_close(fast.decode(step_in, a_enc, a_cache),
                                        layered.decode(step_in, b_enc, b_cache), atol=1e-4,
                                        rtol=1e-4)  # fmt: skip
-    assert for_decoding(model, "none", "fp32").fused is None
-    monkeypatch.setenv("MT_INT8_KERNEL", "fbgemm")
-    assert for_decoding(grown_model("post"), "int8", "fp32").fused is None
-    monkeypatch.setenv("MT_INT8_KERNEL", kernel)
+    if kind == "int8":
+        kernel = int8_kernel_or_skip(monkeypatch)
+        assert fast.fused.products == f"int8-{kernel}"
+        monkeypatch.setenv("MT_INT8_KERNEL", "fbgemm")
+        assert for_decoding(grown_model("post"), "int8", "fp32").fused is None
+        monkeypatch.setenv("MT_INT8_KERNEL", kernel)
     assert for_decoding(grown_model("post"), "int8", "fp32", native=False).fused is None
 
 
 def test_the_fused_step_names_what_does_not_fit(monkeypatch):
     """The operator's checks: a wrong number of parameters, a cache without room for the new
-    position, each said with what was given."""
-    int8_kernel_or_skip(monkeypatch)
-    from mt.fast.quantize import quantize_int8
-
-    copy, _ = quantize_int8(grown_model("post"))
-    fused = Int8Step.build(copy)
+    position, an unknown kind of product, each said with what was given."""
+    if native.decoder_step() is None:
+        pytest.skip(f"no kernels here: {native.unavailable_reason()}")
+    copy = decoding_copy(grown_model("post"), "linear", monkeypatch)
+    fused = copy.fused
     x = torch.randn(2, 32)
     cache = [torch.zeros(2, 4, 3, 8) for _ in range(2)]
     cross = [torch.zeros(2, 4, 5, 8) for _ in range(2)]
+
+    def call(params, past, products="linear"):
+        fused.op(x, params, fused.widths, cache, cache, past, cross, cross, None, 4, False,
+                 1e-5, products)  # fmt: skip
+
     with pytest.raises(RuntimeError, match="2 layers need 60 parameters"):
-        fused.op(x, fused.params[:-1], fused.widths, cache, cache, 0, cross, cross, None, 4,
-                 False, 1e-5, fused.vnni)  # fmt: skip
+        call(fused.params[:-1], 0)
     with pytest.raises(RuntimeError, match="no room for position 3"):
-        fused.op(x, fused.params, fused.widths, cache, cache, 3, cross, cross, None, 4, False,
-                 1e-5, fused.vnni)  # fmt: skip
+        call(fused.params, 3)
+    with pytest.raises(RuntimeError, match="products int4 are not"):
+        call(fused.params, 0, "int4")

@@ -21,8 +21,9 @@ IncrementalDecoder``):
 * attention (in those copies): the short-query cores of ``mt.fast.attention`` and float32
   caches; every step after the first through ``mt.fast.step`` (the same formula with fewer
   calls into torch), its attention over the caches in mt's C++ kernel where it builds
-  (``mt.fast.native``; ``native=False`` or ``MT_NATIVE_KERNELS=0``: torch's products); an int8
-  copy on mt's int8 kernels takes each step in one C++ call (``mt.fast.step.Int8Step``).
+  (``mt.fast.native``; ``native=False`` or ``MT_NATIVE_KERNELS=0``: torch's products), and
+  there each step in one C++ call (``mt.fast.step.FusedStep``) where the copy's products are
+  mt's int8 kernels, oneDNN's float32 or torch's (not fbgemm's, not bfloat16).
 
 Elsewhere (a GPU, ``onednn=False``) the model itself decodes: SDPA's fused kernels, callers
 autocast for bf16.
@@ -54,7 +55,7 @@ from mt.fast.onednn import (
     onednn_bf16_available,
 )
 from mt.fast.quantize import quantize_int8
-from mt.fast.step import Int8Step, applies, decoder_step
+from mt.fast.step import FusedStep, applies, decoder_step
 from mt.model.kv_cache import DecoderCache
 from mt.model.transformer import FeedForward, Transformer
 
@@ -79,8 +80,8 @@ class DecodingModel(nn.Module):
             ``mt.fast.step.decoder_step`` where it applies; False: always the module's own.
         kernel: the steps' attention through ``torch.ops.mt.short_attention``
             (``mt.fast.native``; float32 caches), or None: torch's batched products.
-        fused: an int8 copy's steps in one C++ call (``mt.fast.step.Int8Step``; with
-            ``step``), or None: layer by layer (``mt.fast.step.decoder_step``).
+        fused: the steps in one C++ call (``mt.fast.step.FusedStep``; with ``step``), or
+            None: layer by layer (``mt.fast.step.decoder_step``).
     """
 
     def __init__(
@@ -90,7 +91,7 @@ class DecodingModel(nn.Module):
         cache_dtype=None,
         step: bool = False,
         kernel=None,
-        fused: Int8Step | None = None,
+        fused: FusedStep | None = None,
     ) -> None:
         super().__init__()
         self.module, self.head, self.cache_dtype, self.step = module, head, cache_dtype, step
@@ -317,8 +318,8 @@ def for_decoding(
     if fast_attention:
         install(clone, ShortQueryAttention)
     cache_dtype = torch.float32 if fast_attention else None
-    # an int8 copy on mt's kernels: each step in one C++ call
-    fused = Int8Step.build(clone) if kind == "int8" and kernel is not None else None
+    # each step in one C++ call where the copy's products are of a kind it runs
+    fused = FusedStep.build(clone) if kernel is not None else None
     decoder = DecodingModel(clone, head, cache_dtype, step=fast_attention, kernel=kernel,
                             fused=fused)  # fmt: skip
     copies[key] = (identity, decoder)

@@ -26,9 +26,10 @@ log-probability straight from the logits (and a shortlist's bias), two passes ov
 place of a log-softmax written out, masked and searched; ``torch.ops.mt.top_tokens``, the same for
 a beam step: each row's k best tokens and their log-probabilities.
 
-``torch.ops.mt.int8_decoder_step`` (``csrc/decoder_step.cpp``): a whole decoder step of an int8
-decoding copy in one call from Python, every layer's products, cache writes, attention, residual
-additions and LayerNorms run from C++ (``mt.fast.step.Int8Step``).
+``torch.ops.mt.decoder_step`` (``csrc/decoder_step.cpp``): a whole decoder step of a decoding
+copy in one call from Python, every layer's products (mt's int8 kernels, oneDNN's or torch's
+float32), cache writes, attention, residual additions and LayerNorms run from C++
+(``mt.fast.step.FusedStep``).
 
 ``torch.ops.mt.dropout`` and ``torch.ops.mt.masked_scale`` (``csrc/dropout.cpp``): the CPU
 training copy's dropout (``mt.fast.dropout``) in one pass, each element's 16 random bits hashed
@@ -235,12 +236,12 @@ def dropout() -> tuple[Callable, Callable] | None:
     return torch.ops.mt.dropout.default, torch.ops.mt.masked_scale.default
 
 
-def int8_decoder_step() -> Callable | None:
-    """``torch.ops.mt.int8_decoder_step`` (``csrc/decoder_step.cpp``: an int8 decoding copy's
-    whole decoder step, every layer, in one call; ``mt.fast.step.Int8Step``), or None where the
+def decoder_step() -> Callable | None:
+    """``torch.ops.mt.decoder_step`` (``csrc/decoder_step.cpp``: a decoding copy's whole
+    decoder step, every layer, in one call; ``mt.fast.step.FusedStep``), or None where the
     kernels are off or cannot be built (the step then goes layer by layer through the modules,
     ``mt.fast.step.decoder_step``)."""
-    return torch.ops.mt.int8_decoder_step.default if _loaded() else None
+    return torch.ops.mt.decoder_step.default if _loaded() else None
 
 
 def unavailable_reason() -> str | None:

@@ -15,10 +15,11 @@ With ``kernel`` (``torch.ops.mt.short_attention``, built by ``mt.fast.native``) 
 over the caches is one C++ call per layer and kind instead of two batched products of tiny
 matrices, a softmax and the copies around them; without it, the formula in torch.
 
-:class:`Int8Step` goes further for an int8 copy on mt's int8 kernels: the whole step, every
-layer, in one call into C++ (``torch.ops.mt.int8_decoder_step``), Python keeping only the
-embedding and the caches' bookkeeping; on an AMD Zen 3 greedy int8 decoding of real text ran
-1.30x as fast as layer by layer (beam 5: 1.07x), the same outputs.
+:class:`FusedStep` goes further: the whole step, every layer, in one call into C++
+(``torch.ops.mt.decoder_step``), Python keeping only the embedding and the caches'
+bookkeeping, for copies whose products are all mt's int8 kernels, oneDNN's float32 or torch's;
+on an AMD Zen 3 greedy int8 decoding of real text ran 1.30x as fast as layer by layer (beam 5:
+1.07x), the same outputs.
 
 The beams of a sentence share its encoder rows (G rows per sentence, as ``CrossAttention``
 takes them). Used by :class:`mt.fast.decoding.DecodingModel` for the steps it can take (one new
@@ -134,32 +135,32 @@ def decoder_step(
     return module.decoder_norm(x)
 
 
-class Int8Step:
-    """An int8 decoding copy's decoder step in one call into C++
-    (``torch.ops.mt.int8_decoder_step``, ``mt/fast/csrc/decoder_step.cpp``): what
-    :func:`decoder_step` computes, the embedding and the caches' bookkeeping in Python, every
-    layer's products (mt's int8 kernels), cache writes, attention (``mt::short_attention``),
+class FusedStep:
+    """A decoding copy's decoder step in one call into C++ (``torch.ops.mt.decoder_step``,
+    ``mt/fast/csrc/decoder_step.cpp``): what :func:`decoder_step` computes, the embedding and
+    the caches' bookkeeping in Python, every layer's products (the copy's own: mt's int8
+    kernels, oneDNN's or torch's float32 ones), cache writes, attention (``mt::short_attention``),
     residual additions and LayerNorms in C++. Build with :meth:`build`.
 
-    The layers' parameters are gathered once, as the operator takes them: per layer the six
-    products' packed weights, scales, row sums and biases (``mt.fast.quantize.Int8Linear``),
-    then the three LayerNorms' weights and biases.
+    The layers' parameters are gathered once, as the operator takes them: per layer four
+    tensors for each of the six products (``products`` says what they are), then the three
+    LayerNorms' weights and biases.
     """
 
     def __init__(self, op, params: list[torch.Tensor], widths: list[int], heads: int,
-                 d_k: int, pre_norm: bool, eps: float, vnni: bool) -> None:  # fmt: skip
+                 d_k: int, pre_norm: bool, eps: float, products: str) -> None:  # fmt: skip
         self.op, self.params, self.widths = op, params, widths
-        self.heads, self.d_k, self.pre_norm, self.eps, self.vnni = heads, d_k, pre_norm, eps, vnni
+        self.heads, self.d_k, self.pre_norm, self.eps = heads, d_k, pre_norm, eps
+        self.products = products
 
     @classmethod
-    def build(cls, module: nn.Module) -> Int8Step | None:
-        """The fused step of ``module`` (an int8 decoding copy, ``mt.fast.quantize.
-        quantize_int8``), or None where it does not compute the same: a product not on mt's
-        int8 kernels (fbgemm's) or not all on one, LayerNorms without weights or with
-        differing eps, or mt's kernels not built (``mt.fast.native.int8_decoder_step``)."""
-        from mt.fast.quantize import Int8Linear  # (quantize does not import this module)
-
-        op = native.int8_decoder_step()
+    def build(cls, module: nn.Module) -> FusedStep | None:
+        """The fused step of ``module`` (a decoding copy of ``mt.fast.decoding``), or None where
+        it would not compute what the modules compute: products not all of one kind among
+        mt's int8 kernels (``Int8Linear``, not on fbgemm), oneDNN's float32 products
+        (``OneDNNLinear``) and torch's (``nn.Linear``); LayerNorms without weights or with
+        differing eps; or mt's kernels not built (``mt.fast.native.decoder_step``)."""
+        op = native.decoder_step()
         if op is None or not len(module.decoder):
             return None
         params: list[torch.Tensor] = []
@@ -170,13 +171,12 @@ class Int8Step:
                         layer.cross_attn.out, getattr(layer.ffn, "w1", None),
                         getattr(layer.ffn, "w2", None))  # fmt: skip
             for linear in products:
-                if not isinstance(linear, Int8Linear) or linear.kernel == "fbgemm":
+                kind, tensors, width = _product_params(linear)
+                if kind is None:
                     return None
-                kinds.add(linear.kernel)
-                w, scale, comp, n = linear._packed
-                bias = linear.bias if linear.bias is not None else torch.empty(0)
-                params += [w, scale, comp, bias]
-                widths.append(n)
+                kinds.add(kind)
+                params += tensors
+                widths.append(width)
             for norm in layer.norms:
                 if norm.weight is None or norm.bias is None:
                     return None
@@ -187,7 +187,7 @@ class Int8Step:
             return None
         attn = module.decoder[0].self_attn
         return cls(op, params, widths, attn.h, attn.d_k, pre.pop(), float(eps.pop()),
-                   kinds.pop() == "vnni")  # fmt: skip
+                   kinds.pop())  # fmt: skip
 
     def __call__(self, module: nn.Module, tgt_in: torch.Tensor, memory: torch.Tensor, src_mask,
                  cache: DecoderCache) -> torch.Tensor:  # fmt: skip
@@ -208,7 +208,32 @@ class Int8Step:
             cross_k.append(k)
             cross_v.append(v)
         out = self.op(x, self.params, self.widths, self_k, self_v, past, cross_k, cross_v, bias,
-                      self.heads, self.pre_norm, self.eps, self.vnni)  # fmt: skip
+                      self.heads, self.pre_norm, self.eps, self.products)  # fmt: skip
         for state in cache.layers:
             state.self_attn.length = past + 1
         return module.decoder_norm(out)
+
+
+def _product_params(linear) -> tuple[str | None, list[torch.Tensor], int]:
+    """What ``mt::decoder_step`` takes of one product: its kind (None: not one it runs), four
+    tensors (an empty one for a missing bias and the unused places) and its output width."""
+    from mt.fast.onednn import OneDNNLinear  # (neither imports this module)
+    from mt.fast.quantize import Int8Linear
+
+    none = torch.empty(0)
+    if isinstance(linear, Int8Linear):
+        if linear.kernel == "fbgemm":
+            return None, [], 0
+        w, scale, comp, n = linear._packed
+        bias = linear.bias if linear.bias is not None else none
+        return f"int8-{linear.kernel}", [w, scale, comp, bias], n
+    if isinstance(linear, OneDNNLinear):
+        if linear.weight.dtype != torch.float32:  # bfloat16 copies cast around each product
+            return None, [], 0
+        weight = linear.weight if linear.packed is None else linear.packed
+        bias = linear.bias if linear.bias is not None else none
+        return "onednn", [weight, bias, none, none], linear.weight.size(0)
+    if type(linear) is nn.Linear:
+        bias = linear.bias.detach() if linear.bias is not None else none
+        return "linear", [linear.weight.detach(), bias, none, none], linear.out_features
+    return None, [], 0

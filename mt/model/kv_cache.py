@@ -63,7 +63,7 @@ class SelfAttentionCache:
         """Room for positions up to ``end`` (exclusive) in buffers of ``dtype``: where they are
         shorter (or none yet), new ones of (B, H, max(end, 2 * length, 16), d_k), the filled
         positions copied over. Returns the whole buffers; whoever writes positions into them
-        sets ``length`` (``mt.fast.step.Int8Step`` does both in C++ and Python)."""
+        sets ``length`` (``mt.fast.step.FusedStep`` does both in C++ and Python)."""
         if self.k is None or self.k.size(2) < end or self.k.dtype != dtype:
             past = self.length
             capacity = max(end, 2 * past, 16)
