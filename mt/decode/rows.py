@@ -70,6 +70,11 @@ class Rows:
         the rows whose hypothesis has a new parent are copied.
         """
         n, K = beam.shape
+        if K == 1:  # one hypothesis a sentence (greedy, sampling): its own parent, its row
+            self.last = token.reshape(-1, 1)
+            self.tokens = torch.cat([self.tokens, self.last], dim=1)
+            self.scores = score
+            return
         base = torch.arange(n, device=beam.device)[:, None] * K
         if self.width == K and K > 1:
             order = rows_for(beam).argsort(dim=1)  # (n, K): the hypothesis placed in row k
