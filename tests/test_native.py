@@ -416,28 +416,36 @@ def test_best_token_names_what_it_cannot_take(pick):
         pick(z, torch.zeros(3, 9), 0)
 
 
+def search_case(quantize: str, eos_boost: float, seed: int):
+    """A decoding copy of :func:`small_model` whose EOS is made likelier (some sentences end at
+    once, so that min_len matters), five sources and a shortlist of 30 pieces for them."""
+    from mt.decode.shortlist import Shortlist
+
+    model = for_decoding(small_model(), quantize, native=True)
+    decode = model.decode
+
+    def eos_likelier(*args, **kw):
+        logits = decode(*args, **kw)
+        logits[..., EOS] += eos_boost
+        return logits
+
+    model.decode = eos_likelier
+    g = torch.Generator().manual_seed(seed)
+    src = make_src([torch.randint(4, 50, (n,), generator=g).tolist() for n in (9, 4, 7, 2, 6)])
+    allowed = torch.rand(5, 30, generator=g) < 0.7
+    allowed[:, :4] = True
+    ids = torch.cat([torch.arange(4), torch.randperm(46, generator=g)[:26].sort().values + 4])
+    return model, src, Shortlist(ids, allowed)
+
+
 @pytest.mark.parametrize("quantize", ["none", "int8"])
 def test_greedy_search_with_best_token_finds_what_torchs_path_finds(pick, quantize, monkeypatch):
     """The same tokens and scores with the kernel and without, min_len, a forced prefix and a
     shortlist's restriction included."""
     from mt.decode.search import generate
-    from mt.decode.shortlist import Shortlist
     from mt.decode.strategies import Greedy
 
-    model = for_decoding(small_model(), quantize, native=True)
-    decode = model.decode
-
-    def eos_likelier(*args, **kw):  # some sentences end at once, so that min_len matters
-        logits = decode(*args, **kw)
-        logits[..., EOS] += 4.0
-        return logits
-
-    model.decode = eos_likelier
-    g = torch.Generator().manual_seed(3)
-    src = make_src([torch.randint(4, 50, (n,), generator=g).tolist() for n in (9, 4, 7, 2, 6)])
-    allowed = torch.rand(5, 30, generator=g) < 0.7
-    allowed[:, :4] = True
-    ids = torch.cat([torch.arange(4), torch.randperm(46, generator=g)[:26].sort().values + 4])
+    model, src, shortlist = search_case(quantize, eos_boost=4.0, seed=3)
 
     def run(use, **kw):
         calls = []
@@ -449,7 +457,7 @@ def test_greedy_search_with_best_token_finds_what_torchs_path_finds(pick, quanti
 
     lengths = []
     for kw in ({}, {"min_len": 3}, {"prefix": [[7, 8], [], [9], [], [5, 6, 7]]},
-               {"shortlist": Shortlist(ids, allowed)}):
+               {"shortlist": shortlist}):
         got, calls = run(True, **kw)
         expected, none = run(False, **kw)
         assert calls and not none
@@ -533,23 +541,9 @@ def test_beam_search_with_top_tokens_finds_what_torchs_path_finds(top, quantize,
     """The same hypotheses, scores to float rounding, with the kernel and without: min_len, a
     forced prefix (torch's path for its steps), a shortlist and n-best lists included."""
     from mt.decode.search import generate
-    from mt.decode.shortlist import Shortlist
     from mt.decode.strategies import Beam
 
-    model = for_decoding(small_model(), quantize, native=True)
-    decode = model.decode
-
-    def eos_likelier(*args, **kw):
-        logits = decode(*args, **kw)
-        logits[..., EOS] += 3.0
-        return logits
-
-    model.decode = eos_likelier
-    g = torch.Generator().manual_seed(5)
-    src = make_src([torch.randint(4, 50, (n,), generator=g).tolist() for n in (9, 4, 7, 2, 6)])
-    allowed = torch.rand(5, 30, generator=g) < 0.7
-    allowed[:, :4] = True
-    ids = torch.cat([torch.arange(4), torch.randperm(46, generator=g)[:26].sort().values + 4])
+    model, src, shortlist = search_case(quantize, eos_boost=3.0, seed=5)
 
     def run(use, **kw):
         calls = []
@@ -559,7 +553,7 @@ def test_beam_search_with_top_tokens_finds_what_torchs_path_finds(top, quantize,
             return generate(model, src, Beam(K), 1.0, 6, K, alpha=1.0, **kw), calls
 
     for kw in ({}, {"min_len": 3}, {"prefix": [[7, 8], [], [9], [], [5, 6, 7]]},
-               {"shortlist": Shortlist(ids, allowed)}):
+               {"shortlist": shortlist}):
         got, calls = run(True, **kw)
         expected, none = run(False, **kw)
         assert calls and not none

@@ -37,6 +37,44 @@ using namespace mt_vec;
 
 constexpr int kSpecial = 4;  // columns that `forbid` may name
 
+// sum_j exp(z_j - all) over a row, z = x (+ b), all >= every z_j: four sums in vector registers
+// (shorter chains of rounding, and of waiting), the tail in double.
+double exp_sum(const float* x, const float* b, int64_t V, float all) {
+  fvec sum[4] = {};
+  int64_t j = 0;
+  for (; j + 4 * kLanes <= V; j += 4 * kLanes) {
+    for (int u = 0; u < 4; ++u) {
+      fvec v = load(x + j + u * kLanes);
+      if (b) v += load(b + j + u * kLanes);
+      sum[u] += exp_nonpositive(v - all);
+    }
+  }
+  for (; j + kLanes <= V; j += kLanes) {
+    fvec v = load(x + j);
+    if (b) v += load(b + j);
+    sum[0] += exp_nonpositive(v - all);
+  }
+  double s = static_cast<double>(hsum(sum[0] + sum[1])) + hsum(sum[2] + sum[3]);
+  for (; j < V; ++j) s += std::exp(static_cast<double>((b ? x[j] + b[j] : x[j]) - all));
+  return s;
+}
+
+// Pass 1's block of 8 columns from j: z = x (+ b), folded into the running maximum of all
+// columns (`top`) and the NaN flags; returned with the forbidden special columns at -inf.
+inline fvec scan_block(const float* x, const float* b, int64_t j, int64_t forbid, fvec& top,
+                       ivec& nan) {
+  fvec v = load(x + j);
+  if (b) v += load(b + j);
+  nan |= v != v;
+  top = v > top ? v : top;
+  if (j < kSpecial) {  // the first block holds the special columns
+    for (int i = 0; i < kLanes && j + i < kSpecial; ++i) {
+      if (forbid >> (j + i) & 1) v[i] = -std::numeric_limits<float>::infinity();
+    }
+  }
+  return v;
+}
+
 // One row: (token, lprob).
 std::pair<int64_t, float> pick(const float* x, const float* b, int64_t V, int64_t forbid) {
   const float inf = std::numeric_limits<float>::infinity();
@@ -48,15 +86,7 @@ std::pair<int64_t, float> pick(const float* x, const float* b, int64_t V, int64_
   for (int i = 0; i < kLanes; ++i) lane[i] = i;
   int64_t j = 0;
   for (; j + kLanes <= V; j += kLanes) {
-    fvec v = load(x + j);
-    if (b) v += load(b + j);
-    nan |= v != v;
-    top = v > top ? v : top;
-    if (j < kSpecial) {  // the first block holds the special columns
-      for (int i = 0; i < kLanes && j + i < kSpecial; ++i) {
-        if (forbid >> (j + i) & 1) v[i] = -inf;
-      }
-    }
+    const fvec v = scan_block(x, b, j, forbid, top, nan);
     const ivec more = v > best;
     best = more ? v : best;
     where = more ? lane + static_cast<int32_t>(j) : where;
@@ -89,23 +119,8 @@ std::pair<int64_t, float> pick(const float* x, const float* b, int64_t V, int64_
   }
   if (token < 0) token = 0;  // every allowed column -inf: torch's argmax of -inf is column 0
   if (!(all > -inf)) return {token, std::numeric_limits<float>::quiet_NaN()};
-  // pass 2: sum_j exp(z_j - all), in four sums (shorter chains of rounding, and of waiting)
-  fvec sum[4] = {};
-  j = 0;
-  for (; j + 4 * kLanes <= V; j += 4 * kLanes) {
-    for (int u = 0; u < 4; ++u) {
-      fvec v = load(x + j + u * kLanes);
-      if (b) v += load(b + j + u * kLanes);
-      sum[u] += exp_nonpositive(v - all);
-    }
-  }
-  for (; j + kLanes <= V; j += kLanes) {
-    fvec v = load(x + j);
-    if (b) v += load(b + j);
-    sum[0] += exp_nonpositive(v - all);
-  }
-  double s = static_cast<double>(hsum(sum[0] + sum[1])) + hsum(sum[2] + sum[3]);
-  for (; j < V; ++j) s += std::exp(static_cast<double>(z(j) - all));
+  // pass 2: the normalizer
+  const double s = exp_sum(x, b, V, all);
   return {token, z(token) - (all + static_cast<float>(std::log(s)))};
 }
 
@@ -164,15 +179,7 @@ float top_row(const float* x, const float* b, int64_t V, int64_t forbid, int64_t
   ivec nan = ivec{};
   int64_t j = 0;
   for (; j + kLanes <= V; j += kLanes) {
-    fvec v = load(x + j);
-    if (b) v += load(b + j);
-    nan |= v != v;
-    top = v > top ? v : top;
-    if (j < kSpecial) {
-      for (int i = 0; i < kLanes && j + i < kSpecial; ++i) {
-        if (forbid >> (j + i) & 1) v[i] = -inf;
-      }
-    }
+    const fvec v = scan_block(x, b, j, forbid, top, nan);
     const ivec above = v > val[k - 1];  // rare once the list holds k good values
     bool any = false;
     for (int i = 0; i < kLanes; ++i) any |= above[i] != 0;
@@ -206,23 +213,7 @@ float top_row(const float* x, const float* b, int64_t V, int64_t forbid, int64_t
   }
   if (has_nan) return std::numeric_limits<float>::quiet_NaN();
   if (!(all > -inf)) return -inf;
-  fvec sum[4] = {};
-  j = 0;
-  for (; j + 4 * kLanes <= V; j += 4 * kLanes) {
-    for (int u = 0; u < 4; ++u) {
-      fvec v = load(x + j + u * kLanes);
-      if (b) v += load(b + j + u * kLanes);
-      sum[u] += exp_nonpositive(v - all);
-    }
-  }
-  for (; j + kLanes <= V; j += kLanes) {
-    fvec v = load(x + j);
-    if (b) v += load(b + j);
-    sum[0] += exp_nonpositive(v - all);
-  }
-  double s = static_cast<double>(hsum(sum[0] + sum[1])) + hsum(sum[2] + sum[3]);
-  for (; j < V; ++j) s += std::exp(static_cast<double>((b ? x[j] + b[j] : x[j]) - all));
-  return all + static_cast<float>(std::log(s));
+  return all + static_cast<float>(std::log(exp_sum(x, b, V, all)));
 }
 
 std::tuple<at::Tensor, at::Tensor> top_tokens(const at::Tensor& logits,
