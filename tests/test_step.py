@@ -258,3 +258,16 @@ def test_the_fused_step_names_what_does_not_fit(monkeypatch):
         call(fused.params, 3)
     with pytest.raises(RuntimeError, match="products int4 are not"):
         call(fused.params, 0, "int4")
+
+
+def test_decoding_copies_keep_the_memory_decoding_frees(monkeypatch):
+    """``for_decoding`` keeps freed memory in the process (glibc: no page faults for the next
+    batch's caches) wherever it builds a copy, and leaves the allocator alone where the model as
+    written decodes."""
+    calls = []
+    monkeypatch.setattr(mt.fast.decoding, "hold_freed_memory", lambda: calls.append(1) or True)
+    model = small_model("post")
+    assert for_decoding(model, "none", "fp32", False).module is model  # as written
+    assert not calls
+    for_decoding(model, "int8", "fp32")
+    assert calls

@@ -21,7 +21,8 @@ _held = False
 
 
 def hold_freed_memory() -> bool:
-    """Keep memory that training frees inside the process, for its next step (glibc only).
+    """Keep memory that training (or decoding, ``mt.fast.decoding.for_decoding``) frees inside
+    the process, for its next step or batch (glibc only).
 
     A training step allocates and frees the same large temporaries every time (activations,
     the loss's float blocks). glibc returns freed blocks above its mmap threshold, and the top

@@ -40,6 +40,7 @@
 
 #include "vec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
