@@ -239,7 +239,8 @@ def test_decoding_copies_take_the_fused_step_where_it_runs_their_products(kind, 
 
 def test_the_fused_step_names_what_does_not_fit(monkeypatch):
     """The operator's checks: a wrong number of parameters, a cache without room for the new
-    position, an unknown kind of product, each said with what was given."""
+    position, an unknown kind of product, each said with what was given; and a step beyond the
+    model's positions, as the layer-by-layer step names it."""
     if native.decoder_step() is None:
         pytest.skip(f"no kernels here: {native.unavailable_reason()}")
     copy = decoding_copy(grown_model("post"), "linear", monkeypatch)
@@ -258,6 +259,13 @@ def test_the_fused_step_names_what_does_not_fit(monkeypatch):
         call(fused.params, 3)
     with pytest.raises(RuntimeError, match="products int4 are not"):
         call(fused.params, 0, "int4")
+    module, src = copy.module, sources([3])  # max_positions 12: the model's limit, named
+    with torch.inference_mode():
+        enc, state = module.encode(src), copy.new_cache()
+        for _ in range(12):
+            fused(module, torch.full((1, 1), 5), enc.memory, enc.src_mask, state)
+        with pytest.raises(ValueError, match="exceeds model.max_positions=12"):
+            fused(module, torch.full((1, 1), 5), enc.memory, enc.src_mask, state)
 
 
 def test_decoding_copies_keep_the_memory_decoding_frees(monkeypatch):
