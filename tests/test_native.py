@@ -416,6 +416,15 @@ def test_best_token_names_what_it_cannot_take(pick):
         pick(z, torch.zeros(3, 9), 0)
 
 
+def counted_kernel(monkeypatch, name: str, op) -> list[int]:
+    """``native.<name>()`` gives ``op`` counting its calls into the list returned, or None
+    (``op`` None: the search takes torch's way)."""
+    calls: list[int] = []
+    counted = None if op is None else (lambda *a: calls.append(1) or op(*a))
+    monkeypatch.setattr(native, name, lambda: counted)
+    return calls
+
+
 def search_case(quantize: str, eos_boost: float, seed: int):
     """A decoding copy of :func:`small_model` whose EOS is made likelier (some sentences end at
     once, so that min_len matters), five sources and a shortlist of 30 pieces for them."""
@@ -448,9 +457,7 @@ def test_greedy_search_with_best_token_finds_what_torchs_path_finds(pick, quanti
     model, src, shortlist = search_case(quantize, eos_boost=4.0, seed=3)
 
     def run(use, **kw):
-        calls = []
-        counted = lambda *a: calls.append(1) or pick(*a)  # noqa: E731
-        monkeypatch.setattr(native, "best_token", lambda: counted if use else None)
+        calls = counted_kernel(monkeypatch, "best_token", pick if use else None)
         with torch.inference_mode():
             out = generate(model, src, Greedy(), 1.0, 5, 1, **kw)
         return [h[0] for h in out], calls
@@ -546,9 +553,7 @@ def test_beam_search_with_top_tokens_finds_what_torchs_path_finds(top, quantize,
     model, src, shortlist = search_case(quantize, eos_boost=3.0, seed=5)
 
     def run(use, **kw):
-        calls = []
-        counted = lambda *a: calls.append(1) or top(*a)  # noqa: E731
-        monkeypatch.setattr(native, "top_tokens", lambda: counted if use else None)
+        calls = counted_kernel(monkeypatch, "top_tokens", top if use else None)
         with torch.inference_mode():
             return generate(model, src, Beam(K), 1.0, 6, K, alpha=1.0, **kw), calls
 

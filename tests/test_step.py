@@ -99,38 +99,6 @@ def test_the_step_names_the_model_limit():
             decoder_step(model, torch.full((1, 1), 5), enc.memory, enc.src_mask, cache)
 
 
-KINDS = ["torch", "int8"] + (["onednn"] if onednn_available() else [])
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_every_decoding_copy_takes_the_step_and_agrees_with_its_own_modules(kind, monkeypatch):
-    model = small_model("post")
-    if kind == "torch":  # auto oneDNN, measured slower here
-        monkeypatch.setattr(mt.fast.decoding, "onednn_decodes", lambda *a, **k: False)
-        monkeypatch.setattr(mt.fast.decoding, "onednn_projects", lambda *a, **k: False)
-    quantize, onednn = ("int8", True) if kind == "int8" else ("none", kind == "onednn" or None)
-    fast = for_decoding(model, quantize, "fp32", onednn)
-    assert fast.step and fast.module is not model
-    plain = DecodingModel(fast.module, fast.head, fast.cache_dtype, step=False)
-    calls = []
-    real = mt.fast.step.decoder_step
-    monkeypatch.setattr(mt.fast.decoding, "decoder_step", lambda *a: calls.append(1) or real(*a))
-    fused = FusedStep.__call__  # where it runs the copy's products: the step in one call
-    monkeypatch.setattr(FusedStep, "__call__", lambda *a: calls.append(1) or fused(*a))
-    src = sources([6, 2, 4])
-    tokens = torch.randint(4, 45, (3, 5), generator=torch.Generator().manual_seed(4))
-    with torch.inference_mode():
-        a_enc, a_cache = fast.encode(src), fast.new_cache()
-        b_enc, b_cache = plain.encode(src), plain.new_cache()
-        for t in range(tokens.size(1)):
-            step_in = tokens[:, t : t + 1]
-            got = fast.decode(step_in, a_enc, a_cache)
-            expected = plain.decode(step_in, b_enc, b_cache)
-            assert got.shape == expected.shape == (3, 1, 45)
-            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    assert len(calls) == tokens.size(1)  # every step, the first included
-
-
 def int8_kernel_or_skip(monkeypatch) -> str:
     """The int8 kernel of mt's that runs here (vnni, else avx2), set for ``Int8Linear``; skip
     where neither does (``tests/test_search.py`` tests the kernels themselves)."""
@@ -152,14 +120,14 @@ def grown_model(norm: str, max_positions: int = 12) -> torch.nn.Module:
     return model
 
 
-FUSED_KINDS = ["int8", "linear"] + (["onednn"] if onednn_available() else [])
+KINDS = ["linear", "int8"] + (["onednn"] if onednn_available() else [])
 
 
 def decoding_copy(model, kind: str, monkeypatch):
-    """``for_decoding``'s copy of ``model`` whose products are of ``kind``: mt's int8 kernels,
-    torch's float32 (``nn.Linear``, where oneDNN measured slower) or oneDNN's float32."""
+    """``for_decoding``'s copy of ``model`` whose products are of ``kind``: int8 (mt's kernels
+    where they run, else fbgemm's), torch's float32 (``nn.Linear``, where oneDNN measured
+    slower) or oneDNN's float32."""
     if kind == "int8":
-        int8_kernel_or_skip(monkeypatch)
         return for_decoding(model, "int8", "fp32")
     if kind == "linear":
         monkeypatch.setattr(mt.fast.decoding, "onednn_decodes", lambda *a, **k: False)
@@ -168,7 +136,38 @@ def decoding_copy(model, kind: str, monkeypatch):
     return for_decoding(model, "none", "fp32", True)
 
 
-@pytest.mark.parametrize("kind", FUSED_KINDS)
+def assert_steps_agree(fast, other, steps: int) -> None:
+    """``fast`` and ``other`` (decoding models) give the same logits, to 1e-4, at each of
+    ``steps`` steps of three sentences' random tokens."""
+    src = sources([6, 2, 4])
+    tokens = torch.randint(4, 45, (3, steps), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        a_enc, a_cache = fast.encode(src), fast.new_cache()
+        b_enc, b_cache = other.encode(src), other.new_cache()
+        for t in range(steps):
+            step_in = tokens[:, t : t + 1]
+            got = fast.decode(step_in, a_enc, a_cache)
+            expected = other.decode(step_in, b_enc, b_cache)
+            assert got.shape == expected.shape == (3, 1, 45)
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_decoding_copy_takes_the_step_and_agrees_with_its_own_modules(kind, monkeypatch):
+    model = small_model("post")
+    fast = decoding_copy(model, kind, monkeypatch)
+    assert fast.step and fast.module is not model
+    plain = DecodingModel(fast.module, fast.head, fast.cache_dtype, step=False)
+    calls = []
+    real = mt.fast.step.decoder_step
+    monkeypatch.setattr(mt.fast.decoding, "decoder_step", lambda *a: calls.append(1) or real(*a))
+    fused = FusedStep.__call__  # where it runs the copy's products: the step in one call
+    monkeypatch.setattr(FusedStep, "__call__", lambda *a: calls.append(1) or fused(*a))
+    assert_steps_agree(fast, plain, 5)
+    assert len(calls) == 5  # every step, the first included
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("norm", ["post", "pre"])
 @pytest.mark.parametrize("G", [1, 3])
 @pytest.mark.parametrize("padded", [True, False])
@@ -179,6 +178,8 @@ def test_the_fused_step_computes_what_the_layers_compute(kind, norm, G, padded, 
     positions), the same caches."""
     if native.decoder_step() is None:
         pytest.skip(f"no kernels here: {native.unavailable_reason()}")
+    if kind == "int8":
+        int8_kernel_or_skip(monkeypatch)
     copy = decoding_copy(grown_model(norm, max_positions=24), kind, monkeypatch)
     fused, kernel = copy.fused, native.short_attention()
     assert fused is not None and fused.products.startswith(kind)
@@ -206,28 +207,21 @@ def test_the_fused_step_computes_what_the_layers_compute(kind, norm, G, padded, 
         assert torch.equal(a.cross_attn.k, b.cross_attn.k)
 
 
-@pytest.mark.parametrize("kind", FUSED_KINDS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_decoding_copies_take_the_fused_step_where_it_runs_their_products(kind, monkeypatch):
     """``for_decoding`` steps through ``FusedStep`` for int8 copies on mt's kernels and
     float32 copies on oneDNN's or torch's products, its decode giving the layer-by-layer
     copy's logits; int8 on fbgemm's products, or with mt's kernels off, layer by layer."""
     if native.decoder_step() is None:
         pytest.skip(f"no kernels here: {native.unavailable_reason()}")
+    if kind == "int8":
+        int8_kernel_or_skip(monkeypatch)
     model = grown_model("post")
     fast = decoding_copy(model, kind, monkeypatch)
     assert fast.fused is not None
     layered = DecodingModel(fast.module, fast.head, fast.cache_dtype, step=True,
                             kernel=fast.kernel)  # fmt: skip
-    src = sources([6, 2, 4])
-    tokens = torch.randint(4, 45, (3, 6), generator=torch.Generator().manual_seed(4))
-    with torch.inference_mode():
-        a_enc, a_cache = fast.encode(src), fast.new_cache()
-        b_enc, b_cache = layered.encode(src), layered.new_cache()
-        for t in range(tokens.size(1)):
-            step_in = tokens[:, t : t + 1]
-            torch.testing.assert_close(fast.decode(step_in, a_enc, a_cache),
-                                       layered.decode(step_in, b_enc, b_cache), atol=1e-4,
-                                       rtol=1e-4)  # fmt: skip
+    assert_steps_agree(fast, layered, 6)
     if kind == "int8":
         kernel = int8_kernel_or_skip(monkeypatch)
         assert fast.fused.products == f"int8-{kernel}"

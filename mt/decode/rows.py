@@ -70,27 +70,24 @@ class Rows:
         the rows whose hypothesis has a new parent are copied.
         """
         n, K = beam.shape
-        if K == 1:  # one hypothesis a sentence (greedy, sampling): its own parent, its row
-            self.last = token.reshape(-1, 1)
-            self.tokens = torch.cat([self.tokens, self.last], dim=1)
-            self.scores = score
-            return
-        base = torch.arange(n, device=beam.device)[:, None] * K
-        if self.width == K and K > 1:
-            order = rows_for(beam).argsort(dim=1)  # (n, K): the hypothesis placed in row k
-            beam, token, score = (t.gather(1, order) for t in (beam, token, score))
-            parent = (base + beam).view(-1)
-            moved = (beam != torch.arange(K, device=beam.device)).view(-1).nonzero().squeeze(1)
-            if moved.numel():
-                self.cache.copy_rows(moved, parent[moved])
-        else:
-            parent = (base + beam).view(-1)
-            if self.width != K:  # the first step: K rows per sentence from now on
+        parent = None  # K == 1 (greedy, sampling): each hypothesis its own parent, in its row
+        if K > 1:
+            base = torch.arange(n, device=beam.device)[:, None] * K
+            if self.width == K:
+                order = rows_for(beam).argsort(dim=1)  # (n, K): the hypothesis in row k
+                beam, token, score = (t.gather(1, order) for t in (beam, token, score))
+                parent = (base + beam).view(-1)
+                moved = (beam != torch.arange(K, device=beam.device)).view(-1).nonzero()[:, 0]
+                if moved.numel():
+                    self.cache.copy_rows(moved, parent[moved])
+            else:  # the first step: K rows per sentence from now on
+                parent = (base + beam).view(-1)
                 one_per_sentence = torch.arange(n, device=beam.device).repeat_interleave(K)
                 self.cache = self.cache.select(one_per_sentence)
                 self.width = K
         self.last = token.reshape(-1, 1)
-        self.tokens = torch.cat([self.tokens[parent], self.last], dim=1)
+        kept = self.tokens if parent is None else self.tokens[parent]
+        self.tokens = torch.cat([kept, self.last], dim=1)
         self.scores = score
 
 

@@ -174,10 +174,19 @@ def _next_best(
     """Greedy search's next token of each model row and its log-probability, (n,) and (n,):
     what :func:`_next_lprobs` and :meth:`Greedy.step` give, from the (CPU) logits by ``pick``
     (``mt.fast.native.best_token``) without writing their log-softmax."""
-    logits = _logits(model, rows, shortlist)
+    return pick(*_kernel_inputs(model, rows, step, min_len, shortlist))
+
+
+def _kernel_inputs(
+    model: IncrementalDecoder, rows: Rows, step: int, min_len: int, shortlist: Shortlist | None
+) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """What mt's kernels take a step's choice from: the logits of each model row (N, V)
+    float32 contiguous, the shortlist's per-sentence bias or None, and the forbidden special
+    columns as a bit mask (PAD, BOS; EOS before ``min_len``)."""
+    logits = _logits(model, rows, shortlist)[:, -1].float().contiguous()
     bias = None if shortlist is None else shortlist.bias_rows(rows.sents)
     forbid = (1 << PAD) | (1 << BOS) | ((1 << EOS) if step < min_len else 0)
-    return pick(logits[:, -1].float().contiguous(), bias, forbid)
+    return logits, bias, forbid
 
 
 def _next_top(
@@ -192,11 +201,8 @@ def _next_top(
     """Beam search's k best next tokens of each model row and their log-probabilities,
     (n, width, k) each: the best of :func:`_next_lprobs`'s rows, from the (CPU) logits by
     ``top`` (``mt.fast.native.top_tokens``) without writing their log-softmax."""
-    logits = _logits(model, rows, shortlist)[:, -1].float().contiguous()
-    bias = None if shortlist is None else shortlist.bias_rows(rows.sents)
-    forbid = (1 << PAD) | (1 << BOS) | ((1 << EOS) if step < min_len else 0)
-    allowed = logits.size(1) - sum(forbid >> j & 1 for j in range(min(4, logits.size(1))))
-    k = min(k, allowed)  # a vocabulary (or shortlist) narrower than 2K
+    logits, bias, forbid = _kernel_inputs(model, rows, step, min_len, shortlist)
+    k = min(k, logits.size(1) - bin(forbid).count("1"))  # a vocabulary narrower than 2K
     lprob, token = top(logits, bias, rows.width, forbid, k)
     return lprob.view(len(rows.sents), rows.width, k), token.view(len(rows.sents), rows.width, k)
 

@@ -36,6 +36,8 @@ import torch
 from torch import nn
 
 import mt.fast.native as native
+from mt.fast.onednn import OneDNNLinear
+from mt.fast.quantize import Int8Linear
 from mt.model.attention import attention
 from mt.model.kv_cache import DecoderCache
 
@@ -87,6 +89,17 @@ def _cross_attention(
     return attn.out(out.view(n, H, G, d_k).transpose(1, 2).reshape(B, D))
 
 
+def source_bias(src_mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """The encoder-decoder attention's additive source mask, (n, S) of ``like``'s dtype: 0
+    where a sentence may attend, -inf at its padding; None without a mask ((n, 1, 1, S) bool,
+    True = a real token)."""
+    if src_mask is None:
+        return None
+    n = src_mask.size(0)
+    return like.new_zeros(n, src_mask.size(-1)).masked_fill_(~src_mask.view(n, -1),
+                                                             float("-inf"))  # fmt: skip
+
+
 def decoder_step(
     module: nn.Module,
     tgt_in: torch.Tensor,
@@ -115,14 +128,10 @@ def decoder_step(
     """
     B, n = tgt_in.size(0), memory.size(0)
     x = module._embed(tgt_in, module.tgt_embedding, cache.length).view(B, -1)  # (B, D)
-    bias = None  # 0 where a sentence may attend, -inf at its padding
-    if src_mask is not None:
-        bias = x.new_zeros(src_mask.shape).masked_fill_(~src_mask, float("-inf"))  # (n,1,1,S)
-        if kernel is not None:
-            bias = bias.view(n, -1)
-        else:
-            H = module.decoder[0].cross_attn.h
-            bias = bias.expand(n, H, 1, -1).reshape(n * H, 1, -1)
+    bias = source_bias(src_mask, x)  # (n, S), as the kernel takes it
+    if bias is not None and kernel is None:  # (n*H, 1, S), as torch's batched products do
+        H = module.decoder[0].cross_attn.h
+        bias = bias[:, None, None].expand(n, H, 1, -1).reshape(n * H, 1, -1)
     for layer, state in zip(module.decoder, cache.layers):
         x = layer.residual(
             x, 0, partial(_self_attention, layer.self_attn, state.self_attn, kernel)
@@ -193,12 +202,9 @@ class FusedStep:
                  cache: DecoderCache) -> torch.Tensor:  # fmt: skip
         """As :func:`decoder_step` (without ``kernel``): (B, D) for one new token per row; the
         caches hold float32 (``DecodingModel``'s ``cache_dtype``)."""
-        B, n, past = tgt_in.size(0), memory.size(0), cache.length
+        B, past = tgt_in.size(0), cache.length
         x = module._embed(tgt_in, module.tgt_embedding, past).view(B, -1)  # (B, D)
-        bias = None  # (n, S): 0 where a sentence may attend, -inf at its padding
-        if src_mask is not None:
-            bias = x.new_zeros(n, src_mask.size(-1)).masked_fill_(~src_mask.view(n, -1),
-                                                                  float("-inf"))  # fmt: skip
+        bias = source_bias(src_mask, x)
         self_k, self_v, cross_k, cross_v = [], [], [], []
         for layer, state in zip(module.decoder, cache.layers):
             k, v = state.self_attn.reserve(past + 1, B, self.heads, self.d_k, torch.float32)
@@ -217,9 +223,6 @@ class FusedStep:
 def _product_params(linear) -> tuple[str | None, list[torch.Tensor], int]:
     """What ``mt::decoder_step`` takes of one product: its kind (None: not one it runs), four
     tensors (an empty one for a missing bias and the unused places) and its output width."""
-    from mt.fast.onednn import OneDNNLinear  # (neither imports this module)
-    from mt.fast.quantize import Int8Linear
-
     none = torch.empty(0)
     if isinstance(linear, Int8Linear):
         if linear.kernel == "fbgemm":
