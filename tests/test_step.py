@@ -9,12 +9,15 @@ import mt.fast.decoding
 import mt.fast.native as native
 import mt.fast.step
 from mt.data.batches import make_src
+from mt.decode.search import generate, greedy_search, max_lengths
+from mt.decode.shortlist import Shortlist
+from mt.decode.strategies import Beam, Greedy
 from mt.fast.decoding import DecodingModel, for_decoding
 from mt.fast.onednn import onednn_available
 from mt.fast.step import FusedStep, applies, decoder_step
 from mt.model.transformer import EncoderOut, build_model
 from mt.schema import ModelConfig
-from mt.vocab import BOS
+from mt.vocab import BOS, EOS
 
 
 def small_model(norm: str) -> torch.nn.Module:
@@ -273,3 +276,114 @@ def test_decoding_copies_keep_the_memory_decoding_frees(monkeypatch):
     assert not calls
     for_decoding(model, "int8", "fp32")
     assert calls
+
+
+class Stepwise(DecodingModel):
+    """A decoding copy that searches greedily step by step from Python (each step still the
+    fused one): what the whole search in one call is checked against."""
+
+    def greedy_search(self, src, limits, min_len):
+        return None
+
+
+def stepwise(copy: DecodingModel) -> Stepwise:
+    return Stepwise(copy.module, copy.head, copy.cache_dtype, step=True, kernel=copy.kernel,
+                    fused=copy.fused)  # fmt: skip
+
+
+def eos_prone_model(norm: str) -> torch.nn.Module:
+    """``grown_model`` whose EOS logits swing widely (its embedding row x 4), so that a greedy
+    search of random weights ends some sentences with EOS before their length limits."""
+    model = grown_model(norm, max_positions=24)
+    with torch.no_grad():
+        model.embed[EOS].mul_(4.0)
+    return model
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_the_whole_greedy_search_in_one_call_finds_what_the_steps_find(kind, norm, monkeypatch):
+    """``mt::greedy_search`` (``FusedStep.greedy``) against ``generate``'s loop over the same
+    copy's steps: the same tokens, scores and log-probabilities, bit for bit (the products see
+    the same rows in the same order), for sentences ending at EOS and at their length limits
+    in one batch, with min_len and a length penalty."""
+    if native.greedy_search() is None:
+        pytest.skip(f"no kernels here: {native.unavailable_reason()}")
+    if kind == "int8":
+        int8_kernel_or_skip(monkeypatch)
+    copy = decoding_copy(eos_prone_model(norm), kind, monkeypatch)
+    assert copy.fused is not None and copy.fused.head is not None
+    calls = []
+    whole = FusedStep.greedy
+    monkeypatch.setattr(FusedStep, "greedy", lambda *a: calls.append(1) or whole(*a))
+    src = sources([7, 3, 5, 1, 6, 2, 4, 8, 5, 3])
+    ends = set()
+    for min_len, b, alpha in [(0, 2, 0.0), (2, 6, 1.0), (0, 14, 0.6)]:
+        got = greedy_search(copy, src, 1.0, b, min_len, alpha)
+        expected = greedy_search(stepwise(copy), src, 1.0, b, min_len, alpha)
+        assert got == expected
+        limits = max_lengths(src, 1.0, b, copy)
+        ends |= {len(h.tokens) < limit for h, limit in zip(got, limits)}
+        assert all(len(h.tokens) >= min_len for h in got)
+    assert ends == {True, False}  # both kinds of end were searched
+    assert len(calls) == 3
+
+
+def test_the_whole_greedy_search_drops_what_the_loop_drops(monkeypatch):
+    """A sentence whose score stops being finite (NaN logits) ends without a hypothesis, in
+    one call as in the loop."""
+    if native.greedy_search() is None:
+        pytest.skip(f"no kernels here: {native.unavailable_reason()}")
+    model = eos_prone_model("post")
+    with torch.no_grad():
+        model.embed[7] = float("nan")  # its logit NaN in every row
+    copy = decoding_copy(model, "linear", monkeypatch)
+    src = sources([4, 2, 5])
+    assert generate(copy, src, Greedy()) == generate(stepwise(copy), src, Greedy())
+    assert generate(copy, src, Greedy()) == [[], [], []]
+
+
+def test_the_whole_greedy_search_runs_only_where_it_computes_the_same(monkeypatch):
+    """``generate`` takes the one call for greedy search without a prefix or a shortlist;
+    beam search, prefixes and shortlists step from Python; a copy whose head is not a product
+    the call runs (int8 on fbgemm) has no fused step to take it from."""
+    if native.greedy_search() is None:
+        pytest.skip(f"no kernels here: {native.unavailable_reason()}")
+    copy = decoding_copy(eos_prone_model("post"), "linear", monkeypatch)
+    calls = []
+    whole = FusedStep.greedy
+    monkeypatch.setattr(FusedStep, "greedy", lambda *a: calls.append(1) or whole(*a))
+    src = sources([4, 2, 5])
+    generate(copy, src, Greedy())
+    assert len(calls) == 1
+    generate(copy, src, Beam(2))
+    generate(copy, src, Greedy(), prefix=[[5], [], [6, 7]])
+    ids = torch.arange(45)
+    generate(copy, src, Greedy(), shortlist=Shortlist(ids))
+    assert len(calls) == 1
+    assert FusedStep.build(copy.module, object()).head is None  # not a product it runs
+    monkeypatch.setenv("MT_INT8_KERNEL", "fbgemm")
+    assert for_decoding(grown_model("post"), "int8", "fp32").fused is None
+
+
+def test_the_whole_greedy_search_names_what_does_not_fit(monkeypatch):
+    """The operator's checks: length limits beyond the positions encoded, a head of the wrong
+    number of tensors, encoder keys/values not one row a sentence."""
+    if native.greedy_search() is None:
+        pytest.skip(f"no kernels here: {native.unavailable_reason()}")
+    copy = decoding_copy(grown_model("post"), "linear", monkeypatch)
+    fused, module = copy.fused, copy.module
+    weights, width, kind = fused.head
+    cross = [torch.zeros(2, 4, 5, 8) for _ in range(2)]
+
+    def call(limits, head=weights, k=cross):
+        native.greedy_search()(module.embed.detach(), module.pe, 1.0, fused.params, fused.widths, k,
+                        k, None, 4, False, 1e-5, "linear", [], head, width, kind, 45, limits,
+                        0, BOS, EOS, 5)  # fmt: skip
+
+    with pytest.raises(RuntimeError, match="length limit 13 beyond the 12 positions"):
+        call([3, 13])
+    with pytest.raises(RuntimeError, match="the head is 4 tensors"):
+        call([3, 3], head=weights[:3])
+    with pytest.raises(RuntimeError, match=r"must be \(3, H, S, d\)"):
+        call([3, 3, 3])

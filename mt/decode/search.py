@@ -258,6 +258,11 @@ def generate(
     forced = prefix_tensor(prefix, src.device)
     if forced is not None and shortlist is not None:
         forced = shortlist.columns(forced)
+    if type(strategy) is Greedy and forced is None and shortlist is None:
+        whole = getattr(model, "greedy_search", None)  # the whole search in one C++ call
+        found = whole(src, limits, min_len) if whole is not None else None
+        if found is not None:
+            return _hypotheses(*found, alpha)
     rows = Rows(model, src, K)
     # greedy search on a CPU: each step's choice straight from the logits (mt's kernel)
     pick = native.best_token() if type(strategy) is Greedy and src.device.type == "cpu" else None
@@ -309,6 +314,22 @@ def generate(
         rows.advance(chosen.beam, token, chosen.score)
         if ended:
             finish(ended)
+    return out
+
+
+def _hypotheses(
+    tokens: torch.Tensor, count: torch.Tensor, ended: torch.Tensor, score: torch.Tensor,
+    alpha: float,
+) -> list[list[Hypothesis]]:
+    """Each sentence's hypothesis list from a whole greedy search's results (see
+    ``mt.fast.step.FusedStep.greedy``): sentence i's ``tokens[i, :count[i]]``, its length with
+    EOS where ``ended[i]``; none where ``count[i]`` is -1."""
+    out: list[list[Hypothesis]] = []
+    for row, n, eos, logprob in zip(tokens.tolist(), count.tolist(), ended.tolist(),
+                                    score.tolist()):  # fmt: skip
+        length = n + int(eos)
+        out.append([] if n < 0 else [Hypothesis(row[:n], logprob / length_penalty(length, alpha),
+                                                logprob)])  # fmt: skip
     return out
 
 

@@ -129,6 +129,16 @@ class DecodingModel(nn.Module):
         logits = self.module.project(h) if self.head is None else self.head(h)
         return logits[..., : self.vocab_size]  # the padded columns sliced off
 
+    def greedy_search(self, src: torch.Tensor, limits: list[int], min_len: int):
+        """A batch's whole greedy search in one C++ call (``FusedStep.greedy``: what
+        ``mt.decode.search.generate`` finds with ``Greedy`` through :meth:`decode`), or None
+        where this copy has no fused step or its head is not a product the call runs."""
+        if (self.fused is None or self.fused.head is None or not self.step
+                or self.module.training or src.device.type != "cpu"
+                or torch.is_autocast_enabled("cpu")):  # fmt: skip
+            return None
+        return self.fused.greedy(self.module, self.encode(src), limits, min_len)
+
 
 def onednn_copy(
     model: Transformer, dtype: torch.dtype = torch.float32, rows: int | None = None
@@ -327,7 +337,7 @@ def for_decoding(
         install(clone, ShortQueryAttention)
     cache_dtype = torch.float32 if fast_attention else None
     # each step in one C++ call where the copy's products are of a kind it runs
-    fused = FusedStep.build(clone) if kernel is not None else None
+    fused = FusedStep.build(clone, head) if kernel is not None else None
     decoder = DecodingModel(clone, head, cache_dtype, step=fast_attention, kernel=kernel,
                             fused=fused)  # fmt: skip
     copies[key] = (identity, decoder)

@@ -29,7 +29,9 @@ a beam step: each row's k best tokens and their log-probabilities.
 ``torch.ops.mt.decoder_step`` (``csrc/decoder_step.cpp``): a whole decoder step of a decoding
 copy in one call from Python, every layer's products (mt's int8 kernels, oneDNN's or torch's
 float32), cache writes, attention, residual additions and LayerNorms run from C++
-(``mt.fast.step.FusedStep``).
+(``mt.fast.step.FusedStep``); ``torch.ops.mt.greedy_search`` (``csrc/greedy_search.cpp``): a
+batch's whole greedy search, those steps, the projection and each step's choice, in one call
+(``FusedStep.greedy``).
 
 ``torch.ops.mt.dropout`` and ``torch.ops.mt.masked_scale`` (``csrc/dropout.cpp``): the CPU
 training copy's dropout (``mt.fast.dropout``) in one pass, each element's 16 random bits hashed
@@ -68,8 +70,10 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("short_attention.cpp", "int8_linear.cpp", "smoothed_ce.cpp",
-                             "best_token.cpp", "dropout.cpp", "decoder_step.cpp"))
-HEADERS = (Path(__file__).with_name("csrc") / "vec.h",)  # included by the sources
+                             "best_token.cpp", "dropout.cpp", "decoder_step.cpp",
+                             "greedy_search.cpp"))
+HEADERS = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("vec.h", "step.h"))  # included by the sources
 # OpenMP: torch's own runtime, for its threads; no warnings about the vector types' ABI
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-Wno-psabi"]
 ENV = "MT_NATIVE_KERNELS"
@@ -242,6 +246,14 @@ def decoder_step() -> Callable | None:
     kernels are off or cannot be built (the step then goes layer by layer through the modules,
     ``mt.fast.step.decoder_step``)."""
     return torch.ops.mt.decoder_step.default if _loaded() else None
+
+
+def greedy_search() -> Callable | None:
+    """``torch.ops.mt.greedy_search`` (``csrc/greedy_search.cpp``: a batch's whole greedy search
+    on a decoding copy in one call; ``mt.fast.step.FusedStep.greedy``), or None where the
+    kernels are off or cannot be built (greedy search then steps from Python,
+    ``mt.decode.search``)."""
+    return torch.ops.mt.greedy_search.default if _loaded() else None
 
 
 def unavailable_reason() -> str | None:

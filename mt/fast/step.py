@@ -40,6 +40,7 @@ from mt.fast.onednn import OneDNNLinear
 from mt.fast.quantize import Int8Linear
 from mt.model.attention import attention
 from mt.model.kv_cache import DecoderCache
+from mt.vocab import BOS, EOS, PAD
 
 
 def applies(tgt_in: torch.Tensor, cache: DecoderCache | None, module: nn.Module) -> bool:
@@ -157,18 +158,21 @@ class FusedStep:
     """
 
     def __init__(self, op, params: list[torch.Tensor], widths: list[int], heads: int,
-                 d_k: int, pre_norm: bool, eps: float, products: str) -> None:  # fmt: skip
+                 d_k: int, pre_norm: bool, eps: float, products: str,
+                 head: tuple[list[torch.Tensor], int, str] | None = None) -> None:  # fmt: skip
         self.op, self.params, self.widths = op, params, widths
         self.heads, self.d_k, self.pre_norm, self.eps = heads, d_k, pre_norm, eps
-        self.products = products
+        self.products, self.head = products, head
 
     @classmethod
-    def build(cls, module: nn.Module) -> FusedStep | None:
-        """The fused step of ``module`` (a decoding copy of ``mt.fast.decoding``), or None where
-        it would not compute what the modules compute: products not all of one kind among
-        mt's int8 kernels (``Int8Linear``, not on fbgemm), oneDNN's float32 products
-        (``OneDNNLinear``) and torch's (``nn.Linear``); LayerNorms without weights or with
-        differing eps; or mt's kernels not built (``mt.fast.native.decoder_step``)."""
+    def build(cls, module: nn.Module, head: nn.Module | None = None) -> FusedStep | None:
+        """The fused step of ``module`` (a decoding copy of ``mt.fast.decoding``, projecting
+        through ``head``, or its tied embedding where None), or None where it would not compute
+        what the modules compute: products not all of one kind among mt's int8 kernels
+        (``Int8Linear``, not on fbgemm), oneDNN's float32 products (``OneDNNLinear``) and
+        torch's (``nn.Linear``); LayerNorms without weights or with differing eps; or mt's
+        kernels not built (``mt.fast.native.decoder_step``). Its :meth:`greedy` needs a
+        ``head`` of one of those kinds too (of any one: the projection is a product apart)."""
         op = native.decoder_step()
         if op is None or not len(module.decoder):
             return None
@@ -195,8 +199,11 @@ class FusedStep:
         if len(kinds) != 1 or len(eps) != 1 or len(pre) != 1:
             return None
         attn = module.decoder[0].self_attn
+        final = module.decoder_norm
+        if isinstance(final, nn.LayerNorm) and final.eps not in eps:
+            return None
         return cls(op, params, widths, attn.h, attn.d_k, pre.pop(), float(eps.pop()),
-                   kinds.pop())  # fmt: skip
+                   kinds.pop(), _head_params(module, head))  # fmt: skip
 
     def __call__(self, module: nn.Module, tgt_in: torch.Tensor, memory: torch.Tensor, src_mask,
                  cache: DecoderCache) -> torch.Tensor:  # fmt: skip
@@ -218,6 +225,56 @@ class FusedStep:
         for state in cache.layers:
             state.self_attn.length = past + 1
         return module.decoder_norm(out)
+
+    def greedy(
+        self, module: nn.Module, enc, limits: list[int], min_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A batch's whole greedy search in one call (``torch.ops.mt.greedy_search``,
+        ``mt/fast/csrc/greedy_search.cpp``): what ``mt.decode.search.generate`` finds with
+        ``Greedy`` through this step and the head, step by step the same rows. None where the
+        head is not a product the operator runs or the kernels are not built.
+
+        Args:
+            module: the decoding copy this step was built from.
+            enc: its encoder output for the batch (``memory`` (n, S, D), ``src_mask``).
+            limits: each sentence's maximum output length (``mt.decode.search.max_lengths``).
+            min_len: EOS is forbidden until this many tokens are out.
+
+        Returns:
+            ``(tokens (n, T), count (n,), ended (n,), score (n,))``: sentence i's tokens are
+            ``tokens[i, :count[i]]`` (count -1: no hypothesis survived), ``ended[i]`` whether
+            it ended with EOS (then counted in its length), ``score[i]`` its summed
+            log-probability.
+        """
+        op = native.greedy_search()
+        if self.head is None or op is None:
+            return None
+        cache = module.new_cache(torch.float32)
+        cross_k, cross_v = [], []
+        for layer, state in zip(module.decoder, cache.layers):
+            k, v = layer.cross_attn.memory_kv(enc.memory, state.cross_attn)
+            cross_k.append(k)
+            cross_v.append(v)
+        final = module.decoder_norm
+        norm = [] if isinstance(final, nn.Identity) else [final.weight.detach(),
+                                                          final.bias.detach()]
+        weights, width, kind = self.head
+        return op(module.tgt_embedding.detach(), module.pe, math.sqrt(module.d_model),
+                  self.params, self.widths, cross_k, cross_v,
+                  source_bias(enc.src_mask, enc.memory), self.heads, self.pre_norm, self.eps,
+                  self.products, norm, weights, width, kind, module.vocab_size, limits,
+                  min_len, BOS, EOS, (1 << PAD) | (1 << BOS))  # fmt: skip
+
+
+def _head_params(module: nn.Module, head: nn.Module | None):
+    """What ``mt::greedy_search`` takes of the projection (``head``, or ``module``'s tied
+    embedding where None): its four tensors, output width and kind; None where it is not a
+    product that operator runs."""
+    if head is None:
+        weight = module.output_weight.detach()
+        return [weight, torch.empty(0), torch.empty(0), torch.empty(0)], weight.size(0), "linear"
+    kind, tensors, width = _product_params(head)
+    return None if kind is None else (tensors, width, kind)
 
 
 def _product_params(linear) -> tuple[str | None, list[torch.Tensor], int]:
