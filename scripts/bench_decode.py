@@ -92,7 +92,7 @@ ATTENTION = {"aten::matmul", "aten::bmm", "aten::softmax", "aten::_softmax",
              "aten::scaled_dot_product_attention", "aten::masked_fill_",
              "mt::short_attention"}  # fmt: skip
 VOCAB = {"aten::log_softmax", "aten::_log_softmax", "mt::best_token", "mt::top_tokens"}
-FUSED = {"mt::decoder_step", "mt::greedy_search"}  # a step, a search: products etc. inside
+FUSED = {"mt::decoder_step", "mt::greedy_search", "mt::beam_search"}  # products etc. inside
 BEAM = {"aten::topk", "aten::sort", "aten::argsort", "aten::gather", "aten::nonzero",
         "aten::repeat_interleave", "aten::index", "aten::index_select", "aten::cat",
         "aten::index_copy_", "aten::index_put_", "aten::isfinite", "aten::any", "aten::eq",

@@ -201,13 +201,11 @@ def test_decoding_with_the_kernel_finds_what_torchs_path_finds(op, quantize):
     without = for_decoding(model, quantize, native=False)
     assert with_kernel.kernel is op and without.kernel is None
     calls = []
-    fused = with_kernel.fused  # each step in one C++ call, fp32 and int8 on mt's kernels
-    assert fused is not None and without.fused is None
-    if fused is not None:  # whose attention is the kernel's, reached from C++
-        whole_step = fused.op
-        fused.op = lambda *a: calls.append(1) or whole_step(*a)
-    else:
-        with_kernel.kernel = lambda *a: calls.append(1) or op(*a)
+    fused = with_kernel.fused  # each search in one C++ call, fp32 and int8 on mt's kernels,
+    assert fused is not None and without.fused is None  # its attention the kernel's
+    for name in ("greedy", "beam"):
+        whole = getattr(fused, name)
+        setattr(fused, name, lambda *a, f=whole: calls.append(1) or f(*a))
     with torch.inference_mode():
         for search in (
             lambda m: [[h] for h in greedy_search(m, src, 1.0, 5, 1, alpha=0.0)],
@@ -218,7 +216,7 @@ def test_decoding_with_the_kernel_finds_what_torchs_path_finds(op, quantize):
                 assert [h.tokens for h in a] == [h.tokens for h in b]
                 for x, y in zip(a, b):
                     assert math.isclose(x.score, y.score, rel_tol=1e-4, abs_tol=1e-4)
-    assert calls  # the kernel did the steps' attention (in the fused step)
+    assert len(calls) == 2  # the kernel did the searches' attention (in C++)
 
 
 def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_waited_for(tmp_path, caplog):
@@ -439,7 +437,8 @@ def search_case(quantize: str, eos_boost: float, seed: int):
         return logits
 
     model.decode = eos_likelier
-    model.greedy_search = lambda *a: None  # the whole search in one call does not ask decode
+    # the whole searches in one call do not ask decode
+    model.greedy_search = model.beam_search = lambda *a: None
     g = torch.Generator().manual_seed(seed)
     src = make_src([torch.randint(4, 50, (n,), generator=g).tolist() for n in (9, 4, 7, 2, 6)])
     allowed = torch.rand(5, 30, generator=g) < 0.7

@@ -11,7 +11,7 @@ import mt.fast.step
 from mt.data.batches import make_src
 from mt.decode.search import generate, greedy_search, max_lengths
 from mt.decode.shortlist import Shortlist
-from mt.decode.strategies import Beam, Greedy
+from mt.decode.strategies import Beam, Greedy, Sampling
 from mt.fast.decoding import DecodingModel, for_decoding
 from mt.fast.onednn import onednn_available
 from mt.fast.step import FusedStep, applies, decoder_step
@@ -279,10 +279,13 @@ def test_decoding_copies_keep_the_memory_decoding_frees(monkeypatch):
 
 
 class Stepwise(DecodingModel):
-    """A decoding copy that searches greedily step by step from Python (each step still the
-    fused one): what the whole search in one call is checked against."""
+    """A decoding copy that searches step by step from Python (each step still the fused one):
+    what the whole searches in one call are checked against."""
 
-    def greedy_search(self, src, limits, min_len):
+    def greedy_search(self, *args):
+        return None
+
+    def beam_search(self, *args):
         return None
 
 
@@ -329,38 +332,74 @@ def test_the_whole_greedy_search_in_one_call_finds_what_the_steps_find(kind, nor
     assert len(calls) == 3
 
 
-def test_the_whole_greedy_search_drops_what_the_loop_drops(monkeypatch):
-    """A sentence whose score stops being finite (NaN logits) ends without a hypothesis, in
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("norm", ["post", "pre"])
+@pytest.mark.parametrize("K", [2, 4])
+def test_the_whole_beam_search_in_one_call_finds_what_the_steps_find(kind, norm, K, monkeypatch):
+    """``mt::beam_search`` (``FusedStep.beam``) against ``generate``'s loop with ``Beam(K)``
+    over the same copy's steps and ``mt::top_tokens``: the same n-best lists, tokens, scores
+    and log-probabilities bit for bit, for sentences ending with K finished hypotheses, settled
+    early or not, at their length limits, with min_len and length penalties."""
+    if native.beam_search() is None:
+        pytest.skip(f"no kernels here: {native.unavailable_reason()}")
+    if kind == "int8":
+        int8_kernel_or_skip(monkeypatch)
+    copy = decoding_copy(eos_prone_model(norm), kind, monkeypatch)
+    calls = []
+    whole = FusedStep.beam
+    monkeypatch.setattr(FusedStep, "beam", lambda *a: calls.append(1) or whole(*a))
+    src = sources([7, 3, 5, 1, 6, 2, 4, 8, 5, 3])
+    ends, settings = set(), [(0, 0.0, 2, 0.0, K, True), (2, 1.0, 6, 1.0, K, True),
+                             (0, 1.0, 14, 0.6, 1, False), (1, 1.0, 14, 1.5, 2, True)]  # fmt: skip
+    for min_len, a, b, alpha, nbest, settle in settings:
+        args = (a, b, nbest, min_len, alpha, None, settle)
+        got = generate(copy, src, Beam(K), *args)
+        expected = generate(stepwise(copy), src, Beam(K), *args)
+        assert got == expected
+        assert all(1 <= len(h) <= nbest for h in got)
+        limits = max_lengths(src, a, b, copy)
+        ends |= {len(x.tokens) < limit for h, limit in zip(got, limits) for x in h}
+    assert ends == {True, False}  # ended with EOS, and at the length limit
+    assert len(calls) == len(settings)
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_the_whole_searches_drop_what_the_loop_drops(K, monkeypatch):
+    """A sentence whose scores stop being finite (NaN logits) ends without a hypothesis, in
     one call as in the loop."""
-    if native.greedy_search() is None:
+    if native.beam_search() is None:
         pytest.skip(f"no kernels here: {native.unavailable_reason()}")
     model = eos_prone_model("post")
     with torch.no_grad():
         model.embed[7] = float("nan")  # its logit NaN in every row
     copy = decoding_copy(model, "linear", monkeypatch)
     src = sources([4, 2, 5])
-    assert generate(copy, src, Greedy()) == generate(stepwise(copy), src, Greedy())
-    assert generate(copy, src, Greedy()) == [[], [], []]
+    strategy = Greedy() if K == 1 else Beam(K)
+    assert generate(copy, src, strategy) == generate(stepwise(copy), src, strategy)
+    assert generate(copy, src, strategy) == [[], [], []]
 
 
-def test_the_whole_greedy_search_runs_only_where_it_computes_the_same(monkeypatch):
-    """``generate`` takes the one call for greedy search without a prefix or a shortlist;
-    beam search, prefixes and shortlists step from Python; a copy whose head is not a product
-    the call runs (int8 on fbgemm) has no fused step to take it from."""
+def test_the_whole_searches_run_only_where_they_compute_the_same(monkeypatch):
+    """``generate`` takes the one call for greedy and beam search without a prefix or a
+    shortlist; prefixes, shortlists and sampling step from Python; a copy whose head is not a
+    product the call runs (int8 on fbgemm) has no fused step to take it from."""
     if native.greedy_search() is None:
         pytest.skip(f"no kernels here: {native.unavailable_reason()}")
     copy = decoding_copy(eos_prone_model("post"), "linear", monkeypatch)
     calls = []
-    whole = FusedStep.greedy
-    monkeypatch.setattr(FusedStep, "greedy", lambda *a: calls.append(1) or whole(*a))
+    for name in ("greedy", "beam"):
+        whole = getattr(FusedStep, name)
+        monkeypatch.setattr(FusedStep, name,
+                            lambda *a, name=name, f=whole: calls.append(name) or f(*a))  # fmt: skip
     src = sources([4, 2, 5])
     generate(copy, src, Greedy())
-    assert len(calls) == 1
     generate(copy, src, Beam(2))
-    generate(copy, src, Greedy(), prefix=[[5], [], [6, 7]])
-    ids = torch.arange(45)
-    generate(copy, src, Greedy(), shortlist=Shortlist(ids))
-    assert len(calls) == 1
+    assert calls == ["greedy", "beam"]
+    for strategy in (Greedy(), Beam(2)):
+        generate(copy, src, strategy, prefix=[[5], [], [6, 7]])
+        generate(copy, src, strategy, shortlist=Shortlist(torch.arange(45)))
+    generate(copy, src, Sampling([0, 1, 2]))
+    assert calls == ["greedy", "beam"]
     assert FusedStep.build(copy.module, object()).head is None  # not a product it runs
     monkeypatch.setenv("MT_INT8_KERNEL", "fbgemm")
     assert for_decoding(grown_model("post"), "int8", "fp32").fused is None
@@ -387,3 +426,8 @@ def test_the_whole_greedy_search_names_what_does_not_fit(monkeypatch):
         call([3, 3], head=weights[:3])
     with pytest.raises(RuntimeError, match=r"must be \(3, H, S, d\)"):
         call([3, 3, 3])
+    beam = native.beam_search()
+    with pytest.raises(RuntimeError, match="nbest 3 must be between 1 and K 2"):
+        beam(module.embed.detach(), module.pe, 1.0, fused.params, fused.widths, cross, cross,
+             None, 4, False, 1e-5, "linear", [], weights, width, kind, 45, [3, 3], 2, 3, 0.0,
+             True, 0, BOS, EOS, 5)  # fmt: skip

@@ -263,6 +263,11 @@ def generate(
         found = whole(src, limits, min_len) if whole is not None else None
         if found is not None:
             return _hypotheses(*found, alpha)
+    if type(strategy) is Beam and forced is None and shortlist is None:
+        whole = getattr(model, "beam_search", None)
+        found = None if whole is None else whole(src, K, limits, min_len, alpha, nbest, settle)
+        if found is not None:
+            return _beam_hypotheses(*found)
     rows = Rows(model, src, K)
     # greedy search on a CPU: each step's choice straight from the logits (mt's kernel)
     pick = native.best_token() if type(strategy) is Greedy and src.device.type == "cpu" else None
@@ -330,6 +335,21 @@ def _hypotheses(
         length = n + int(eos)
         out.append([] if n < 0 else [Hypothesis(row[:n], logprob / length_penalty(length, alpha),
                                                 logprob)])  # fmt: skip
+    return out
+
+
+def _beam_hypotheses(
+    tokens: torch.Tensor, count: torch.Tensor, logprob: torch.Tensor, score: torch.Tensor,
+    per: torch.Tensor,
+) -> list[list[Hypothesis]]:
+    """Each sentence's hypotheses from a whole beam search's results (see
+    ``mt.fast.step.FusedStep.beam``): ``per[i]`` of them for sentence i, in turn."""
+    hyps = [Hypothesis(row[:n], s, lp) for row, n, s, lp in
+            zip(tokens.tolist(), count.tolist(), score.tolist(), logprob.tolist())]  # fmt: skip
+    out, at = [], 0
+    for n in per.tolist():
+        out.append(hyps[at : at + n])
+        at += n
     return out
 
 

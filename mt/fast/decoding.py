@@ -133,11 +133,26 @@ class DecodingModel(nn.Module):
         """A batch's whole greedy search in one C++ call (``FusedStep.greedy``: what
         ``mt.decode.search.generate`` finds with ``Greedy`` through :meth:`decode`), or None
         where this copy has no fused step or its head is not a product the call runs."""
-        if (self.fused is None or self.fused.head is None or not self.step
-                or self.module.training or src.device.type != "cpu"
-                or torch.is_autocast_enabled("cpu")):  # fmt: skip
+        if not self._searches(src):
             return None
         return self.fused.greedy(self.module, self.encode(src), limits, min_len)
+
+    def beam_search(self, src: torch.Tensor, K: int, limits: list[int], min_len: int,
+                    alpha: float, nbest: int, settle: bool):  # fmt: skip
+        """A batch's whole beam search in one C++ call (``FusedStep.beam``: what
+        ``generate`` finds with ``Beam(K)`` through :meth:`decode`), or None as for
+        :meth:`greedy_search`."""
+        if not self._searches(src):
+            return None
+        return self.fused.beam(self.module, self.encode(src), limits, K, nbest, alpha, settle,
+                               min_len)  # fmt: skip
+
+    def _searches(self, src: torch.Tensor) -> bool:
+        """Whether a whole search in one call computes what :meth:`decode`'s steps would: a
+        fused step with a head it runs, eval mode, a CPU batch, no autocast."""
+        return not (self.fused is None or self.fused.head is None or not self.step
+                    or self.module.training or src.device.type != "cpu"
+                    or torch.is_autocast_enabled("cpu"))  # fmt: skip
 
 
 def onednn_copy(

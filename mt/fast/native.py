@@ -31,7 +31,8 @@ copy in one call from Python, every layer's products (mt's int8 kernels, oneDNN'
 float32), cache writes, attention, residual additions and LayerNorms run from C++
 (``mt.fast.step.FusedStep``); ``torch.ops.mt.greedy_search`` (``csrc/greedy_search.cpp``): a
 batch's whole greedy search, those steps, the projection and each step's choice, in one call
-(``FusedStep.greedy``).
+(``FusedStep.greedy``); ``torch.ops.mt.beam_search`` (``csrc/beam_search.cpp``), the same for
+beam search (``FusedStep.beam``).
 
 ``torch.ops.mt.dropout`` and ``torch.ops.mt.masked_scale`` (``csrc/dropout.cpp``): the CPU
 training copy's dropout (``mt.fast.dropout``) in one pass, each element's 16 random bits hashed
@@ -71,7 +72,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("short_attention.cpp", "int8_linear.cpp", "smoothed_ce.cpp",
                              "best_token.cpp", "dropout.cpp", "decoder_step.cpp",
-                             "greedy_search.cpp"))
+                             "greedy_search.cpp", "beam_search.cpp"))
 HEADERS = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("vec.h", "step.h"))  # included by the sources
 # OpenMP: torch's own runtime, for its threads; no warnings about the vector types' ABI
@@ -254,6 +255,13 @@ def greedy_search() -> Callable | None:
     kernels are off or cannot be built (greedy search then steps from Python,
     ``mt.decode.search``)."""
     return torch.ops.mt.greedy_search.default if _loaded() else None
+
+
+def beam_search() -> Callable | None:
+    """``torch.ops.mt.beam_search`` (``csrc/beam_search.cpp``: a batch's whole beam search on a
+    decoding copy in one call; ``mt.fast.step.FusedStep.beam``), or None where the kernels are
+    off or cannot be built (beam search then steps from Python, ``mt.decode.search``)."""
+    return torch.ops.mt.beam_search.default if _loaded() else None
 
 
 def unavailable_reason() -> str | None:
