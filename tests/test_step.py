@@ -401,6 +401,11 @@ def test_the_whole_searches_run_only_where_they_compute_the_same(monkeypatch):
     generate(copy, src, Sampling([0, 1, 2]))
     assert calls == ["greedy", "beam"]
     assert FusedStep.build(copy.module, object()).head is None  # not a product it runs
+    pre = decoding_copy(grown_model("pre"), "linear", monkeypatch).module
+    assert FusedStep.build(pre).head is not None
+    pre.decoder_norm = torch.nn.LayerNorm(32, eps=1e-3)  # not the layers' eps: steps only
+    fused = FusedStep.build(pre)
+    assert fused is not None and fused.head is None
     monkeypatch.setenv("MT_INT8_KERNEL", "fbgemm")
     assert for_decoding(grown_model("post"), "int8", "fp32").fused is None
 

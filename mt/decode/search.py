@@ -260,7 +260,7 @@ def generate(
         forced = shortlist.columns(forced)
     if type(strategy) is Greedy and forced is None and shortlist is None:
         whole = getattr(model, "greedy_search", None)  # the whole search in one C++ call
-        found = whole(src, limits, min_len) if whole is not None else None
+        found = None if whole is None else whole(src, limits, min_len)
         if found is not None:
             return _hypotheses(*found, alpha)
     if type(strategy) is Beam and forced is None and shortlist is None:

@@ -74,7 +74,7 @@ SOURCES = tuple(Path(__file__).with_name("csrc") / name
                              "best_token.cpp", "dropout.cpp", "decoder_step.cpp",
                              "greedy_search.cpp", "beam_search.cpp"))
 HEADERS = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("vec.h", "step.h"))  # included by the sources
+                for name in ("vec.h", "step.h", "search.h"))  # included by the sources
 # OpenMP: torch's own runtime, for its threads; no warnings about the vector types' ABI
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-Wno-psabi"]
 ENV = "MT_NATIVE_KERNELS"

@@ -20,6 +20,7 @@ matrices, a softmax and the copies around them; without it, the formula in torch
 bookkeeping, for copies whose products are all mt's int8 kernels, oneDNN's float32 or torch's;
 on an AMD Zen 3 greedy int8 decoding of real text ran 1.30x as fast as layer by layer (beam 5:
 1.07x), the same outputs.
+
 Its :meth:`FusedStep.greedy` and :meth:`FusedStep.beam` go further still: a batch's whole
 greedy or beam search in one call (``torch.ops.mt.greedy_search``, ``torch.ops.mt.beam_search``),
 the steps, a pre-norm model's final LayerNorm, the projection and each step's choice
@@ -178,8 +179,9 @@ class FusedStep:
         what the modules compute: products not all of one kind among mt's int8 kernels
         (``Int8Linear``, not on fbgemm), oneDNN's float32 products (``OneDNNLinear``) and
         torch's (``nn.Linear``); LayerNorms without weights or with differing eps; or mt's
-        kernels not built (``mt.fast.native.decoder_step``). Its :meth:`greedy` needs a
-        ``head`` of one of those kinds too (of any one: the projection is a product apart)."""
+        kernels not built (``mt.fast.native.decoder_step``). Its whole searches (:meth:`greedy`,
+        :meth:`beam`) need a ``head`` of one of those kinds too (of any one: the projection is
+        a product apart) and a final LayerNorm, where the model has one, of the layers' eps."""
         op = native.decoder_step()
         if op is None or not len(module.decoder):
             return None
@@ -206,11 +208,10 @@ class FusedStep:
         if len(kinds) != 1 or len(eps) != 1 or len(pre) != 1:
             return None
         attn = module.decoder[0].self_attn
-        final = module.decoder_norm
-        if isinstance(final, nn.LayerNorm) and final.eps not in eps:
-            return None
+        final = module.decoder_norm  # the searches norm with the layers' eps
+        searches = not isinstance(final, nn.LayerNorm) or final.eps in eps
         return cls(op, params, widths, attn.h, attn.d_k, pre.pop(), float(eps.pop()),
-                   kinds.pop(), _head_params(module, head))  # fmt: skip
+                   kinds.pop(), _head_params(module, head) if searches else None)  # fmt: skip
 
     def __call__(self, module: nn.Module, tgt_in: torch.Tensor, memory: torch.Tensor, src_mask,
                  cache: DecoderCache) -> torch.Tensor:  # fmt: skip
@@ -301,9 +302,9 @@ class FusedStep:
 
 
 def _head_params(module: nn.Module, head: nn.Module | None):
-    """What ``mt::greedy_search`` takes of the projection (``head``, or ``module``'s tied
-    embedding where None): its four tensors, output width and kind; None where it is not a
-    product that operator runs."""
+    """What the whole searches (``mt::greedy_search``, ``mt::beam_search``) take of the
+    projection (``head``, or ``module``'s tied embedding where None): its four tensors, output
+    width and kind; None where it is not a product they run."""
     if head is None:
         weight = module.output_weight.detach()
         return [weight, torch.empty(0), torch.empty(0), torch.empty(0)], weight.size(0), "linear"

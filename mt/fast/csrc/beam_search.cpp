@@ -26,16 +26,13 @@
 // EOS where the hypothesis ended with it.
 
 #include <ATen/ops/empty.h>
-#include <ATen/ops/index_select.h>
-#include <ATen/ops/layer_norm.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
-#include "step.h"
+#include "search.h"
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -63,25 +60,6 @@ struct Hyp {
 // torch's order for top-k: the larger first, NaN above every number
 inline bool above(float a, float b) { return a > b || (std::isnan(a) && !std::isnan(b)); }
 
-// Rows [from, from + count) of t (first dimension) to [to, to + count), the first `len`
-// entries of the third dimension only where len >= 0 (a cache's filled positions).
-void move_rows(const at::Tensor& t, int64_t from, int64_t to, int64_t count, int64_t len = -1) {
-  if (from == to) return;
-  const int64_t elem = t.element_size();
-  char* base = static_cast<char*>(t.mutable_data_ptr());
-  for (int64_t c = 0; c < count; ++c) {
-    const int64_t src = (from + c) * t.stride(0), dst = (to + c) * t.stride(0);
-    if (len < 0) {
-      std::memcpy(base + dst * elem, base + src * elem, t.stride(0) * elem);
-      continue;
-    }
-    for (int64_t h = 0; h < t.size(1); ++h) {
-      std::memcpy(base + (dst + h * t.stride(1)) * elem, base + (src + h * t.stride(1)) * elem,
-                  len * t.stride(2) * elem);
-    }
-  }
-}
-
 double length_penalty(int64_t length, double alpha) {
   return std::pow((5.0 + static_cast<double>(length)) / 6.0, alpha);
 }
@@ -89,55 +67,19 @@ double length_penalty(int64_t length, double alpha) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_search(
     const at::Tensor& emb, const at::Tensor& pe, double scale, at::TensorList params,
     at::IntArrayRef widths, at::TensorList cross_k, at::TensorList cross_v,
-    const std::optional<at::Tensor>& bias_in, int64_t heads, bool pre_norm, double eps,
+    const std::optional<at::Tensor>& bias, int64_t heads, bool pre_norm, double eps,
     std::string_view products, at::TensorList final_norm, at::TensorList head,
     int64_t head_width, std::string_view head_kind, int64_t vocab, at::IntArrayRef limits,
     int64_t K, int64_t nbest, double alpha, bool settle, int64_t min_len, int64_t bos,
     int64_t eos, int64_t forbid) {
-  const int64_t L = static_cast<int64_t>(cross_k.size());
-  const int64_t n = static_cast<int64_t>(limits.size());
   TORCH_CHECK(K >= 1 && nbest >= 1 && nbest <= K, "beam_search: nbest ", nbest,
               " must be between 1 and K ", K);
-  TORCH_CHECK(emb.dim() == 2 && emb.scalar_type() == at::kFloat && pe.dim() == 2 &&
-                  pe.scalar_type() == at::kFloat && pe.size(1) == emb.size(1),
-              "beam_search: emb (V, D) and pe (P, D) must be float32 of one width");
-  TORCH_CHECK(L > 0 && static_cast<int64_t>(cross_v.size()) == L,
-              "beam_search: a cross-attention cache of each kind a layer");
-  TORCH_CHECK(head.size() == 4 && head_width >= vocab && vocab > 0,
-              "beam_search: the head is 4 tensors giving at least ", vocab, " columns");
-  TORCH_CHECK(final_norm.empty() || final_norm.size() == 2,
-              "beam_search: final_norm is [] or [weight, bias]");
-  const int64_t D = emb.size(1), H = heads;
-  TORCH_CHECK(H > 0 && D % H == 0, "beam_search: ", H, " heads for D ", D);
-  const int64_t d = D / H;
-  int64_t T = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(limits[i] >= 1, "beam_search: sentence ", i, "'s length limit ", limits[i]);
-    T = std::max(T, limits[i]);
-  }
-  TORCH_CHECK(T <= pe.size(0), "beam_search: length limit ", T, " beyond the ", pe.size(0),
-              " positions encoded");
-  for (int64_t l = 0; l < L; ++l) {
-    TORCH_CHECK(cross_k[l].dim() == 4 && cross_k[l].size(0) == n && cross_k[l].is_contiguous() &&
-                    cross_v[l].dim() == 4 && cross_v[l].size(0) == n &&
-                    cross_v[l].is_contiguous(),
-                "beam_search: layer ", l, "'s encoder-decoder keys/values must be (", n,
-                ", H, S, d) contiguous");
-  }
-  const bool biased = bias_in.has_value() && bias_in->defined();
-  if (biased) {
-    TORCH_CHECK(bias_in->dim() == 2 && bias_in->size(0) == n && bias_in->is_contiguous(),
-                "beam_search: bias must be (", n, ", S) contiguous");
-  }
-
+  mt_search::Decoder model("beam_search", emb, pe, scale, params, widths, cross_k, cross_v,
+                           bias, heads, pre_norm, eps, products, final_norm, head, head_width,
+                           head_kind, vocab, limits, K);
+  const int64_t n = model.sentences();
   const float inf = std::numeric_limits<float>::infinity();
   std::vector<std::vector<Hyp>> finished(n), out(n);
-  std::vector<at::Tensor> self_k, self_v;  // the search's caches: K rows a sentence, T positions
-  for (int64_t l = 0; l < L; ++l) {
-    self_k.push_back(at::empty({n * K, H, T, d}, emb.options()));
-    self_v.push_back(at::empty({n * K, H, T, d}, emb.options()));
-  }
-  const mt_step::Products project{head_kind};
   const auto top = top_tokens_op();
   // the live sentences: each one's sentence, its K hypotheses' scores and tokens (row i K + k),
   // and the decoder's input rows (`width` a sentence: 1 at the first step, K after)
@@ -168,26 +110,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_sear
         keep.push_back(i);
       }
     }
-    const int64_t kept = static_cast<int64_t>(keep.size());
-    auto beyond = std::find_if(keep.begin(), keep.end(), [&](int64_t i) { return i >= kept; });
-    for (int64_t place = 0; place < kept && beyond != keep.end(); ++place) {
-      if (!gone[place]) continue;
-      const int64_t from = *beyond++;
-      for (int64_t l = 0; l < L; ++l) {
-        move_rows(self_k[l], from * width, place * width, width, filled);
-        move_rows(self_v[l], from * width, place * width, width, filled);
-        move_rows(cross_k[l], from, place, 1);
-        move_rows(cross_v[l], from, place, 1);
-      }
-      if (biased) move_rows(*bias_in, from, place, 1);
+    mt_search::fill_from_the_end(keep, gone, [&](int64_t from, int64_t place) {
+      model.move_sentence(from, place, width, filled);
       sent[place] = sent[from];
       for (int64_t k = 0; k < K; ++k) {
         scores[place * K + k] = scores[from * K + k];
         tokens[place * K + k] = std::move(tokens[from * K + k]);
       }
       for (int64_t w = 0; w < width; ++w) last[place * width + w] = last[from * width + w];
-    }
-    live = kept;
+    });
+    live = static_cast<int64_t>(keep.size());
   };
 
   std::vector<float> cand;
@@ -211,24 +143,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_sear
 
     // the step: embedding, every layer, the final LayerNorm, the projection
     const int64_t B = live * width;
-    at::Tensor index = at::empty({B}, emb.options().dtype(at::kLong));
-    std::copy(last.begin(), last.begin() + B, index.mutable_data_ptr<int64_t>());
-    at::Tensor x = at::index_select(emb, 0, index).mul_(scale).add_(pe[step]);
-    std::vector<at::Tensor> k_, v_, ck, cv;
-    for (int64_t l = 0; l < L; ++l) {
-      k_.push_back(self_k[l].narrow(0, 0, B));
-      v_.push_back(self_v[l].narrow(0, 0, B));
-      ck.push_back(cross_k[l].narrow(0, 0, live));
-      cv.push_back(cross_v[l].narrow(0, 0, live));
-    }
-    const std::optional<at::Tensor> bias =
-        biased ? std::optional<at::Tensor>(bias_in->narrow(0, 0, live)) : std::nullopt;
-    at::Tensor h = mt_step::decoder_step(x, params, widths, k_, v_, step, ck, cv, bias, heads,
-                                         pre_norm, eps, products);
-    if (!final_norm.empty()) h = at::layer_norm(h, {D}, final_norm[0], final_norm[1], eps);
-    at::Tensor logits = project(head, 0, head_width, h);
-    if (head_width != vocab) logits = logits.narrow(1, 0, vocab);
-    logits = logits.contiguous();
+    const at::Tensor logits = model.logits(last.data(), B, live, step);
     const int64_t ban = forbid | (step < min_len ? int64_t{1} << eos : 0);
     // each row's 2K best, or as many as the columns allow (the loop's count of them)
     const int64_t kk = std::min(2 * K, vocab - __builtin_popcountll(static_cast<uint64_t>(ban)));
@@ -318,12 +233,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_sear
     std::vector<int64_t> new_last(live * K);
     if (width == 1) {
       for (int64_t i = live - 1; i >= 0; --i) {  // row i -> rows i K .. i K + K - 1
-        for (int64_t k = K - 1; k >= 0; --k) {
-          for (int64_t l = 0; l < L; ++l) {
-            move_rows(self_k[l], i, i * K + k, 1, t);
-            move_rows(self_v[l], i, i * K + k, 1, t);
-          }
-        }
+        for (int64_t k = K - 1; k >= 0; --k) model.move_row(i, i * K + k, t);
       }
       for (int64_t i = 0; i < live; ++i) {
         for (int64_t k = 0; k < K; ++k) {
@@ -352,12 +262,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_sear
         }
         for (int64_t j = 0; j < K; ++j) {
           const int64_t row = i * K + place[j];
-          if (place[j] != beam[j]) {
-            for (int64_t l = 0; l < L; ++l) {
-              move_rows(self_k[l], i * K + beam[j], row, 1, t);
-              move_rows(self_v[l], i * K + beam[j], row, 1, t);
-            }
-          }
+          if (place[j] != beam[j]) model.move_row(i * K + beam[j], row, t);
           new_tokens[row] = tokens[i * K + beam[j]];
           new_tokens[row].push_back(next[i * K + j]);
           new_scores[row] = score[i * K + j];
