@@ -11,7 +11,11 @@ hypotheses' tokens, scores and model state rows. Greedy search on a CPU takes ea
 and its log-probability straight from the logits (``mt.fast.native.best_token``, where mt's
 kernels are built): the same choice and score without writing the log-softmax out; beam search
 takes each row's 2K best tokens the same way (``mt.fast.native.top_tokens``), a sentence's 2K
-best candidates being among them (``Beam.step_top``).
+best candidates being among them (``Beam.step_top``). A model that offers a whole search in one
+call (``greedy_search``, ``beam_search``: ``mt.fast.decoding.DecodingModel`` where mt's kernels
+run its products, ``mt/fast/csrc/greedy_search.cpp`` and ``beam_search.cpp``) runs this loop
+in C++ for greedy and beam search without a prefix or a shortlist, to the same hypotheses bit
+for bit; this loop stays the reference, and the path of everything else.
 
 Conventions (the paper's, made exact):
 
