@@ -321,15 +321,16 @@ def test_the_whole_greedy_search_in_one_call_finds_what_the_steps_find(kind, nor
     monkeypatch.setattr(FusedStep, "greedy", lambda *a: calls.append(1) or whole(*a))
     src = sources([7, 3, 5, 1, 6, 2, 4, 8, 5, 3])
     ends = set()
-    for min_len, b, alpha in [(0, 2, 0.0), (2, 6, 1.0), (0, 14, 0.6)]:
+    # min_len 18: the caches grow past their first 16 positions
+    for min_len, b, alpha in [(0, 2, 0.0), (2, 6, 1.0), (0, 14, 0.6), (18, 14, 0.0)]:
         got = greedy_search(copy, src, 1.0, b, min_len, alpha)
         expected = greedy_search(stepwise(copy), src, 1.0, b, min_len, alpha)
         assert got == expected
         limits = max_lengths(src, 1.0, b, copy)
         ends |= {len(h.tokens) < limit for h, limit in zip(got, limits)}
-        assert all(len(h.tokens) >= min_len for h in got)
+        assert all(len(h.tokens) >= min(min_len, limit) for h, limit in zip(got, limits))
     assert ends == {True, False}  # both kinds of end were searched
-    assert len(calls) == 3
+    assert len(calls) == 4
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -350,7 +351,8 @@ def test_the_whole_beam_search_in_one_call_finds_what_the_steps_find(kind, norm,
     monkeypatch.setattr(FusedStep, "beam", lambda *a: calls.append(1) or whole(*a))
     src = sources([7, 3, 5, 1, 6, 2, 4, 8, 5, 3])
     ends, settings = set(), [(0, 0.0, 2, 0.0, K, True), (2, 1.0, 6, 1.0, K, True),
-                             (0, 1.0, 14, 0.6, 1, False), (1, 1.0, 14, 1.5, 2, True)]  # fmt: skip
+                             (0, 1.0, 14, 0.6, 1, False), (1, 1.0, 14, 1.5, 2, True),
+                             (18, 1.0, 14, 0.0, 1, True)]  # fmt: skip (18: caches grow past 16)
     for min_len, a, b, alpha, nbest, settle in settings:
         args = (a, b, nbest, min_len, alpha, None, settle)
         got = generate(copy, src, Beam(K), *args)

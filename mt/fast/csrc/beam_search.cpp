@@ -17,7 +17,7 @@
 // scored candidates is kept) the two may part.
 //
 //   emb, pe, scale ... head_kind, vocab, limits   as mt::greedy_search's (greedy_search.cpp);
-//                      the self-attention caches are the search's own, (n K, H, T, d) a layer
+//                      the self-attention caches are the search's own, K rows a sentence
 //   K, nbest, alpha, settle, min_len, bos, eos, forbid   the search's settings
 // Returns (tokens (h, T) int64, count (h) int64, logprob (h) float32, score (h) float64,
 // per (n) int64): the h hypotheses, sentence by sentence (per[i] of them for sentence i, best

@@ -14,7 +14,7 @@
 //   emb, pe, scale     the target embedding (V', D), the positional encodings (P, D), sqrt(D):
 //                      a step's input is emb[token] * scale + pe[position]
 //   params ... products  mt::decoder_step's (decoder_step.cpp); self-attention caches are the
-//                      search's own, (n, H, T, d) a layer
+//                      search's own (mt_search::Decoder's), grown by doubling as steps need
 //   cross_k, cross_v   a layer each: (n, H, S, d) the encoder-decoder keys/values; their rows
 //                      are moved as sentences end (in place: the caller's are used up)
 //   bias               (n, S) the additive source mask (moved the same way), or none

@@ -83,9 +83,11 @@ class Decoder {
                   name, ": bias must be (", n_, ", S) contiguous");
       bias_ = *bias;
     }
-    for (int64_t l = 0; l < L; ++l) {  // the search's caches: T positions, allocated once
-      self_k_.push_back(at::empty({n_ * rows, heads, T_, D_ / heads}, emb.options()));
-      self_v_.push_back(at::empty({n_ * rows, heads, T_, D_ / heads}, emb.options()));
+    // the search's caches: 16 positions, doubled as the steps need (SelfAttentionCache's rule)
+    capacity_ = std::min<int64_t>(T_, 16);
+    for (int64_t l = 0; l < L; ++l) {
+      self_k_.push_back(at::empty({n_ * rows, heads, capacity_, D_ / heads}, emb.options()));
+      self_v_.push_back(at::empty({n_ * rows, heads, capacity_, D_ / heads}, emb.options()));
     }
   }
 
@@ -95,6 +97,7 @@ class Decoder {
   // The logits (B, vocab), float32 and contiguous, of the tokens last[0 .. B) at position
   // `step`: the first `sents` sentences' B / sents rows each, the caches' rows 0 .. B.
   at::Tensor logits(const int64_t* last, int64_t B, int64_t sents, int64_t step) {
+    if (step >= capacity_) grow(step, B);
     at::Tensor index = at::empty({B}, emb_.options().dtype(at::kLong));
     std::copy(last, last + B, index.mutable_data_ptr<int64_t>());
     // _embed's formula: Embedding(tokens) * sqrt(D) + PE[position]
@@ -139,6 +142,20 @@ class Decoder {
   }
 
  private:
+  // Room for position `step`: caches of max(step + 1, twice as many) positions (at most the
+  // longest limit), the first `filled` positions of the first B rows copied over.
+  void grow(int64_t filled, int64_t B) {
+    capacity_ = std::min(T_, std::max(filled + 1, 2 * capacity_));
+    for (auto* caches : {&self_k_, &self_v_}) {
+      for (at::Tensor& c : *caches) {
+        at::Tensor bigger = at::empty({c.size(0), c.size(1), capacity_, c.size(3)}, c.options());
+        bigger.narrow(0, 0, B).narrow(2, 0, filled)
+            .copy_(c.narrow(0, 0, B).narrow(2, 0, filled));
+        c = bigger;
+      }
+    }
+  }
+
   at::Tensor emb_, pe_, bias_;
   double scale_;
   at::TensorList params_;
@@ -151,7 +168,7 @@ class Decoder {
   at::TensorList final_norm_, head_;
   int64_t head_width_;
   mt_step::Products project_;
-  int64_t vocab_, n_, D_ = 0, T_ = 0;
+  int64_t vocab_, n_, D_ = 0, T_ = 0, capacity_ = 0;
   std::vector<at::Tensor> self_k_, self_v_;
 };
 
