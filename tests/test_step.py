@@ -425,7 +425,7 @@ def test_the_whole_greedy_search_names_what_does_not_fit(monkeypatch):
     def call(limits, head=weights, k=cross):
         native.greedy_search()(module.embed.detach(), module.pe, 1.0, fused.params, fused.widths, k,
                         k, None, 4, False, 1e-5, "linear", [], head, width, kind, 45, limits,
-                        0, BOS, EOS, 5)  # fmt: skip
+                        0, 0.0, BOS, EOS, 5)  # fmt: skip
 
     with pytest.raises(RuntimeError, match="length limit 13 beyond the 12 positions"):
         call([3, 13])

@@ -262,16 +262,17 @@ def generate(
     forced = prefix_tensor(prefix, src.device)
     if forced is not None and shortlist is not None:
         forced = shortlist.columns(forced)
-    if type(strategy) is Greedy and forced is None and shortlist is None:
-        whole = getattr(model, "greedy_search", None)  # the whole search in one C++ call
-        found = None if whole is None else whole(src, limits, min_len)
+    if type(strategy) in (Greedy, Beam) and forced is None and shortlist is None:
+        # the whole search in one C++ call, where the model has it
+        if type(strategy) is Greedy:
+            whole = getattr(model, "greedy_search", None)
+            args = (src, limits, min_len, alpha)
+        else:
+            whole = getattr(model, "beam_search", None)
+            args = (src, K, limits, min_len, alpha, nbest, settle)
+        found = None if whole is None else whole(*args)
         if found is not None:
-            return _hypotheses(*found, alpha)
-    if type(strategy) is Beam and forced is None and shortlist is None:
-        whole = getattr(model, "beam_search", None)
-        found = None if whole is None else whole(src, K, limits, min_len, alpha, nbest, settle)
-        if found is not None:
-            return _beam_hypotheses(*found)
+            return _hypotheses(*found)
     rows = Rows(model, src, K)
     # greedy search on a CPU: each step's choice straight from the logits (mt's kernel)
     pick = native.best_token() if type(strategy) is Greedy and src.device.type == "cpu" else None
@@ -327,27 +328,11 @@ def generate(
 
 
 def _hypotheses(
-    tokens: torch.Tensor, count: torch.Tensor, ended: torch.Tensor, score: torch.Tensor,
-    alpha: float,
-) -> list[list[Hypothesis]]:
-    """Each sentence's hypothesis list from a whole greedy search's results (see
-    ``mt.fast.step.FusedStep.greedy``): sentence i's ``tokens[i, :count[i]]``, its length with
-    EOS where ``ended[i]``; none where ``count[i]`` is -1."""
-    out: list[list[Hypothesis]] = []
-    for row, n, eos, logprob in zip(tokens.tolist(), count.tolist(), ended.tolist(),
-                                    score.tolist()):  # fmt: skip
-        length = n + int(eos)
-        out.append([] if n < 0 else [Hypothesis(row[:n], logprob / length_penalty(length, alpha),
-                                                logprob)])  # fmt: skip
-    return out
-
-
-def _beam_hypotheses(
     tokens: torch.Tensor, count: torch.Tensor, logprob: torch.Tensor, score: torch.Tensor,
     per: torch.Tensor,
 ) -> list[list[Hypothesis]]:
-    """Each sentence's hypotheses from a whole beam search's results (see
-    ``mt.fast.step.FusedStep.beam``): ``per[i]`` of them for sentence i, in turn."""
+    """Each sentence's hypotheses from a whole search's results (see
+    ``mt.fast.step.FusedStep.greedy``): ``per[i]`` of them for sentence i, in turn."""
     hyps = [Hypothesis(row[:n], s, lp) for row, n, s, lp in
             zip(tokens.tolist(), count.tolist(), score.tolist(), logprob.tolist())]  # fmt: skip
     out, at = [], 0

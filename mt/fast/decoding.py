@@ -129,13 +129,13 @@ class DecodingModel(nn.Module):
         logits = self.module.project(h) if self.head is None else self.head(h)
         return logits[..., : self.vocab_size]  # the padded columns sliced off
 
-    def greedy_search(self, src: torch.Tensor, limits: list[int], min_len: int):
+    def greedy_search(self, src: torch.Tensor, limits: list[int], min_len: int, alpha: float):
         """A batch's whole greedy search in one C++ call (``FusedStep.greedy``: what
         ``mt.decode.search.generate`` finds with ``Greedy`` through :meth:`decode`), or None
         where this copy has no fused step or its head is not a product the call runs."""
         if not self._searches(src):
             return None
-        return self.fused.greedy(self.module, self.encode(src), limits, min_len)
+        return self.fused.greedy(self.module, self.encode(src), limits, min_len, alpha)
 
     def beam_search(self, src: torch.Tensor, K: int, limits: list[int], min_len: int,
                     alpha: float, nbest: int, settle: bool):  # fmt: skip

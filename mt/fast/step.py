@@ -235,8 +235,8 @@ class FusedStep:
         return module.decoder_norm(out)
 
     def greedy(
-        self, module: nn.Module, enc, limits: list[int], min_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        self, module: nn.Module, enc, limits: list[int], min_len: int, alpha: float
+    ) -> tuple[torch.Tensor, ...] | None:
         """A batch's whole greedy search in one call (``torch.ops.mt.greedy_search``,
         ``mt/fast/csrc/greedy_search.cpp``): what ``mt.decode.search.generate`` finds with
         ``Greedy`` through this step and the head, step by step the same rows. None where the
@@ -247,17 +247,17 @@ class FusedStep:
             enc: its encoder output for the batch (``memory`` (n, S, D), ``src_mask``).
             limits: each sentence's maximum output length (``mt.decode.search.max_lengths``).
             min_len: EOS is forbidden until this many tokens are out.
+            alpha: the length penalty's exponent, for the reported scores.
 
         Returns:
-            ``(tokens (n, T), count (n,), ended (n,), score (n,))``: sentence i's tokens are
-            ``tokens[i, :count[i]]`` (count -1: no hypothesis survived), ``ended[i]`` whether
-            it ended with EOS (then counted in its length), ``score[i]`` its summed
-            log-probability.
+            ``(tokens (h, T), count (h,), logprob (h,), score (h,), per (n,))``: the h
+            hypotheses, ``per[i]`` of them (1, or 0 where none survived) for sentence i in
+            turn, each ``tokens[j, :count[j]]`` with its summed log-probability and score.
         """
         op = native.greedy_search()
         if self.head is None or op is None:
             return None
-        return op(*self._search_inputs(module, enc), limits, min_len, BOS, EOS,
+        return op(*self._search_inputs(module, enc), limits, min_len, alpha, BOS, EOS,
                   (1 << PAD) | (1 << BOS))  # fmt: skip
 
     def beam(
@@ -268,12 +268,8 @@ class FusedStep:
         ``mt/fast/csrc/beam_search.cpp``): what ``mt.decode.search.generate`` finds with
         ``Beam(K)`` through this step, the head and ``mt::top_tokens``, step by step the same
         rows. None where the head is not a product the operator runs or the kernels are not
-        built. Arguments as :meth:`greedy`'s and ``generate``'s.
-
-        Returns:
-            ``(tokens (h, T), count (h,), logprob (h,), score (h,), per (n,))``: the h
-            hypotheses, ``per[i]`` of them for sentence i in turn (best first), each
-            ``tokens[j, :count[j]]`` with its summed log-probability and score.
+        built. Arguments as :meth:`greedy`'s and ``generate``'s; returns as :meth:`greedy`,
+        up to ``nbest`` hypotheses a sentence, best first.
         """
         op = native.beam_search()
         if self.head is None or op is None:

@@ -19,14 +19,10 @@
 //   emb, pe, scale ... head_kind, vocab, limits   as mt::greedy_search's (greedy_search.cpp);
 //                      the self-attention caches are the search's own, K rows a sentence
 //   K, nbest, alpha, settle, min_len, bos, eos, forbid   the search's settings
-// Returns (tokens (h, T) int64, count (h) int64, logprob (h) float32, score (h) float64,
-// per (n) int64): the h hypotheses, sentence by sentence (per[i] of them for sentence i, best
-// first, at most nbest): tokens[j, :count[j]] (without BOS and EOS), the summed
-// log-probability and the score, logprob / ((5 + length) / 6) ** alpha with length counting
-// EOS where the hypothesis ended with it.
+// Returns mt_search::pack's tensors (search.h): each sentence's hypotheses, best first, at most
+// nbest, each with its summed log-probability and score, logprob / ((5 + length) / 6) ** alpha,
+// length counting EOS where the hypothesis ended with it.
 
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include "search.h"
@@ -51,18 +47,11 @@ c10::TypedOperatorHandle<TopFn> top_tokens_op() {
   return op;
 }
 
-struct Hyp {
-  std::vector<int64_t> tokens;  // without BOS
-  double score;
-  float logprob;
-};
-
 // torch's order for top-k: the larger first, NaN above every number
 inline bool above(float a, float b) { return a > b || (std::isnan(a) && !std::isnan(b)); }
 
-double length_penalty(int64_t length, double alpha) {
-  return std::pow((5.0 + static_cast<double>(length)) / 6.0, alpha);
-}
+using mt_search::Hyp;
+using mt_search::length_penalty;
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_search(
     const at::Tensor& emb, const at::Tensor& pe, double scale, at::TensorList params,
@@ -228,7 +217,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_sear
     // the new hypotheses take rows (mt.decode.rows.Rows.advance): the first step's one row a
     // sentence becomes K; after, a parent's first child keeps its row, the others take the
     // rows of childless hypotheses in order, copying their parent's caches
-    std::vector<std::vector<int64_t>> new_tokens(n * K);
+    std::vector<std::vector<int64_t>> new_tokens(live * K);
     std::vector<float> new_scores(live * K);
     std::vector<int64_t> new_last(live * K);
     if (width == 1) {
@@ -246,19 +235,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_sear
       }
       width = K;
     } else {
-      std::vector<int64_t> rank(K), place(K);
-      std::vector<char> childless(K), first(K);
+      std::vector<int64_t> place(K);
       for (int64_t i = 0; i < live; ++i) {
         const int64_t* beam = parent.data() + i * K;
-        for (int64_t r = 0; r < K; ++r) childless[r] = std::find(beam, beam + K, r) == beam + K;
-        std::vector<int64_t> free_rows;
+        std::vector<int64_t> childless;  // rows no new hypothesis descends from, in order
         for (int64_t r = 0; r < K; ++r) {
-          if (childless[r]) free_rows.push_back(r);
+          if (std::find(beam, beam + K, r) == beam + K) childless.push_back(r);
         }
         int64_t later = 0;
-        for (int64_t j = 0; j < K; ++j) {
-          first[j] = std::find(beam, beam + j, beam[j]) == beam + j;
-          place[j] = first[j] ? beam[j] : free_rows[later++];
+        for (int64_t j = 0; j < K; ++j) {  // a parent's first child keeps its row
+          const bool first = std::find(beam, beam + j, beam[j]) == beam + j;
+          place[j] = first ? beam[j] : childless[later++];
         }
         for (int64_t j = 0; j < K; ++j) {
           const int64_t row = i * K + place[j];
@@ -278,29 +265,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_sear
     if (any) drop(t);
   }
 
-  int64_t total = 0, longest = 0;
-  for (const auto& o : out) {
-    total += static_cast<int64_t>(o.size());
-    for (const Hyp& hyp : o) longest = std::max<int64_t>(longest, hyp.tokens.size());
-  }
-  const auto longs = emb.options().dtype(at::kLong);
-  at::Tensor tok = at::zeros({total, longest}, longs);
-  at::Tensor count = at::empty({total}, longs), per = at::empty({n}, longs);
-  at::Tensor logprob = at::empty({total}, emb.options());
-  at::Tensor sc = at::empty({total}, emb.options().dtype(at::kDouble));
-  int64_t j = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    per.mutable_data_ptr<int64_t>()[i] = static_cast<int64_t>(out[i].size());
-    for (const Hyp& hyp : out[i]) {
-      std::copy(hyp.tokens.begin(), hyp.tokens.end(),
-                tok.mutable_data_ptr<int64_t>() + j * longest);
-      count.mutable_data_ptr<int64_t>()[j] = static_cast<int64_t>(hyp.tokens.size());
-      logprob.mutable_data_ptr<float>()[j] = hyp.logprob;
-      sc.mutable_data_ptr<double>()[j] = hyp.score;
-      ++j;
-    }
-  }
-  return {tok, count, logprob, sc, per};
+  return mt_search::pack(out, emb.options());
 }
 
 }  // namespace

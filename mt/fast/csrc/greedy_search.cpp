@@ -22,16 +22,13 @@
 //   head, head_width, head_kind   the projection: 4 tensors, its output width and kind, as
 //                      one of decoder_step's products
 //   vocab              the columns searched: the first `vocab` of the projection's
-//   limits             (n) each sentence's maximum output length; T = the largest
-//   min_len, bos, eos, forbid   EOS forbidden before min_len tokens; `forbid` a bit mask of
-//                      the columns 0-3 never chosen (PAD, BOS), as mt::best_token takes it
-// Returns (tokens (n, T) int64, count (n) int64, ended (n) bool, score (n) float32): sentence
-// i's output is tokens[i, :count[i]], ended[i] whether EOS ended it (then counted in its
-// length, not in its tokens), score[i] its summed log-probability; count -1 where no
-// hypothesis survived (a score that is not finite, as the Python loop drops).
+//   limits             (n) each sentence's maximum output length
+//   min_len, alpha     EOS forbidden before min_len tokens; the length penalty's exponent
+//   bos, eos, forbid   `forbid` a bit mask of the columns 0-3 never chosen (PAD, BOS), as
+//                      mt::best_token takes it
+// Returns mt_search::pack's tensors (search.h): each sentence's one hypothesis, or none where
+// its score stopped being finite (as the Python loop drops it).
 
-#include <ATen/ops/full.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include "search.h"
@@ -52,31 +49,28 @@ c10::TypedOperatorHandle<BestFn> best_token_op() {
   return op;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> greedy_search(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> greedy_search(
     const at::Tensor& emb, const at::Tensor& pe, double scale, at::TensorList params,
     at::IntArrayRef widths, at::TensorList cross_k, at::TensorList cross_v,
     const std::optional<at::Tensor>& bias, int64_t heads, bool pre_norm, double eps,
     std::string_view products, at::TensorList final_norm, at::TensorList head,
     int64_t head_width, std::string_view head_kind, int64_t vocab, at::IntArrayRef limits,
-    int64_t min_len, int64_t bos, int64_t eos, int64_t forbid) {
+    int64_t min_len, double alpha, int64_t bos, int64_t eos, int64_t forbid) {
   mt_search::Decoder model("greedy_search", emb, pe, scale, params, widths, cross_k, cross_v,
                            bias, heads, pre_norm, eps, products, final_norm, head, head_width,
                            head_kind, vocab, limits, 1);
-  const int64_t n = model.sentences(), T = model.longest();
-  at::Tensor tokens = at::zeros({n, T}, emb.options().dtype(at::kLong));
-  at::Tensor count = at::full({n}, -1, tokens.options());
-  at::Tensor ended = at::zeros({n}, emb.options().dtype(at::kBool));
-  at::Tensor score = at::zeros({n}, emb.options());
-  if (n == 0) return {tokens, count, ended, score};
-  int64_t* tok = tokens.mutable_data_ptr<int64_t>();
-  int64_t* cnt = count.mutable_data_ptr<int64_t>();
-  bool* eos_ended = ended.mutable_data_ptr<bool>();
-  float* out_score = score.mutable_data_ptr<float>();
-
+  const int64_t n = model.sentences();
+  std::vector<std::vector<mt_search::Hyp>> out(n);
   const auto best = best_token_op();
-  // the live rows: each one's sentence, last token and score
+  // the live rows: each one's sentence, tokens, last token and score
   std::vector<int64_t> sent(n), last(n, bos);
+  std::vector<std::vector<int64_t>> tokens(n);
   std::vector<float> sum(n, 0.f);
+  // row r's sentence ends with its hypothesis, `length` counting EOS where it has one
+  auto finish = [&](int64_t r, int64_t length) {
+    const double score = sum[r] / mt_search::length_penalty(length, alpha);
+    out[sent[r]].push_back({std::move(tokens[r]), score, sum[r]});
+  };
   for (int64_t i = 0; i < n; ++i) sent[i] = i;
   int64_t B = n;
 
@@ -91,6 +85,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> greedy_search(
     mt_search::fill_from_the_end(keep, gone, [&](int64_t from, int64_t place) {
       model.move_sentence(from, place, 1, filled);
       sent[place] = sent[from];
+      tokens[place] = std::move(tokens[from]);
       last[place] = last[from];
       sum[place] = sum[from];
     });
@@ -102,12 +97,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> greedy_search(
     gone.assign(B, 0);
     bool any = false;
     for (int64_t r = 0; r < B; ++r) {
-      const int64_t s = sent[r];
-      if (limits[s] > step) continue;
-      if (sum[r] > -std::numeric_limits<float>::infinity()) {
-        cnt[s] = step;
-        out_score[s] = sum[r];
-      }
+      if (limits[sent[r]] > step) continue;
+      if (sum[r] > -std::numeric_limits<float>::infinity()) finish(r, step);
       gone[r] = any = true;
     }
     if (any) drop(step);
@@ -125,23 +116,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> greedy_search(
     gone.assign(B, 0);
     any = false;
     for (int64_t r = 0; r < B; ++r) {
-      const int64_t s = sent[r];
       sum[r] += lprob[r];
       if (token[r] == eos) {
-        cnt[s] = step;
-        eos_ended[s] = true;
-        out_score[s] = sum[r];
+        finish(r, step + 1);
         gone[r] = any = true;
       } else if (!std::isfinite(sum[r])) {
         gone[r] = any = true;
       } else {
-        tok[s * T + step] = token[r];
+        tokens[r].push_back(token[r]);
         last[r] = token[r];
       }
     }
     if (any) drop(step + 1);
   }
-  return {tokens, count, ended, score};
+  return mt_search::pack(out, emb.options());
 }
 
 }  // namespace
@@ -150,8 +138,8 @@ TORCH_LIBRARY_FRAGMENT(mt, m) {
   m.def("greedy_search(Tensor emb, Tensor pe, float scale, Tensor[] params, int[] widths, "
         "Tensor(a!)[] cross_k, Tensor(b!)[] cross_v, Tensor(c!)? bias, int heads, bool pre_norm, "
         "float eps, str products, Tensor[] final_norm, Tensor[] head, int head_width, "
-        "str head_kind, int vocab, int[] limits, int min_len, int bos, int eos, int forbid) -> "
-        "(Tensor, Tensor, Tensor, Tensor)");
+        "str head_kind, int vocab, int[] limits, int min_len, float alpha, int bos, int eos, "
+        "int forbid) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(mt, CPU, m) { m.impl("greedy_search", &greedy_search); }

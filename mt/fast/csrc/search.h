@@ -7,17 +7,62 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/layer_norm.h>
+#include <ATen/ops/zeros.h>
 
 #include "step.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <tuple>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 namespace mt_search {
+
+// One finished hypothesis: its tokens (without BOS and EOS), score and summed log-probability.
+struct Hyp {
+  std::vector<int64_t> tokens;
+  double score;
+  float logprob;
+};
+
+// mt.decode.search.length_penalty: ((5 + length) / 6) ** alpha, length counting EOS.
+inline double length_penalty(int64_t length, double alpha) {
+  return std::pow((5.0 + static_cast<double>(length)) / 6.0, alpha);
+}
+
+// Both searches' results: (tokens (h, T) int64, count (h) int64, logprob (h) float32, score
+// (h) float64, per (n) int64), the h hypotheses of `out` sentence by sentence, per[i] of them
+// for sentence i, each tokens[j, :count[j]].
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> pack(
+    const std::vector<std::vector<Hyp>>& out, const at::TensorOptions& floats) {
+  int64_t total = 0, longest = 0;
+  for (const auto& o : out) {
+    total += static_cast<int64_t>(o.size());
+    for (const Hyp& hyp : o) longest = std::max<int64_t>(longest, hyp.tokens.size());
+  }
+  const auto longs = floats.dtype(at::kLong);
+  at::Tensor tokens = at::zeros({total, longest}, longs);
+  at::Tensor count = at::empty({total}, longs), per = at::empty({int64_t(out.size())}, longs);
+  at::Tensor logprob = at::empty({total}, floats.dtype(at::kFloat));
+  at::Tensor score = at::empty({total}, floats.dtype(at::kDouble));
+  int64_t j = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    per.mutable_data_ptr<int64_t>()[i] = static_cast<int64_t>(out[i].size());
+    for (const Hyp& hyp : out[i]) {
+      std::copy(hyp.tokens.begin(), hyp.tokens.end(),
+                tokens.mutable_data_ptr<int64_t>() + j * longest);
+      count.mutable_data_ptr<int64_t>()[j] = static_cast<int64_t>(hyp.tokens.size());
+      logprob.mutable_data_ptr<float>()[j] = hyp.logprob;
+      score.mutable_data_ptr<double>()[j] = hyp.score;
+      ++j;
+    }
+  }
+  return {tokens, count, logprob, score, per};
+}
 
 // Rows [from, from + count) of t (its first dimension) into [to, to + count), the first `len`
 // entries of the third dimension only where len >= 0 (a cache's filled positions).
@@ -92,7 +137,6 @@ class Decoder {
   }
 
   int64_t sentences() const { return n_; }
-  int64_t longest() const { return T_; }  // the largest length limit
 
   // The logits (B, vocab), float32 and contiguous, of the tokens last[0 .. B) at position
   // `step`: the first `sents` sentences' B / sents rows each, the caches' rows 0 .. B.
