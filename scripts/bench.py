@@ -151,8 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="int8: dynamic int8 Linear layers (decode.quantize)",
     )  # fmt: skip
     decode.add_argument(
-        "--kernels", choices=("onednn", "torch"), default="onednn",
-        help="CPU Linear products through oneDNN (decode.onednn=true) or torch's default",
+        "--kernels", choices=("auto", "onednn", "mt", "torch"), default="auto",
+        help="CPU float32 products: the fastest measured here (decode.onednn=null, what "
+        "mt-translate does), oneDNN's (decode.onednn=true), mt's own (AVX2) or torch's default",
     )  # fmt: skip
     decode.add_argument(
         "--profile", action="store_true",

@@ -69,11 +69,14 @@ def _searcher(model, args, device, k: int, a: float, b: float, min_len: int, pla
     """One search over a batch with ``model``: mt's kernels, or (``plain``) torch's defaults
     (``nn.Linear`` on the default BLAS, SDPA for every attention, autocast for bf16)."""
     quantize = getattr(args, "quantize", "none")
-    onednn = args.kernels == "onednn" and not plain
+    onednn = False if plain else {"auto": None, "onednn": True, "mt": "mt", "torch": False}[
+        args.kernels]
+    rows = args.batch_size * k  # as mt.decode.driver sizes the copy's products
     autocast_to = (
-        args.precision if needs_autocast(model, quantize, args.precision, onednn) else "fp32"
+        args.precision if needs_autocast(model, quantize, args.precision, onednn, rows) else "fp32"
     )
-    model = for_decoding(model, quantize, args.precision, onednn, fast_attention=not plain)
+    model = for_decoding(model, quantize, args.precision, onednn, fast_attention=not plain,
+                         rows=rows)  # fmt: skip
 
     def run(src):
         with autocast(device, autocast_to):
@@ -81,13 +84,19 @@ def _searcher(model, args, device, k: int, a: float, b: float, min_len: int, pla
                 return [[h] for h in greedy_search(model, src, a, b, min_len, alpha=0.0)]
             return beam_search(model, src, k, DecodeConfig().alpha, a, b, 1, min_len)
 
+    # the products the copy runs (auto resolved): the fused step's kind, else its head's
+    fused = getattr(model, "fused", None)
+    head = getattr(model, "head", None)
+    run.products = "torch" if plain else (fused.products if fused is not None else (
+        type(head).__name__ if head is not None else "modules"))  # fmt: skip
     return run
 
 
 # Where a decoder step's time goes: top-level torch ops (called from Python) by kind.
 PRODUCTS = {"aten::linear", "aten::addmm", "aten::mm", "mkldnn::_linear_pointwise",
             "quantized::linear_dynamic", "onednn::qlinear_pointwise", "aten::_int_mm",
-            "aten::_weight_int8pack_mm", "mt::int8_linear", "mt::int8_linear_avx2"}  # fmt: skip
+            "aten::_weight_int8pack_mm", "mt::int8_linear", "mt::int8_linear_avx2",
+            "mt::f32_linear"}  # fmt: skip
 ATTENTION = {"aten::matmul", "aten::bmm", "aten::softmax", "aten::_softmax",
              "aten::scaled_dot_product_attention", "aten::masked_fill_",
              "mt::short_attention"}  # fmt: skip
@@ -190,6 +199,7 @@ def run_decode(args, rec: Recorder) -> list[dict[str, Any]]:
                 "search": name,
                 "beam": k,
                 "kernels": "torch" if impl == "torch" else args.kernels,
+                "products": runs[impl].products,
                 **shape,
                 "checkpoint": args.checkpoint,
                 "precision": args.precision,

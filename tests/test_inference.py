@@ -10,6 +10,7 @@ from conftest import assert_same_nbest, sharp_random_model
 from torch import nn
 
 import mt.fast.decoding
+import mt.fast.native as native
 from mt.data.batches import make_src
 from mt.decode.driver import translate_nbest
 from mt.decode.search import beam_search
@@ -20,6 +21,7 @@ from mt.fast.decoding import (
     onednn_available,
     onednn_bf16_available,
 )
+from mt.fast.fp32 import Fp32Linear
 from mt.schema import DecodeConfig
 from mt.vocab import BOS
 
@@ -106,16 +108,18 @@ def test_copies_follow_weight_changes(model):
     torch.testing.assert_close(out, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
 
 
-@pytest.mark.parametrize("products", ["onednn", "torch"])
+@pytest.mark.parametrize("products", ["onednn", "torch", "mt"])
 def test_a_stale_copy_is_let_go_before_its_replacement_is_built(model, monkeypatch, products):
     """Validation during training rebuilds the copy after every change of the weights: the old
     one must not be held while the new one is built (two copies at the process's peak)."""
-    onednn = products == "onednn"
-    if not onednn:  # auto, without oneDNN: torch's products with the copy's attention
+    onednn = {"onednn": True, "torch": None, "mt": "mt"}[products]
+    if products == "torch":  # auto, measured torch's: its products with the copy's attention
         monkeypatch.setattr(mt.fast.decoding, "onednn_available", lambda: False)
-        onednn = None
-    elif not onednn_available():
+        monkeypatch.setattr(mt.fast.decoding, "fp32_products", lambda *a, **k: "torch")
+    elif products == "onednn" and not onednn_available():
         pytest.skip("no oneDNN linear kernel")
+    elif products == "mt" and native.f32_linear() is None:
+        pytest.skip(f"no float32 kernel: {native.unavailable_reason() or 'no AVX2'}")
     import gc
     import weakref
 
@@ -123,7 +127,7 @@ def test_a_stale_copy_is_let_go_before_its_replacement_is_built(model, monkeypat
     gc.collect()
     assert stale() is not None  # the cache holds it while the weights are unchanged
     seen = []
-    for name in ("onednn_copy", "shared_copy"):
+    for name in ("onednn_copy", "shared_copy", "fp32_copy"):
         build = getattr(mt.fast.decoding, name)
 
         def recording(*args, _build=build, **kwargs):
@@ -251,23 +255,32 @@ def test_a_bucketed_product_equals_the_plain_one():
 
 
 def test_auto_onednn_decodes_with_whichever_products_measure_faster(model, monkeypatch):
-    """decode.onednn=null: oneDNN's products where the probe measures them faster, else the
-    model's own in a copy that keeps the short-query attention (not the model as written)."""
+    """decode.onednn=null: oneDNN's products, mt's float32 kernel or torch's, whichever the
+    probe measures fastest among those this build has; torch's in a copy that keeps the
+    short-query attention (not the model as written)."""
     import mt.fast.probe
     from mt.fast.attention import ShortQueryAttention
 
-    monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})
     monkeypatch.setattr(mt.fast.probe.ProbeCache, "get", lambda self, key: None)
-    for faster, product in (("torch", nn.Linear), ("onednn", OneDNNLinear)):
-        if product is OneDNNLinear and not onednn_available():
+    built = {"torch": True, "onednn": onednn_available(), "mt": native.f32_linear() is not None}
+    products = {"torch": nn.Linear, "onednn": OneDNNLinear, "mt": Fp32Linear}
+    for faster, product in products.items():
+        if not built[faster]:
             continue
-        figures = {"torch": 1.0, "onednn": 2.0} if faster == "torch" else {"torch": 2.0,
-                                                                           "onednn": 1.0}
-        monkeypatch.setattr(mt.fast.probe, "measure", lambda *a, f=figures, **k: dict(f))
+        figures = {c: 1.0 if c == faster else 2.0 for c in products}
+        offered = []
+
+        def measure(make, candidates, *a, f=figures, seen=offered, **k):
+            seen.append(candidates)
+            return {c: f[c] for c in candidates}
+
+        monkeypatch.setattr(mt.fast.probe, "measure", measure)
         monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})
         with torch.no_grad():
             model.decoder[0].ffn.w1.bias.add_(0.0)  # a new weights' identity: a new copy
         fast = for_decoding(model, "none", "fp32", None, rows=64)
+        # each built kind measured (then, where torch's won, the projection alone)
+        assert offered[0] == [c for c in products if built[c]]
         assert fast.module is not model
         assert type(fast.module.decoder[0].self_attn.qkv) is product
         assert type(fast.module.decoder[0].self_attn.core) is ShortQueryAttention
@@ -288,7 +301,7 @@ def test_auto_onednn_can_run_the_projection_alone(model, monkeypatch):
 
     monkeypatch.setattr(mt.fast.probe, "choose", choose)
     fast = for_decoding(model, "none", "fp32", None, rows=64)
-    assert asked == ["decode.onednn", "decode.onednn_projection"]
+    assert asked == ["decode.fp32_products", "decode.onednn_projection"]
     assert type(fast.module.decoder[0].self_attn.qkv) is nn.Linear
     assert isinstance(fast.head, OneDNNLinear)
     src = make_src(sources(4, [5, 9, 2]))

@@ -123,17 +123,21 @@ def grown_model(norm: str, max_positions: int = 12) -> torch.nn.Module:
     return model
 
 
-KINDS = ["linear", "int8"] + (["onednn"] if onednn_available() else [])
+KINDS = ["linear", "int8", "f32"] + (["onednn"] if onednn_available() else [])
 
 
 def decoding_copy(model, kind: str, monkeypatch):
     """``for_decoding``'s copy of ``model`` whose products are of ``kind``: int8 (mt's kernels
-    where they run, else fbgemm's), torch's float32 (``nn.Linear``, where oneDNN measured
-    slower) or oneDNN's float32."""
+    where they run, else fbgemm's), torch's float32 (``nn.Linear``, where the others measured
+    slower), oneDNN's float32 or mt's (``f32``)."""
     if kind == "int8":
         return for_decoding(model, "int8", "fp32")
+    if kind == "f32":
+        if native.f32_linear() is None:
+            pytest.skip(f"no float32 kernel here: {native.unavailable_reason() or 'no AVX2'}")
+        return for_decoding(model, "none", "fp32", "mt")
     if kind == "linear":
-        monkeypatch.setattr(mt.fast.decoding, "onednn_decodes", lambda *a, **k: False)
+        monkeypatch.setattr(mt.fast.decoding, "fp32_products", lambda *a, **k: "torch")
         monkeypatch.setattr(mt.fast.decoding, "onednn_projects", lambda *a, **k: False)
         return for_decoding(model, "none", "fp32", None)
     return for_decoding(model, "none", "fp32", True)

@@ -14,16 +14,19 @@ IncrementalDecoder``):
   LayerNorm, attention, the softmax and the residual stream stay float32 (what CPU autocast
   computes, without casting every weight at every step). Where oneDNN has no bfloat16 kernels
   (CPUs without AVX-512), the model runs under bf16 autocast instead (:func:`needs_autocast`).
-* ``onednn=null`` (auto): oneDNN where its FFN products measure faster here; where they do
-  not, torch's products, and the projection over the vocabulary (the widest product, a
-  different shape) through oneDNN if that alone measures faster (:func:`onednn_projects`).
+* ``onednn=null`` (auto): whichever float32 products measure fastest here on the FFN's shapes
+  (:func:`fp32_products`): oneDNN's, mt's own (:mod:`mt.fast.fp32`, AVX2 and FMA: a row's
+  result independent of the batch) or torch's; with torch's, the projection over the
+  vocabulary (the widest product, a different shape) through oneDNN if that alone measures
+  faster (:func:`onednn_projects`). ``onednn="mt"`` (``make bench decode --kernels mt``) asks
+  for mt's.
 * ``quantize=int8``: dynamically quantized int8 products (``mt.fast.quantize``).
 * attention (in those copies): the short-query cores of ``mt.fast.attention`` and float32
   caches; every step after the first through ``mt.fast.step`` (the same formula with fewer
   calls into torch), its attention over the caches in mt's C++ kernel where it builds
   (``mt.fast.native``; ``native=False`` or ``MT_NATIVE_KERNELS=0``: torch's products), and
   there each step in one C++ call (``mt.fast.step.FusedStep``) where the copy's products are
-  mt's int8 kernels, oneDNN's float32 or torch's (not fbgemm's, not bfloat16).
+  mt's int8 kernels, oneDNN's, mt's or torch's float32 (not fbgemm's, not bfloat16).
 
 Elsewhere (a GPU, ``onednn=False``) the model itself decodes: SDPA's fused kernels, callers
 autocast for bf16.
@@ -47,6 +50,7 @@ from torch import nn
 import mt.fast.native as native_kernels
 import mt.fast.probe as probe
 from mt.fast.attention import ShortQueryAttention, gpu_attention, install
+from mt.fast.fp32 import Fp32FeedForward, fp32_copy
 from mt.fast.memory import hold_freed_memory
 from mt.fast.modules import replace_modules, shared_copy
 from mt.fast.onednn import (
@@ -190,44 +194,63 @@ def _identity(model: nn.Module) -> tuple:
 
 
 def _kind(
-    model: nn.Module, quantize: str, precision: str, onednn: bool | None, rows: int = 256
+    model: nn.Module, quantize: str, precision: str, onednn: bool | str | None, rows: int = 256
 ) -> str | None:
-    """Which products the decoding copy has: int8, onednn-fp32, onednn-bf16, torch (the
-    model's own, with the copy's attention), or None (the model itself, as written).
-    ``onednn=None`` (auto) measures oneDNN against torch at ``rows`` (:func:`onednn_decodes`)."""
+    """Which products the decoding copy has: int8, onednn-fp32, onednn-bf16, mt-fp32 (mt's
+    float32 kernel), torch (the model's own, with the copy's attention), or None (the model
+    itself, as written). ``onednn=None`` (auto) measures the float32 products here at ``rows``
+    (:func:`fp32_products`); ``onednn="mt"`` asks for mt's float32 kernel."""
     if quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"decode.quantize must be one of {QUANTIZE_CHOICES}, got {quantize!r}")
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"decode.precision must be fp32 or bf16, got {precision!r}")
+    if onednn not in (True, False, None, "mt"):
+        raise ValueError(f"decoding products: onednn must be true, false, null or 'mt', "
+                         f"got {onednn!r}")
     if quantize == "int8":
         return "int8"
     if onednn is False or _device(model).type != "cpu":
         return None
-    if not onednn_available():
-        return None if onednn else "torch"
+    if onednn == "mt":
+        if precision != "fp32" or native_kernels.f32_linear() is None:
+            raise ValueError("mt's float32 kernel decodes in fp32 on a CPU with AVX2 and FMA "
+                             f"where mt's kernels build (precision {precision}; "
+                             f"{native_kernels.unavailable_reason() or 'no AVX2 and FMA'})")
+        return "mt-fp32"
     if precision == "bf16":
+        if not onednn_available():
+            return None if onednn else "torch"  # under bf16 autocast
         if onednn_bf16_available():
             return "onednn-bf16"
         _warn_emulated_bf16()
         return None  # the model under bf16 autocast
-    if onednn is None and not onednn_decodes(model, rows):
-        return "torch"
-    return "onednn-fp32"
+    if onednn is None:
+        return {"torch": "torch", "onednn": "onednn-fp32", "mt": "mt-fp32"}[
+            fp32_products(model, rows)]
+    return "onednn-fp32" if onednn_available() else None
 
 
-def onednn_decodes(model: nn.Module, rows: int, cache_dir: str | None = None) -> bool:
-    """Whether oneDNN's float32 products decode faster than torch's here: measured on the
+def fp32_products(model: nn.Module, rows: int, cache_dir: str | None = None) -> str:
+    """Which float32 products decode fastest here: ``"torch"``, ``"onednn"`` (oneDNN's, packed)
+    or ``"mt"`` (mt's own, :mod:`mt.fast.fp32`), among those this build has, measured on the
     FFN's products, forward, over ``rows`` decoder rows (``mt.fast.probe``; cached in
     ``cache_dir`` or ``$MT_CACHE_DIR``). oneDNN reached 340-400 GFLOP/s where MKL reached 160
-    on an AMD Zen 4; on a Zen 3 (AVX2) some of these shapes run several times slower on it."""
+    on an AMD Zen 4; on a Zen 3 (AVX2) some of these shapes ran several times slower on it, and
+    mt's kernel 1.0-1.25x as fast as oneDNN's at a decoder step's rows."""
     d, f = model.cfg.d_model, model.cfg.d_ff
+    candidates = ["torch"] + ["onednn"] * onednn_available()
+    candidates += ["mt"] * (native_kernels.enabled() and native_kernels.f32_linear() is not None)
+    if len(candidates) == 1:
+        return "torch"
 
     def make(candidate: str, n: int):
         g = torch.Generator().manual_seed(0)
         x = torch.randn(n, d, generator=g)
         w1, w2 = torch.randn(f, d, generator=g), torch.randn(d, f, generator=g)
-        if candidate == "onednn":
-            ffn = FusedFeedForward(_Pair(w1, w2), torch.float32, rows)
+        if candidate != "torch":
+            pair = _Pair(w1, w2)
+            ffn = FusedFeedForward(pair, torch.float32, rows) if candidate == "onednn" else (
+                Fp32FeedForward(pair))  # fmt: skip
             return lambda: ffn(x)
 
         def step():
@@ -236,10 +259,9 @@ def onednn_decodes(model: nn.Module, rows: int, cache_dir: str | None = None) ->
 
         return step
 
-    choice = probe.choose("decode.onednn", _device(model), f"ffn {rows}x{d}x{f} packed", make,
-                          ["torch", "onednn"], rows, min(rows, 16),
-                          cache_dir or os.environ.get("MT_CACHE_DIR"))  # fmt: skip
-    return choice == "onednn"
+    return probe.choose("decode.fp32_products", _device(model), f"ffn {rows}x{d}x{f} packed",
+                        make, candidates, rows, min(rows, 16),
+                        cache_dir or os.environ.get("MT_CACHE_DIR"))  # fmt: skip
 
 
 def onednn_projects(model: nn.Module, rows: int, cache_dir: str | None = None) -> bool:
@@ -287,7 +309,7 @@ def for_decoding(
     model: Transformer,
     quantize: str = "none",
     precision: str = "fp32",
-    onednn: bool | None = True,
+    onednn: bool | str | None = True,
     fast_attention: bool = True,
     rows: int = 256,
     native: bool | None = None,
@@ -300,7 +322,8 @@ def for_decoding(
         precision: ``decode.precision``: fp32 | bf16. On CPU with oneDNN the bf16 copy does its
             own casting (see :func:`needs_autocast`); elsewhere callers autocast.
         onednn: ``decode.onednn``: oneDNN's products on CPU (when this torch has them);
-            None (auto): where they measure faster than torch's at ``rows`` decoder rows.
+            None (auto): the fastest measured at ``rows`` decoder rows of oneDNN's, mt's
+            own float32 kernel and torch's (:func:`fp32_products`); ``"mt"``: mt's.
         fast_attention: the copy's attention through the short-query cores (False: the
             model's SDPA).
         native: the decoder steps' attention through mt's C++ kernel (``mt.fast.native``),
@@ -316,7 +339,8 @@ def for_decoding(
         oneDNN's bfloat16 kernels): the model as written.
 
     Raises:
-        ValueError: for an unknown ``quantize`` or ``precision``.
+        ValueError: for an unknown ``quantize``, ``precision`` or ``onednn``, or ``"mt"``
+            where mt's float32 kernel is not built or the precision is not fp32.
     """
     gpu_attention(next(model.parameters()).device)  # on CUDA: no cuDNN attention
     kind = _kind(model, quantize, precision, onednn, rows)
@@ -340,6 +364,8 @@ def for_decoding(
     if kind == "int8":
         clone, head = quantize_int8(model)
         log.info("decoding with an int8 dynamically quantized copy of the model")
+    elif kind == "mt-fp32":
+        clone, head = fp32_copy(model)
     elif kind == "torch":
         clone, head = shared_copy(model).eval(), None
         if onednn is None and onednn_available() and onednn_projects(model, rows):
@@ -393,7 +419,7 @@ def resolve_precision(
     if quantize == "int8" or device.type != "cpu":
         return "fp32"
     d, f = model.cfg.d_model, model.cfg.d_ff
-    use_onednn = onednn and onednn_available()
+    use_onednn = onednn is True and onednn_available()
 
     def make(candidate: str, n: int):
         g = torch.Generator().manual_seed(0)

@@ -72,7 +72,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("short_attention.cpp", "int8_linear.cpp", "smoothed_ce.cpp",
                              "best_token.cpp", "dropout.cpp", "decoder_step.cpp",
-                             "greedy_search.cpp", "beam_search.cpp"))
+                             "greedy_search.cpp", "beam_search.cpp", "f32_linear.cpp"))
 HEADERS = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("vec.h", "step.h", "search.h"))  # included by the sources
 # OpenMP: torch's own runtime, for its threads; no warnings about the vector types' ABI
@@ -205,6 +205,16 @@ def int8_linear(kind: str = "vnni") -> Callable | None:
         return None
     op = getattr(torch.ops.mt, _INT8_OPS[kind])
     return op.default if getattr(torch.ops.mt, f"{_INT8_OPS[kind]}_available")() else None
+
+
+def f32_linear() -> Callable | None:
+    """``torch.ops.mt.f32_linear(x, w, bias, n, relu)`` (``csrc/f32_linear.cpp``: float32
+    products for decoding on AVX2 and FMA, a row's result independent of the rows beside it;
+    ``mt.fast.fp32.Fp32Linear``), or None where the kernels are off or cannot be built, or this
+    CPU lacks AVX2 or FMA (float32 decoding then runs on oneDNN's or torch's products)."""
+    if not _loaded():
+        return None
+    return torch.ops.mt.f32_linear.default if torch.ops.mt.f32_linear_available() else None
 
 
 def smoothed_ce() -> Callable | None:

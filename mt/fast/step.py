@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 import mt.fast.native as native
+from mt.fast.fp32 import Fp32Linear
 from mt.fast.onednn import OneDNNLinear
 from mt.fast.quantize import Int8Linear
 from mt.model.attention import attention
@@ -157,8 +158,8 @@ class FusedStep:
     """A decoding copy's decoder step in one call into C++ (``torch.ops.mt.decoder_step``,
     ``mt/fast/csrc/decoder_step.cpp``): what :func:`decoder_step` computes, the embedding and
     the caches' bookkeeping in Python, every layer's products (the copy's own: mt's int8
-    kernels, oneDNN's or torch's float32 ones), cache writes, attention (``mt::short_attention``),
-    residual additions and LayerNorms in C++. Build with :meth:`build`.
+    kernels, oneDNN's, mt's or torch's float32 ones), cache writes, attention
+    (``mt::short_attention``), residual additions and LayerNorms in C++. Build with :meth:`build`.
 
     The layers' parameters are gathered once, as the operator takes them: per layer four
     tensors for each of the six products (``products`` says what they are), then the three
@@ -177,7 +178,8 @@ class FusedStep:
         """The fused step of ``module`` (a decoding copy of ``mt.fast.decoding``, projecting
         through ``head``, or its tied embedding where None), or None where it would not compute
         what the modules compute: products not all of one kind among mt's int8 kernels
-        (``Int8Linear``, not on fbgemm), oneDNN's float32 products (``OneDNNLinear``) and
+        (``Int8Linear``, not on fbgemm), oneDNN's float32 products (``OneDNNLinear``), mt's
+        (``mt.fast.fp32.Fp32Linear``) and
         torch's (``nn.Linear``); LayerNorms without weights or with differing eps; or mt's
         kernels not built (``mt.fast.native.decoder_step``). Its whole searches (:meth:`greedy`,
         :meth:`beam`) need a ``head`` of one of those kinds too (of any one: the projection is
@@ -324,6 +326,9 @@ def _product_params(linear) -> tuple[str | None, list[torch.Tensor], int]:
         weight = linear.weight if linear.packed is None else linear.packed
         bias = linear.bias if linear.bias is not None else none
         return "onednn", [weight, bias, none, none], linear.weight.size(0)
+    if isinstance(linear, Fp32Linear):
+        bias = linear.bias if linear.bias is not None else none
+        return "f32-avx2", [linear.packed, bias, none, none], linear.out_features
     if type(linear) is nn.Linear:
         bias = linear.bias.detach() if linear.bias is not None else none
         return "linear", [linear.weight.detach(), bias, none, none], linear.out_features

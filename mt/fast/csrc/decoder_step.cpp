@@ -16,6 +16,7 @@
 //                "onednn"   oneDNN's weight (its packed layout or torch's), bias, -, -: float32
 //                           products through mkldnn::_linear_pointwise, the rows padded to
 //                           mt.fast.onednn.bucket_rows' sizes as OneDNNLinear pads them
+//                "f32-avx2" mt::f32_linear's weight (16-channel blocks), bias, -, -: float32
 //                "linear"   torch's weight, bias, -, -: at::linear
 //              (an empty tensor for a missing bias and the unused places)
 //   widths     6 ints a layer: the products' output widths

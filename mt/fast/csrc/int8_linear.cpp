@@ -43,6 +43,8 @@
 #include <optional>
 #include <vector>
 
+#include "vec.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define MT_INT8_VNNI 1
 #else
@@ -61,18 +63,6 @@ namespace {
 
 bool int8_linear_available() { return MT_INT8_VNNI; }
 bool int8_linear_avx2_available() { return MT_INT8_AVX2; }
-
-// f(m, r) for M rows in chunks of at most `most`, as even as they go (8 rows by at most 6 as
-// 4 + 4, not 6 + 2: a short chunk reads the weights as often as a full one, for less work).
-template <typename F>
-inline void even_chunks(int64_t M, int64_t most, F&& f) {
-  const int64_t chunks = (M + most - 1) / most;
-  for (int64_t c = 0, m = 0; c < chunks; ++c) {
-    const int64_t r = M / chunks + (c < M % chunks);
-    f(m, r);
-    m += r;
-  }
-}
 
 #if MT_INT8_VNNI
 
@@ -292,7 +282,7 @@ void vnni_product(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& c
       const int8_t* w1 = w0 + block_bytes;
       const int64_t col = 32 * j, valid = std::min<int64_t>(32, n - col);
       const float* bj = bp ? bp + col : nullptr;
-      even_chunks(M, kRows, [&](int64_t m, int64_t r) {
+      mt_vec::even_chunks(M, kRows, [&](int64_t m, int64_t r) {
         rows_kernel(r)(u.data() + m * Kp, Kp, w0, w1, sx.data() + m, sp + col, cp + col, bj, relu,
                        op + m * n + col, n, valid);
       });
@@ -320,7 +310,7 @@ void avx2_product(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& c
         const int64_t col = 16 * j + 8 * h, valid = std::min<int64_t>(8, n - col);
         if (valid <= 0) break;
         const float* bj = bp ? bp + col : nullptr;
-        even_chunks(M, kRowsAvx2, [&](int64_t m, int64_t r) {
+        mt_vec::even_chunks(M, kRowsAvx2, [&](int64_t m, int64_t r) {
           rows8_kernel(r)(q.data() + m * Kp, Kp, wj + 32 * h, sx.data() + m, sp + col, cp + col,
                           bj, relu, op + m * n + col, n, valid);
         });

@@ -29,6 +29,8 @@ constexpr int64_t kProducts = 6, kTensorsPerLayer = kProducts * 4 + 3 * 2;
 
 using Int8Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                           const at::Tensor&, const std::optional<at::Tensor>&, int64_t, bool);
+using F32Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                         int64_t, bool);
 using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const std::optional<at::Tensor>&, double);
 
@@ -107,9 +109,11 @@ class Products {
       int8_ = int8_op(kind == "int8-vnni");
     } else if (kind == "onednn") {
       onednn_ = onednn_op();
+    } else if (kind == "f32-avx2") {
+      f32_ = c10::Dispatcher::singleton().findSchemaOrThrow("mt::f32_linear", "").typed<F32Fn>();
     } else {
       TORCH_CHECK(kind == "linear", "decoder_step: products ", kind, " are not int8-vnni, "
-                  "int8-avx2, onednn or linear");
+                  "int8-avx2, onednn, f32-avx2 or linear");
     }
   }
 
@@ -120,6 +124,7 @@ class Products {
     const std::optional<at::Tensor> b =
         bias.numel() > 0 ? std::optional<at::Tensor>(bias) : std::nullopt;
     if (int8_) return int8_->call(x, p[at], p[at + 1], p[at + 2], b, width, relu);
+    if (f32_) return f32_->call(x, p[at], b, width, relu);
     if (onednn_) {
       const int64_t rows = x.size(0), padded = bucket_rows(rows);
       std::vector<c10::IValue> stack;
@@ -140,6 +145,7 @@ class Products {
 
  private:
   std::optional<c10::TypedOperatorHandle<Int8Fn>> int8_;
+  std::optional<c10::TypedOperatorHandle<F32Fn>> f32_;
   std::optional<c10::OperatorHandle> onednn_;
 };
 

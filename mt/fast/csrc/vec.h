@@ -1,6 +1,7 @@
-// Vector helpers shared by mt's kernels (short_attention.cpp, smoothed_ce.cpp): 8 floats as
-// one value through GCC's and Clang's vector extensions, so the code vectorizes for whatever
-// instruction set -march=native gives (AVX-512 or AVX2 on x86, NEON elsewhere).
+// Helpers shared by mt's kernels: rows in even chunks (the products: int8_linear.cpp,
+// f32_linear.cpp), and 8 floats as one value (short_attention.cpp, smoothed_ce.cpp, ...) through
+// GCC's and Clang's vector extensions, so the code vectorizes for whatever instruction set
+// -march=native gives (AVX-512 or AVX2 on x86, NEON elsewhere).
 
 #pragma once
 
@@ -8,6 +9,18 @@
 #include <cstring>
 
 namespace mt_vec {
+
+// f(m, r) for M rows in chunks of at most `most`, as even as they go (8 rows by at most 6 as
+// 4 + 4, not 6 + 2: a short chunk reads the weights as often as a full one, for less work).
+template <typename F>
+inline void even_chunks(int64_t M, int64_t most, F&& f) {
+  const int64_t chunks = (M + most - 1) / most;
+  for (int64_t c = 0, m = 0; c < chunks; ++c) {
+    const int64_t r = M / chunks + (c < M % chunks);
+    f(m, r);
+    m += r;
+  }
+}
 
 // 8 floats as one value (GCC and Clang vector extensions): an AVX register. 8 lanes ran faster
 // than 16 on an AMD Zen 4 even with AVX-512 (which it executes in 256-bit halves).
