@@ -211,16 +211,18 @@ inline __m256i first_lanes(int64_t valid) {
 // registers, then the float32 epilogue, `valid` of the 8 columns stored. vpmaddubsw multiplies
 // the unsigned 7-bit row values with the signed weights and adds pairs into 16 bits, at most
 // 2 * 127 * 128 = 32,512 in magnitude, so it never saturates; vpmaddwd with ones adds those
-// pairs into the int32 lanes.
+// pairs into the int32 lanes. `next`: a block to prefetch into L2, a line per k/4, or null
+// (on an AMD Zen 3 a base-size beam search ran 1.05x as fast with it).
 template <int R>
 void rows_by_8(const uint8_t* q, int64_t Kp, const int8_t* w, const float* sx, const float* sw,
                const int32_t* comp, const float* bias, bool relu, float* out, int64_t ldo,
-               int64_t valid) {
+               int64_t valid, const int8_t* next) {
   __m256i acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t Kq = Kp / 4;
   for (int64_t kq = 0; kq < Kq; ++kq) {
+    if (next) _mm_prefetch(reinterpret_cast<const char*>(next + kq * 64), _MM_HINT_T1);
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kq * 64));
     for (int r = 0; r < R; ++r) {
       int32_t four;
@@ -248,7 +250,8 @@ void rows_by_8(const uint8_t* q, int64_t Kp, const int8_t* w, const float* sx, c
 }
 
 using RowsBy8 = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const float*,
-                         const int32_t*, const float*, bool, float*, int64_t, int64_t);
+                         const int32_t*, const float*, bool, float*, int64_t, int64_t,
+                         const int8_t*);
 
 RowsBy8 rows8_kernel(int64_t r) {
   switch (r) {
@@ -310,9 +313,12 @@ void avx2_product(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& c
         const int64_t col = 16 * j + 8 * h, valid = std::min<int64_t>(8, n - col);
         if (valid <= 0) break;
         const float* bj = bp ? bp + col : nullptr;
+        // the next block's lines into L2 while the first rows go over this one's
+        const int8_t* next = h == 0 && j + 1 < end ? wj + block_bytes : nullptr;
         mt_vec::even_chunks(M, kRowsAvx2, [&](int64_t m, int64_t r) {
           rows8_kernel(r)(q.data() + m * Kp, Kp, wj + 32 * h, sx.data() + m, sp + col, cp + col,
-                          bj, relu, op + m * n + col, n, valid);
+                          bj, relu, op + m * n + col, n, valid, next);
+          next = nullptr;
         });
       }
     }
