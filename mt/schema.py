@@ -189,8 +189,9 @@ class DecodeConfig:
     too_long: str = "error"  # error | truncate: inputs longer than model.max_positions
     precision: str = "fp32"  # fp32 | bf16 | auto (whichever is faster here: measured, cached)
     quantize: str = "none"  # none | int8: dynamic int8 Linear layers (CPU decoding speed)
-    # CPU: Linear products through oneDNN (true), torch's own (false: the model as written), or
-    # whichever measures faster here (null: auto, mt.fast.decoding.onednn_decodes)
+    # CPU float32 products: oneDNN's (true), torch's own (false: the model as written), or the
+    # fastest measured here of oneDNN's, mt's own AVX2 kernel and torch's (null: auto,
+    # mt.fast.decoding.fp32_products)
     onednn: Optional[bool] = None
     # CPU: batches decoded side by side by this many workers, torch's intra-op threads shared
     # among them (CTranslate2's inter_threads, Marian's CPU workers): forked processes of one

@@ -267,7 +267,7 @@ def fp32_products(model: nn.Module, rows: int, cache_dir: str | None = None) -> 
 def onednn_projects(model: nn.Module, rows: int, cache_dir: str | None = None) -> bool:
     """Whether oneDNN's float32 product runs the pre-softmax projection (d_model x padded
     vocabulary, forward, over ``rows`` decoder rows) faster than torch's here, where the FFN's
-    products stay torch's (``mt.fast.probe``; cached like :func:`onednn_decodes`). On an AMD
+    products stay torch's (``mt.fast.probe``; cached like :func:`fp32_products`). On an AMD
     Zen 3 the projection of a 256 x 8,000 model ran 1.2-1.9x faster through oneDNN while the
     FFN's shapes did not."""
     weight = model.output_weight
