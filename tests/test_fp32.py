@@ -47,7 +47,7 @@ def exact(x, w, b, relu=False):
 @pytest.mark.parametrize(
     "M, K, N",
     [(1, 1, 1), (1, 5, 3), (6, 16, 16), (7, 33, 17), (13, 64, 40), (140, 96, 48),
-     (70, 2100, 20)],  # the last two: rows in more than one chunk (256 KB of x a chunk)
+     (300, 512, 32), (70, 2100, 20)],  # the last two: rows in 3 chunks (of 256 KB of x at most)
 )  # fmt: skip
 @pytest.mark.parametrize("biased", [True, False])
 @pytest.mark.parametrize("relu", [False, True])

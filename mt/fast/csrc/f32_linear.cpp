@@ -110,13 +110,13 @@ RowsBy16 rows16_kernel(int64_t r) {
 
 void product(const float* x, int64_t M, int64_t K, const float* w, int64_t blocks,
              const float* bias, int64_t n, bool relu, float* out) {
-  const int64_t chunk = std::max<int64_t>(
-      kTileRows, kChunkBytes / static_cast<int64_t>(sizeof(float)) / K / kTileRows * kTileRows);
+  // rows of x per pass over the blocks: at most 256 KB of them, in even chunks
+  const int64_t most =
+      std::max<int64_t>(kTileRows, kChunkBytes / static_cast<int64_t>(sizeof(float)) / K);
   // blocks of 16 channels per task: a small product stays on the calling thread
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(1, M * K * 16));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-      const int64_t rows = std::min(chunk, M - m0);
+    auto pass = [&](int64_t m0, int64_t rows) {
       for (int64_t j = begin; j < end; ++j) {
         const float* wj = w + j * K * 16;
         const float* next = j + 1 < end ? wj + K * 16 : nullptr;
@@ -129,7 +129,8 @@ void product(const float* x, int64_t M, int64_t K, const float* w, int64_t block
           first = false;
         });
       }
-    }
+    };
+    mt_vec::even_chunks(M, most, pass);
   });
 }
 
