@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import sharp_random_model
 
 import mt.fast.native as native
 from mt.data.batches import make_src
 from mt.decode.search import beam_search, greedy_search
 from mt.fast.decoding import for_decoding
 from mt.fast.fp32 import Fp32Linear, blocks, fp32_copy
-from mt.model.transformer import build_model
-from mt.schema import ModelConfig
 
 
 @pytest.fixture(scope="module")
@@ -126,12 +125,7 @@ def test_the_kernel_names_what_it_cannot_take(op):
 
 
 def model_and_sources():
-    torch.manual_seed(7)
-    cfg = ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.1)
-    model = build_model(cfg, vocab_size=50).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))  # far from the initialisation: peaked outputs
+    model = sharp_random_model(50)  # some sentences end early, others at their limits
     g = torch.Generator().manual_seed(2)
     src = make_src([torch.randint(4, 50, (n,), generator=g).tolist() for n in (9, 4, 7, 2, 6)])
     return model, src
@@ -151,7 +145,12 @@ def test_a_copy_on_the_kernel_decodes_as_the_model_does(op):
         h = copy.decode(tgt, copy.encode(src), copy.new_cache(), project=False)
         torch.testing.assert_close(head(h)[..., : model.vocab_size], want, atol=1e-4, rtol=1e-4)
     fast = for_decoding(model, "none", "fp32", "mt")
-    assert fast.fused is None or fast.fused.products == "f32-avx2"
+    fused = fast.fused  # the step, its head and the whole searches on the kernel
+    assert fused is not None and fused.products == "f32-avx2" and fused.head[2] == "f32-avx2"
+    calls = []
+    for name in ("greedy", "beam"):
+        whole = getattr(fused, name)
+        setattr(fused, name, lambda *a, f=whole: calls.append(1) or f(*a))
     with torch.inference_mode():
         for search in (
             lambda m: [[h] for h in greedy_search(m, src, 1.0, 5, 1, alpha=0.0)],
@@ -160,6 +159,7 @@ def test_a_copy_on_the_kernel_decodes_as_the_model_does(op):
             got, expected = search(fast), search(model)
             assert [[h.tokens for h in a] for a in got] == [[h.tokens for h in b]
                                                             for b in expected]  # fmt: skip
+    assert len(calls) == 2  # each search in one C++ call
 
 
 def test_mt_products_need_fp32_and_the_kernel(op, monkeypatch):
