@@ -54,9 +54,9 @@ a home directory shared by machines of different CPUs never loads a kernel built
 a build lock left by a killed build is removed after two minutes (torch would wait for ever).
 Where they cannot be built (no C++ compiler or ninja, an unwritable cache) or
 ``MT_NATIVE_KERNELS=0`` is set, :func:`short_attention`, :func:`int8_linear`,
-:func:`f32_linear`, :func:`smoothed_ce`, :func:`best_token` and :func:`dropout` return None, the reason is said
-once, and decoding takes torch's path (``mt.fast.step``), which computes the same, and fbgemm's
-int8 products; the loss and dropout, torch's operators.
+:func:`f32_linear`, :func:`smoothed_ce`, :func:`best_token` and :func:`dropout` return None, the
+reason is said once, and decoding takes torch's path (``mt.fast.step``), which computes the same,
+and fbgemm's int8 products; the loss and dropout, torch's operators.
 """
 
 from __future__ import annotations
