@@ -307,13 +307,34 @@ def eos_prone_model(norm: str) -> torch.nn.Module:
     return model
 
 
+def a_shortlist(n: int, seed: int = 0) -> Shortlist:
+    """A shortlist of 45-piece models' pieces for n sentences: the special ones and 26 others,
+    each sentence allowed about two thirds of them (the special ones always)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.cat([torch.arange(4), 4 + torch.randperm(41, generator=g)[:26].sort().values])
+    allowed = torch.rand(n, len(ids), generator=g) < 0.67
+    allowed[:, :4] = True
+    return Shortlist(ids, allowed)
+
+
+def assert_within(hyps: list, shortlist: Shortlist | None) -> None:
+    """Each sentence's hypotheses use only the pieces its row of ``shortlist`` allows."""
+    if shortlist is None:
+        return
+    for i, h in enumerate(hyps):
+        own = set(shortlist.ids[torch.isfinite(shortlist.bias[i])].tolist())
+        for x in h if isinstance(h, list) else [h]:
+            assert set(x.tokens) <= own
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_the_whole_greedy_search_in_one_call_finds_what_the_steps_find(kind, norm, monkeypatch):
     """``mt::greedy_search`` (``FusedStep.greedy``) against ``generate``'s loop over the same
     copy's steps: the same tokens, scores and log-probabilities, bit for bit (the products see
     the same rows in the same order), for sentences ending at EOS and at their length limits
-    in one batch, with min_len and a length penalty."""
+    in one batch, with min_len and a length penalty, over the whole vocabulary and over a
+    shortlist (each sentence its own pieces; the shortlist left as it was)."""
     if native.greedy_search() is None:
         pytest.skip(f"no kernels here: {native.unavailable_reason()}")
     if kind == "int8":
@@ -324,17 +345,22 @@ def test_the_whole_greedy_search_in_one_call_finds_what_the_steps_find(kind, nor
     whole = FusedStep.greedy
     monkeypatch.setattr(FusedStep, "greedy", lambda *a: calls.append(1) or whole(*a))
     src = sources([7, 3, 5, 1, 6, 2, 4, 8, 5, 3])
+    shortlist = a_shortlist(len(src))
+    bias = shortlist.bias.clone()
     ends = set()
     # min_len 18: the caches grow past their first 16 positions
     for min_len, b, alpha in [(0, 2, 0.0), (2, 6, 1.0), (0, 14, 0.6), (18, 14, 0.0)]:
-        got = greedy_search(copy, src, 1.0, b, min_len, alpha)
-        expected = greedy_search(stepwise(copy), src, 1.0, b, min_len, alpha)
-        assert got == expected
-        limits = max_lengths(src, 1.0, b, copy)
-        ends |= {len(h.tokens) < limit for h, limit in zip(got, limits)}
-        assert all(len(h.tokens) >= min(min_len, limit) for h, limit in zip(got, limits))
+        for sl in (None, shortlist):
+            got = greedy_search(copy, src, 1.0, b, min_len, alpha, shortlist=sl)
+            expected = greedy_search(stepwise(copy), src, 1.0, b, min_len, alpha, shortlist=sl)
+            assert got == expected
+            assert_within(got, sl)
+            limits = max_lengths(src, 1.0, b, copy)
+            ends |= {len(h.tokens) < limit for h, limit in zip(got, limits)}
+            assert all(len(h.tokens) >= min(min_len, limit) for h, limit in zip(got, limits))
     assert ends == {True, False}  # both kinds of end were searched
-    assert len(calls) == 4
+    assert len(calls) == 8
+    assert torch.equal(shortlist.bias, bias)  # the operator moved a copy of its rows
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -344,7 +370,8 @@ def test_the_whole_beam_search_in_one_call_finds_what_the_steps_find(kind, norm,
     """``mt::beam_search`` (``FusedStep.beam``) against ``generate``'s loop with ``Beam(K)``
     over the same copy's steps and ``mt::top_tokens``: the same n-best lists, tokens, scores
     and log-probabilities bit for bit, for sentences ending with K finished hypotheses, settled
-    early or not, at their length limits, with min_len and length penalties."""
+    early or not, at their length limits, with min_len and length penalties, over the whole
+    vocabulary and over a shortlist."""
     if native.beam_search() is None:
         pytest.skip(f"no kernels here: {native.unavailable_reason()}")
     if kind == "int8":
@@ -357,16 +384,19 @@ def test_the_whole_beam_search_in_one_call_finds_what_the_steps_find(kind, norm,
     ends, settings = set(), [(0, 0.0, 2, 0.0, K, True), (2, 1.0, 6, 1.0, K, True),
                              (0, 1.0, 14, 0.6, 1, False), (1, 1.0, 14, 1.5, 2, True),
                              (18, 1.0, 14, 0.0, 1, True)]  # fmt: skip (18: caches grow past 16)
+    shortlist = a_shortlist(len(src), seed=K)
     for min_len, a, b, alpha, nbest, settle in settings:
-        args = (a, b, nbest, min_len, alpha, None, settle)
-        got = generate(copy, src, Beam(K), *args)
-        expected = generate(stepwise(copy), src, Beam(K), *args)
-        assert got == expected
-        assert all(1 <= len(h) <= nbest for h in got)
-        limits = max_lengths(src, a, b, copy)
-        ends |= {len(x.tokens) < limit for h, limit in zip(got, limits) for x in h}
+        for sl in (None, shortlist):
+            args = (a, b, nbest, min_len, alpha, None, settle, sl)
+            got = generate(copy, src, Beam(K), *args)
+            expected = generate(stepwise(copy), src, Beam(K), *args)
+            assert got == expected
+            assert_within(got, sl)
+            assert all(1 <= len(h) <= nbest for h in got)
+            limits = max_lengths(src, a, b, copy)
+            ends |= {len(x.tokens) < limit for h, limit in zip(got, limits) for x in h}
     assert ends == {True, False}  # ended with EOS, and at the length limit
-    assert len(calls) == len(settings)
+    assert len(calls) == 2 * len(settings)
 
 
 @pytest.mark.parametrize("K", [1, 3])
@@ -386,8 +416,8 @@ def test_the_whole_searches_drop_what_the_loop_drops(K, monkeypatch):
 
 
 def test_the_whole_searches_run_only_where_they_compute_the_same(monkeypatch):
-    """``generate`` takes the one call for greedy and beam search without a prefix or a
-    shortlist; prefixes, shortlists and sampling step from Python; a copy whose head is not a
+    """``generate`` takes the one call for greedy and beam search without a prefix, with or
+    without a shortlist; prefixes and sampling step from Python; a copy whose head is not a
     product the call runs (int8 on fbgemm) has no fused step to take it from."""
     if native.greedy_search() is None:
         pytest.skip(f"no kernels here: {native.unavailable_reason()}")
@@ -403,9 +433,12 @@ def test_the_whole_searches_run_only_where_they_compute_the_same(monkeypatch):
     assert calls == ["greedy", "beam"]
     for strategy in (Greedy(), Beam(2)):
         generate(copy, src, strategy, prefix=[[5], [], [6, 7]])
-        generate(copy, src, strategy, shortlist=Shortlist(torch.arange(45)))
+        generate(copy, src, strategy, prefix=[[5], [], []], shortlist=Shortlist(torch.arange(45)))
     generate(copy, src, Sampling([0, 1, 2]))
     assert calls == ["greedy", "beam"]
+    for strategy in (Greedy(), Beam(2)):
+        generate(copy, src, strategy, shortlist=Shortlist(torch.arange(45)))
+    assert calls == ["greedy", "beam", "greedy", "beam"]
     assert FusedStep.build(copy.module, object()).head is None  # not a product it runs
     pre = decoding_copy(grown_model("pre"), "linear", monkeypatch).module
     assert FusedStep.build(pre).head is not None

@@ -14,8 +14,8 @@ takes each row's 2K best tokens the same way (``mt.fast.native.top_tokens``), a 
 best candidates being among them (``Beam.step_top``). A model that offers a whole search in one
 call (``greedy_search``, ``beam_search``: ``mt.fast.decoding.DecodingModel`` where mt's kernels
 run its products, ``mt/fast/csrc/greedy_search.cpp`` and ``beam_search.cpp``) runs this loop
-in C++ for greedy and beam search without a prefix or a shortlist, to the same hypotheses bit
-for bit; this loop stays the reference, and the path of everything else.
+in C++ for greedy and beam search without a prefix (with or without a shortlist), to the same
+hypotheses bit for bit; this loop stays the reference, and the path of everything else.
 
 Conventions (the paper's, made exact):
 
@@ -262,14 +262,14 @@ def generate(
     forced = prefix_tensor(prefix, src.device)
     if forced is not None and shortlist is not None:
         forced = shortlist.columns(forced)
-    if type(strategy) in (Greedy, Beam) and forced is None and shortlist is None:
+    if type(strategy) in (Greedy, Beam) and forced is None:
         # the whole search in one C++ call, where the model has it
         if type(strategy) is Greedy:
             whole = getattr(model, "greedy_search", None)
-            args = (src, limits, min_len, alpha)
+            args = (src, limits, min_len, alpha, shortlist)
         else:
             whole = getattr(model, "beam_search", None)
-            args = (src, K, limits, min_len, alpha, nbest, settle)
+            args = (src, K, limits, min_len, alpha, nbest, settle, shortlist)
         found = None if whole is None else whole(*args)
         if found is not None:
             return _hypotheses(*found)

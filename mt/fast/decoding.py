@@ -133,23 +133,26 @@ class DecodingModel(nn.Module):
         logits = self.module.project(h) if self.head is None else self.head(h)
         return logits[..., : self.vocab_size]  # the padded columns sliced off
 
-    def greedy_search(self, src: torch.Tensor, limits: list[int], min_len: int, alpha: float):
+    def greedy_search(self, src: torch.Tensor, limits: list[int], min_len: int, alpha: float,
+                      shortlist=None):  # fmt: skip
         """A batch's whole greedy search in one C++ call (``FusedStep.greedy``: what
-        ``mt.decode.search.generate`` finds with ``Greedy`` through :meth:`decode`), or None
-        where this copy has no fused step or its head is not a product the call runs."""
+        ``mt.decode.search.generate`` finds with ``Greedy`` through :meth:`decode`, over a
+        ``shortlist``'s pieces where given), or None where this copy has no fused step or its
+        head is not a product the call runs."""
         if not self._searches(src):
             return None
-        return self.fused.greedy(self.module, self.encode(src), limits, min_len, alpha)
+        return self.fused.greedy(self.module, self.encode(src), limits, min_len, alpha,
+                                 shortlist)  # fmt: skip
 
     def beam_search(self, src: torch.Tensor, K: int, limits: list[int], min_len: int,
-                    alpha: float, nbest: int, settle: bool):  # fmt: skip
+                    alpha: float, nbest: int, settle: bool, shortlist=None):  # fmt: skip
         """A batch's whole beam search in one C++ call (``FusedStep.beam``: what
         ``generate`` finds with ``Beam(K)`` through :meth:`decode`), or None as for
         :meth:`greedy_search`."""
         if not self._searches(src):
             return None
         return self.fused.beam(self.module, self.encode(src), limits, K, nbest, alpha, settle,
-                               min_len)  # fmt: skip
+                               min_len, shortlist)  # fmt: skip
 
     def _searches(self, src: torch.Tensor) -> bool:
         """Whether a whole search in one call computes what :meth:`decode`'s steps would: a

@@ -105,12 +105,7 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             raise ValueError("a subset of an Int8Linear with a bias is not supported")
         if self._mt is not None:
-            w, scales, comp, _ = self._packed
-            # row i is lane i % 16 of block i // 16, over all its (Kp/4, 4) inputs
-            rows = w[ids // 16, :, ids % 16].reshape(len(ids), -1)[:, : self.in_features]
-            # the rows' sums (VNNI): the full weight's (``comp``), gathered
-            packed = vnni_layout(rows, scales.index_select(0, ids), comp.index_select(0, ids))
-            return partial(self._mt_product, packed, None, False)
+            return partial(self._mt_product, self.subset_packed(ids), None, False)
         weight, row_scales = self.int8_weight()
         rows, row_scales = weight.index_select(0, ids), row_scales.index_select(0, ids)
         with warnings.catch_warnings():
@@ -118,6 +113,15 @@ class Int8Linear(nn.Module):
             q = torch._make_per_tensor_quantized_tensor(rows, 1.0, 0)
             packed = torch.ops.quantized.linear_prepack(q, None)
         return partial(_scaled_product, packed, row_scales)
+
+    def subset_packed(self, ids: torch.Tensor) -> tuple:
+        """mt's kernel's ``(w, scale, comp, n)`` of output rows ``ids`` only (see
+        :meth:`subset`; not for fbgemm's)."""
+        w, scales, comp, _ = self._packed
+        # row i is lane i % 16 of block i // 16, over all its (Kp/4, 4) inputs
+        rows = w[ids // 16, :, ids % 16].reshape(len(ids), -1)[:, : self.in_features]
+        # the rows' sums (VNNI): the full weight's (``comp``), gathered
+        return vnni_layout(rows, scales.index_select(0, ids), comp.index_select(0, ids))
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The int8 weight (out, in) and its float32 scales (out,), as quantized: unpacked

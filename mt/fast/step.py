@@ -172,6 +172,7 @@ class FusedStep:
         self.op, self.params, self.widths = op, params, widths
         self.heads, self.d_k, self.pre_norm, self.eps = heads, d_k, pre_norm, eps
         self.products, self.head = products, head
+        self.head_module: nn.Module | None = None  # the projection (None: the tied embedding)
 
     @classmethod
     def build(cls, module: nn.Module, head: nn.Module | None = None) -> FusedStep | None:
@@ -212,8 +213,10 @@ class FusedStep:
         attn = module.decoder[0].self_attn
         final = module.decoder_norm  # the searches norm with the layers' eps
         searches = not isinstance(final, nn.LayerNorm) or final.eps in eps
-        return cls(op, params, widths, attn.h, attn.d_k, pre.pop(), float(eps.pop()),
-                   kinds.pop(), _head_params(module, head) if searches else None)  # fmt: skip
+        fused = cls(op, params, widths, attn.h, attn.d_k, pre.pop(), float(eps.pop()),
+                    kinds.pop(), _head_params(module, head) if searches else None)  # fmt: skip
+        fused.head_module = head
+        return fused
 
     def __call__(self, module: nn.Module, tgt_in: torch.Tensor, memory: torch.Tensor, src_mask,
                  cache: DecoderCache) -> torch.Tensor:  # fmt: skip
@@ -237,7 +240,8 @@ class FusedStep:
         return module.decoder_norm(out)
 
     def greedy(
-        self, module: nn.Module, enc, limits: list[int], min_len: int, alpha: float
+        self, module: nn.Module, enc, limits: list[int], min_len: int, alpha: float,
+        shortlist=None,
     ) -> tuple[torch.Tensor, ...] | None:
         """A batch's whole greedy search in one call (``torch.ops.mt.greedy_search``,
         ``mt/fast/csrc/greedy_search.cpp``): what ``mt.decode.search.generate`` finds with
@@ -250,6 +254,9 @@ class FusedStep:
             limits: each sentence's maximum output length (``mt.decode.search.max_lengths``).
             min_len: EOS is forbidden until this many tokens are out.
             alpha: the length penalty's exponent, for the reported scores.
+            shortlist: the batch's candidate pieces (an ``mt.decode.shortlist.Shortlist``), or
+                None: the head over its pieces (the product ``decode`` makes of them) and each
+                sentence's bias.
 
         Returns:
             ``(tokens (h, T), count (h,), logprob (h,), score (h,), per (n,))``: the h
@@ -257,14 +264,15 @@ class FusedStep:
             turn, each ``tokens[j, :count[j]]`` with its summed log-probability and score.
         """
         op = native.greedy_search()
-        if self.head is None or op is None:
+        inputs = self._search_inputs(module, enc, shortlist)
+        if inputs is None or op is None:
             return None
-        return op(*self._search_inputs(module, enc), limits, min_len, alpha, BOS, EOS,
-                  (1 << PAD) | (1 << BOS))  # fmt: skip
+        return op(*inputs, limits, min_len, alpha, BOS, EOS, (1 << PAD) | (1 << BOS),
+                  *_shortlist_inputs(shortlist))  # fmt: skip
 
     def beam(
         self, module: nn.Module, enc, limits: list[int], K: int, nbest: int, alpha: float,
-        settle: bool, min_len: int,
+        settle: bool, min_len: int, shortlist=None,
     ) -> tuple[torch.Tensor, ...] | None:
         """A batch's whole beam search in one call (``torch.ops.mt.beam_search``,
         ``mt/fast/csrc/beam_search.cpp``): what ``mt.decode.search.generate`` finds with
@@ -274,15 +282,28 @@ class FusedStep:
         up to ``nbest`` hypotheses a sentence, best first.
         """
         op = native.beam_search()
-        if self.head is None or op is None:
+        inputs = self._search_inputs(module, enc, shortlist)
+        if inputs is None or op is None:
             return None
-        return op(*self._search_inputs(module, enc), limits, K, nbest, alpha, settle, min_len,
-                  BOS, EOS, (1 << PAD) | (1 << BOS))  # fmt: skip
+        return op(*inputs, limits, K, nbest, alpha, settle, min_len, BOS, EOS,
+                  (1 << PAD) | (1 << BOS), *_shortlist_inputs(shortlist))  # fmt: skip
 
-    def _search_inputs(self, module: nn.Module, enc) -> list:
+    def _search_inputs(self, module: nn.Module, enc, shortlist=None):
         """What both whole searches take before their settings: the embedding, the step's
         parameters, the encoder-decoder keys/values (made as the step makes them at its
-        first call), the source mask, the final LayerNorm and the head."""
+        first call), the source mask, the final LayerNorm and the head (over a shortlist's
+        pieces where there is one); None where the head is not a product they run."""
+        if self.head is None:
+            return None
+        if shortlist is None:
+            weights, width, kind = self.head
+            vocab = module.vocab_size
+        else:
+            narrow = _shortlist_head(module, self.head_module, shortlist.ids)
+            if narrow is None:
+                return None
+            weights, width, kind = narrow
+            vocab = len(shortlist)
         cache = module.new_cache(torch.float32)
         cross_k, cross_v = [], []
         for layer, state in zip(module.decoder, cache.layers):
@@ -292,11 +313,36 @@ class FusedStep:
         final = module.decoder_norm
         norm = [] if isinstance(final, nn.Identity) else [final.weight.detach(),
                                                           final.bias.detach()]
-        weights, width, kind = self.head
         return [module.tgt_embedding.detach(), module.pe, math.sqrt(module.d_model),
                 self.params, self.widths, cross_k, cross_v, source_bias(enc.src_mask, enc.memory),
                 self.heads, self.pre_norm, self.eps, self.products, norm, weights, width, kind,
-                module.vocab_size]  # fmt: skip
+                vocab]  # fmt: skip
+
+
+def _shortlist_inputs(shortlist) -> list:
+    """The whole searches' last two arguments: a copy of the shortlist's bias (the operators
+    move its rows as sentences end) and its pieces; none without one."""
+    if shortlist is None:
+        return []
+    bias = None if shortlist.bias is None else shortlist.bias.float().contiguous().clone()
+    return [bias, shortlist.ids.contiguous()]
+
+
+def _shortlist_head(module: nn.Module, head: nn.Module | None, ids: torch.Tensor):
+    """The whole searches' head over pieces ``ids`` (four tensors, width, kind): the product
+    ``DecodingModel.decode`` makes of them (``Shortlist.project``: ``head``'s ``subset``, or
+    the tied embedding's rows where ``head`` is None), or None where it is not one they run."""
+    none = torch.empty(0)
+    if head is None:
+        weight = module.output_weight.detach().index_select(0, ids).contiguous()
+        return [weight, none, none, none], len(ids), "linear"
+    if isinstance(head, Int8Linear):
+        if head.kernel == "fbgemm":
+            return None
+        w, scale, comp, n = head.subset_packed(ids)
+        return [w, scale, comp, none], n, f"int8-{head.kernel}"
+    kind, tensors, width = _product_params(head.subset(ids))
+    return None if kind is None else (tensors, width, kind)
 
 
 def _head_params(module: nn.Module, head: nn.Module | None):

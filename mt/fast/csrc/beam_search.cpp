@@ -19,6 +19,7 @@
 //   emb, pe, scale ... head_kind, vocab, limits   as mt::greedy_search's (greedy_search.cpp);
 //                      the self-attention caches are the search's own, K rows a sentence
 //   K, nbest, alpha, settle, min_len, bos, eos, forbid   the search's settings
+//   vocab_bias, vocab_ids   a vocabulary shortlist, or none, as mt::greedy_search's
 // Returns mt_search::pack's tensors (search.h): each sentence's hypotheses, best first, at most
 // nbest, each with its summed log-probability and score, logprob / ((5 + length) / 6) ** alpha,
 // length counting EOS where the hypothesis ended with it.
@@ -60,12 +61,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_sear
     std::string_view products, at::TensorList final_norm, at::TensorList head,
     int64_t head_width, std::string_view head_kind, int64_t vocab, at::IntArrayRef limits,
     int64_t K, int64_t nbest, double alpha, bool settle, int64_t min_len, int64_t bos,
-    int64_t eos, int64_t forbid) {
+    int64_t eos, int64_t forbid, const std::optional<at::Tensor>& vocab_bias,
+    const std::optional<at::Tensor>& vocab_ids) {
   TORCH_CHECK(K >= 1 && nbest >= 1 && nbest <= K, "beam_search: nbest ", nbest,
               " must be between 1 and K ", K);
   mt_search::Decoder model("beam_search", emb, pe, scale, params, widths, cross_k, cross_v,
                            bias, heads, pre_norm, eps, products, final_norm, head, head_width,
-                           head_kind, vocab, limits, K);
+                           head_kind, vocab, limits, K, vocab_bias, vocab_ids);
   const int64_t n = model.sentences();
   const float inf = std::numeric_limits<float>::infinity();
   std::vector<std::vector<Hyp>> finished(n), out(n);
@@ -136,7 +138,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_sear
     const int64_t ban = forbid | (step < min_len ? int64_t{1} << eos : 0);
     // each row's 2K best, or as many as the columns allow (the loop's count of them)
     const int64_t kk = std::min(2 * K, vocab - __builtin_popcountll(static_cast<uint64_t>(ban)));
-    const auto [lprob_t, token_t] = top.call(logits, std::nullopt, width, ban, kk);
+    const auto [lprob_t, token_t] = top.call(logits, model.vocab_bias(live), width, ban, kk);
     const float* lprob = lprob_t.const_data_ptr<float>();
     const int64_t* token = token_t.const_data_ptr<int64_t>();
 
@@ -163,7 +165,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_sear
                         });
       auto tok_of = [&](int64_t c) {
         const int64_t r = c / kk, row = i * width + (width == 1 ? 0 : r);
-        return token[row * kk + c % kk];
+        return model.piece(token[row * kk + c % kk]);
       };
       // finished: EOS within the top K, finite
       for (int64_t j = 0; j < std::min(best, K); ++j) {
@@ -275,7 +277,8 @@ TORCH_LIBRARY_FRAGMENT(mt, m) {
         "Tensor(a!)[] cross_k, Tensor(b!)[] cross_v, Tensor(c!)? bias, int heads, bool pre_norm, "
         "float eps, str products, Tensor[] final_norm, Tensor[] head, int head_width, "
         "str head_kind, int vocab, int[] limits, int K, int nbest, float alpha, bool settle, "
-        "int min_len, int bos, int eos, int forbid) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "int min_len, int bos, int eos, int forbid, Tensor(d!)? vocab_bias=None, "
+        "Tensor? vocab_ids=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(mt, CPU, m) { m.impl("beam_search", &beam_search); }

@@ -26,6 +26,10 @@
 //   min_len, alpha     EOS forbidden before min_len tokens; the length penalty's exponent
 //   bos, eos, forbid   `forbid` a bit mask of the columns 0-3 never chosen (PAD, BOS), as
 //                      mt::best_token takes it
+//   vocab_bias, vocab_ids   a vocabulary shortlist (mt/decode/shortlist.py), or none: the
+//                      projection's columns are the pieces vocab_ids (the special ones first,
+//                      as themselves), each sentence's bias row (n, vocab) added to its logits
+//                      (moved with it, in place) and the chosen columns mapped to their pieces
 // Returns mt_search::pack's tensors (search.h): each sentence's one hypothesis, or none where
 // its score stopped being finite (as the Python loop drops it).
 
@@ -55,10 +59,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> greedy_se
     const std::optional<at::Tensor>& bias, int64_t heads, bool pre_norm, double eps,
     std::string_view products, at::TensorList final_norm, at::TensorList head,
     int64_t head_width, std::string_view head_kind, int64_t vocab, at::IntArrayRef limits,
-    int64_t min_len, double alpha, int64_t bos, int64_t eos, int64_t forbid) {
+    int64_t min_len, double alpha, int64_t bos, int64_t eos, int64_t forbid,
+    const std::optional<at::Tensor>& vocab_bias, const std::optional<at::Tensor>& vocab_ids) {
   mt_search::Decoder model("greedy_search", emb, pe, scale, params, widths, cross_k, cross_v,
                            bias, heads, pre_norm, eps, products, final_norm, head, head_width,
-                           head_kind, vocab, limits, 1);
+                           head_kind, vocab, limits, 1, vocab_bias, vocab_ids);
   const int64_t n = model.sentences();
   std::vector<std::vector<mt_search::Hyp>> out(n);
   const auto best = best_token_op();
@@ -107,7 +112,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> greedy_se
     // the step: embedding, every layer, the final LayerNorm, the projection
     const at::Tensor logits = model.logits(last.data(), B, B, step);
     const int64_t ban = forbid | (step < min_len ? int64_t{1} << eos : 0);
-    const auto [token_t, lprob_t] = best.call(logits, std::nullopt, ban);
+    const auto [token_t, lprob_t] = best.call(logits, model.vocab_bias(B), ban);
     const int64_t* token = token_t.const_data_ptr<int64_t>();
     const float* lprob = lprob_t.const_data_ptr<float>();
 
@@ -117,14 +122,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> greedy_se
     any = false;
     for (int64_t r = 0; r < B; ++r) {
       sum[r] += lprob[r];
-      if (token[r] == eos) {
+      const int64_t piece = model.piece(token[r]);
+      if (piece == eos) {
         finish(r, step + 1);
         gone[r] = any = true;
       } else if (!std::isfinite(sum[r])) {
         gone[r] = any = true;
       } else {
-        tokens[r].push_back(token[r]);
-        last[r] = token[r];
+        tokens[r].push_back(piece);
+        last[r] = piece;
       }
     }
     if (any) drop(step + 1);
@@ -139,7 +145,8 @@ TORCH_LIBRARY_FRAGMENT(mt, m) {
         "Tensor(a!)[] cross_k, Tensor(b!)[] cross_v, Tensor(c!)? bias, int heads, bool pre_norm, "
         "float eps, str products, Tensor[] final_norm, Tensor[] head, int head_width, "
         "str head_kind, int vocab, int[] limits, int min_len, float alpha, int bos, int eos, "
-        "int forbid) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "int forbid, Tensor(d!)? vocab_bias=None, Tensor? vocab_ids=None) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(mt, CPU, m) { m.impl("greedy_search", &greedy_search); }

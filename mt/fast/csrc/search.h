@@ -93,7 +93,8 @@ class Decoder {
           at::TensorList cross_v, const std::optional<at::Tensor>& bias, int64_t heads,
           bool pre_norm, double eps, std::string_view products, at::TensorList final_norm,
           at::TensorList head, int64_t head_width, std::string_view head_kind, int64_t vocab,
-          at::IntArrayRef limits, int64_t rows)
+          at::IntArrayRef limits, int64_t rows, const std::optional<at::Tensor>& vocab_bias,
+          const std::optional<at::Tensor>& vocab_ids)
       : emb_(emb), pe_(pe), scale_(scale), params_(params), widths_(widths),
         cross_k_(cross_k), cross_v_(cross_v), heads_(heads), pre_norm_(pre_norm), eps_(eps),
         products_(products), final_norm_(final_norm), head_(head), head_width_(head_width),
@@ -128,6 +129,20 @@ class Decoder {
                   name, ": bias must be (", n_, ", S) contiguous");
       bias_ = *bias;
     }
+    // a shortlist: the columns' pieces, each sentence's bias over them (moved as it moves)
+    if (vocab_ids.has_value() && vocab_ids->defined()) {
+      TORCH_CHECK(vocab_ids->dim() == 1 && vocab_ids->size(0) == vocab &&
+                      vocab_ids->scalar_type() == at::kLong && vocab_ids->is_contiguous(),
+                  name, ": vocab_ids must be int64 (", vocab, ")");
+      ids_ = vocab_ids->const_data_ptr<int64_t>();
+    }
+    if (vocab_bias.has_value() && vocab_bias->defined()) {
+      TORCH_CHECK(vocab_bias->dim() == 2 && vocab_bias->size(0) == n_ &&
+                      vocab_bias->size(1) == vocab && vocab_bias->is_contiguous() &&
+                      vocab_bias->scalar_type() == at::kFloat,
+                  name, ": vocab_bias must be float32 (", n_, ", ", vocab, ") contiguous");
+      vocab_bias_ = *vocab_bias;
+    }
     // the search's caches: 16 positions, doubled as the steps need (SelfAttentionCache's rule)
     capacity_ = std::min<int64_t>(T_, 16);
     for (int64_t l = 0; l < L; ++l) {
@@ -137,6 +152,15 @@ class Decoder {
   }
 
   int64_t sentences() const { return n_; }
+
+  // The piece of logits column `c`: itself, or the shortlist's c-th piece.
+  int64_t piece(int64_t c) const { return ids_ ? ids_[c] : c; }
+
+  // The shortlist's bias rows of the first `sents` sentences (the kernels' `bias`), or none.
+  std::optional<at::Tensor> vocab_bias(int64_t sents) const {
+    if (!vocab_bias_.defined()) return std::nullopt;
+    return vocab_bias_.narrow(0, 0, sents);
+  }
 
   // The logits (B, vocab), float32 and contiguous, of the tokens last[0 .. B) at position
   // `step`: the first `sents` sentences' B / sents rows each, the caches' rows 0 .. B.
@@ -183,6 +207,7 @@ class Decoder {
       move_rows(cross_v_[l], from, to, 1);
     }
     if (bias_.defined()) move_rows(bias_, from, to, 1);
+    if (vocab_bias_.defined()) move_rows(vocab_bias_, from, to, 1);
   }
 
  private:
@@ -200,7 +225,8 @@ class Decoder {
     }
   }
 
-  at::Tensor emb_, pe_, bias_;
+  at::Tensor emb_, pe_, bias_, vocab_bias_;
+  const int64_t* ids_ = nullptr;
   double scale_;
   at::TensorList params_;
   at::IntArrayRef widths_;
