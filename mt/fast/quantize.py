@@ -118,8 +118,12 @@ class Int8Linear(nn.Module):
         """mt's kernel's ``(w, scale, comp, n)`` of output rows ``ids`` only (see
         :meth:`subset`; not for fbgemm's)."""
         w, scales, comp, _ = self._packed
-        # row i is lane i % 16 of block i // 16, over all its (Kp/4, 4) inputs
-        rows = w[ids // 16, :, ids % 16].reshape(len(ids), -1)[:, : self.in_features]
+        # row i is lane i % 16 of block i // 16, over all its (Kp/4, 4) inputs: gathered as
+        # 4-byte words (each 4 inputs one int32), 10x faster than byte by byte (0.29 ms against
+        # 3.1 for 3,400 rows of 256 on an AMD Zen 3; 8% of a shortlisted greedy batch before)
+        words = w.view(torch.int32).view(w.size(0), w.size(1), 16)
+        rows = words[ids // 16, :, ids % 16].view(torch.int8).reshape(len(ids), -1)
+        rows = rows[:, : self.in_features]
         # the rows' sums (VNNI): the full weight's (``comp``), gathered
         return vnni_layout(rows, scales.index_select(0, ids), comp.index_select(0, ids))
 
