@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import sharp_random_model
+from conftest import count_whole_searches, sharp_random_model, small_searches
 
 import mt.fast.native as native
 from mt.data.batches import make_src
-from mt.decode.search import beam_search, greedy_search
 from mt.fast.decoding import for_decoding
 from mt.fast.fp32 import Fp32Linear, blocks, fp32_copy
 
@@ -147,15 +146,9 @@ def test_a_copy_on_the_kernel_decodes_as_the_model_does(op):
     fast = for_decoding(model, "none", "fp32", "mt")
     fused = fast.fused  # the step, its head and the whole searches on the kernel
     assert fused is not None and fused.products == "f32-avx2" and fused.head[2] == "f32-avx2"
-    calls = []
-    for name in ("greedy", "beam"):
-        whole = getattr(fused, name)
-        setattr(fused, name, lambda *a, f=whole: calls.append(1) or f(*a))
+    calls = count_whole_searches(fused)
     with torch.inference_mode():
-        for search in (
-            lambda m: [[h] for h in greedy_search(m, src, 1.0, 5, 1, alpha=0.0)],
-            lambda m: beam_search(m, src, 4, 1.0, 1.0, 5, 3, 1),
-        ):
+        for search in small_searches(src):
             got, expected = search(fast), search(model)
             assert [[h.tokens for h in a] for a in got] == [[h.tokens for h in b]
                                                             for b in expected]  # fmt: skip

@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from functools import cache
+from functools import cache, partial
 
 import torch
 from torch import nn
@@ -52,7 +52,7 @@ import mt.fast.probe as probe
 from mt.fast.attention import ShortQueryAttention, gpu_attention, install
 from mt.fast.fp32 import Fp32FeedForward, fp32_copy
 from mt.fast.memory import hold_freed_memory
-from mt.fast.modules import replace_modules, shared_copy
+from mt.fast.modules import products_copy, shared_copy
 from mt.fast.onednn import (
     FusedFeedForward,
     OneDNNLinear,
@@ -62,7 +62,7 @@ from mt.fast.onednn import (
 from mt.fast.quantize import quantize_int8
 from mt.fast.step import FusedStep, applies, decoder_step
 from mt.model.kv_cache import DecoderCache
-from mt.model.transformer import FeedForward, Transformer
+from mt.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -176,16 +176,8 @@ def onednn_copy(
         ``(copy, head)``: the copy in eval mode, for decoding only, and the pre-softmax
         projection as a oneDNN product.
     """
-    clone = shared_copy(model).eval()
-
-    def rule(child: nn.Module) -> nn.Module | None:
-        if isinstance(child, FeedForward):
-            return FusedFeedForward(child, dtype, rows)
-        if type(child) is nn.Linear:
-            return OneDNNLinear(child.weight, child.bias, dtype, rows=rows)
-        return None
-
-    replace_modules(clone, rule)
+    clone = products_copy(model, lambda c: FusedFeedForward(c, dtype, rows),
+                          lambda c: OneDNNLinear(c.weight, c.bias, dtype, rows=rows))
     return clone, OneDNNLinear(clone.output_weight, None, dtype, rows=rows)
 
 
@@ -247,20 +239,12 @@ def fp32_products(model: nn.Module, rows: int, cache_dir: str | None = None) -> 
         return "torch"
 
     def make(candidate: str, n: int):
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(n, d, generator=g)
-        w1, w2 = torch.randn(f, d, generator=g), torch.randn(d, f, generator=g)
-        if candidate != "torch":
-            pair = _Pair(w1, w2)
-            ffn = FusedFeedForward(pair, torch.float32, rows) if candidate == "onednn" else (
-                Fp32FeedForward(pair))  # fmt: skip
-            return lambda: ffn(x)
-
-        def step():
-            with torch.inference_mode():
-                return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w1)), w2)
-
-        return step
+        x, pair = _ffn_inputs(n, d, f)
+        if candidate == "torch":
+            return partial(_torch_ffn, x, pair, "fp32")
+        ffn = FusedFeedForward(pair, torch.float32, rows) if candidate == "onednn" else (
+            Fp32FeedForward(pair))  # fmt: skip
+        return lambda: ffn(x)
 
     return probe.choose("decode.fp32_products", _device(model), f"ffn {rows}x{d}x{f} packed",
                         make, candidates, rows, min(rows, 16),
@@ -425,26 +409,35 @@ def resolve_precision(
     use_onednn = onednn is True and onednn_available()
 
     def make(candidate: str, n: int):
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(n, d, generator=g)
-        w1, w2 = torch.randn(f, d, generator=g), torch.randn(d, f, generator=g)
+        x, pair = _ffn_inputs(n, d, f)
         if use_onednn and (candidate == "fp32" or onednn_bf16_available()):
             dtype = torch.bfloat16 if candidate == "bf16" else torch.float32
-            ffn = FusedFeedForward(_Pair(w1, w2), dtype, rows)  # packed, as the copy's
+            ffn = FusedFeedForward(pair, dtype, rows)  # packed, as the copy's
             return lambda: ffn(x)
-        from mt.fast.precision import autocast
-
-        def step():
-            with torch.inference_mode(), autocast("cpu", candidate):
-                return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w1)), w2)
-
-        return step
+        return partial(_torch_ffn, x, pair, candidate)
 
     cache_dir = cache_dir or os.environ.get("MT_CACHE_DIR")
     return probe.choose(
         "decode.precision", device, f"ffn {rows}x{d}x{f}", make, ["fp32", "bf16"], rows,
         min(rows, 16), cache_dir,
     )  # fmt: skip
+
+
+def _ffn_inputs(n: int, d: int, f: int) -> tuple[torch.Tensor, _Pair]:
+    """A probe's FFN at ``n`` rows of width ``d`` (hidden ``f``): its input and weights, the
+    same for every candidate (seed 0)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, d, generator=g)
+    return x, _Pair(torch.randn(f, d, generator=g), torch.randn(d, f, generator=g))
+
+
+def _torch_ffn(x: torch.Tensor, pair: _Pair, precision: str) -> torch.Tensor:
+    """The FFN's products through torch (under CPU autocast for bf16), for a probe."""
+    from mt.fast.precision import autocast
+
+    with torch.inference_mode(), autocast("cpu", precision):
+        linear = torch.nn.functional.linear
+        return linear(torch.relu(linear(x, pair.w1.weight)), pair.w2.weight)
 
 
 class _Pair(nn.Module):

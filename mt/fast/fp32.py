@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import mt.fast.native as native
-from mt.fast.modules import replace_modules, shared_copy
-from mt.model.transformer import FeedForward, Transformer
+from mt.fast.modules import products_copy
+from mt.model.transformer import Transformer
 
 BLOCK = 16  # output channels per block of the kernel's weight layout
 
@@ -96,12 +96,5 @@ def fp32_copy(model: Transformer) -> tuple[nn.Module, Fp32Linear]:
         shared with ``model``, not copied), and the pre-softmax projection (all
         ``padded_vocab`` rows); ``model`` is not modified.
     """
-    clone = shared_copy(model).eval()
-
-    def rule(child: nn.Module) -> nn.Module | None:
-        if isinstance(child, FeedForward):
-            return Fp32FeedForward(child)
-        return Fp32Linear(child.weight, child.bias) if type(child) is nn.Linear else None
-
-    replace_modules(clone, rule)
+    clone = products_copy(model, Fp32FeedForward, lambda c: Fp32Linear(c.weight, c.bias))
     return clone, Fp32Linear(clone.output_weight, None).eval()

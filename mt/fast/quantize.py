@@ -30,8 +30,7 @@ import torch
 from torch import nn
 
 import mt.fast.native as native
-from mt.fast.modules import replace_modules, shared_copy
-from mt.model.transformer import FeedForward
+from mt.fast.modules import products_copy
 
 KERNEL_ENV = "MT_INT8_KERNEL"  # auto | vnni | avx2 | fbgemm: Int8Linear's default kernel
 KERNELS = ("auto", "vnni", "avx2", "fbgemm")
@@ -237,11 +236,5 @@ def quantize_int8(model: nn.Module) -> tuple[nn.Module, nn.Module]:
         parameters shared with ``model``, not copied) and the
         int8 pre-softmax projection (all ``padded_vocab`` rows); ``model`` is not modified.
     """
-    def rule(child: nn.Module) -> nn.Module | None:
-        if isinstance(child, FeedForward):
-            return Int8FeedForward(child)
-        return Int8Linear(child.weight, child.bias) if type(child) is nn.Linear else None
-
-    clone = shared_copy(model)
-    replace_modules(clone, rule)
-    return clone.eval(), Int8Linear(model.output_weight).eval()
+    clone = products_copy(model, Int8FeedForward, lambda c: Int8Linear(c.weight, c.bias))
+    return clone, Int8Linear(model.output_weight).eval()

@@ -299,7 +299,7 @@ class FusedStep:
             weights, width, kind = self.head
             vocab = module.vocab_size
         else:
-            narrow = _shortlist_head(module, self.head_module, shortlist.ids)
+            narrow = _head_params(module, self.head_module, shortlist.ids)
             if narrow is None:
                 return None
             weights, width, kind = narrow
@@ -328,31 +328,24 @@ def _shortlist_inputs(shortlist) -> list:
     return [bias, shortlist.ids.contiguous()]
 
 
-def _shortlist_head(module: nn.Module, head: nn.Module | None, ids: torch.Tensor):
-    """The whole searches' head over pieces ``ids`` (four tensors, width, kind): the product
-    ``DecodingModel.decode`` makes of them (``Shortlist.project``: ``head``'s ``subset``, or
-    the tied embedding's rows where ``head`` is None), or None where it is not one they run."""
+def _head_params(module: nn.Module, head: nn.Module | None, ids: torch.Tensor | None = None):
+    """What the whole searches (``mt::greedy_search``, ``mt::beam_search``) take of the
+    projection (``head``, or ``module``'s tied embedding where None): its four tensors, output
+    width and kind; None where it is not a product they run. With ``ids`` (a shortlist's
+    pieces), the product ``DecodingModel.decode`` makes of those rows (``Shortlist.project``:
+    the head's ``subset``, or the tied embedding's rows)."""
     none = torch.empty(0)
     if head is None:
-        weight = module.output_weight.detach().index_select(0, ids).contiguous()
-        return [weight, none, none, none], len(ids), "linear"
-    if isinstance(head, Int8Linear):
+        weight = module.output_weight.detach()
+        if ids is not None:
+            weight = weight.index_select(0, ids).contiguous()
+        return [weight, none, none, none], weight.size(0), "linear"
+    if ids is not None and isinstance(head, Int8Linear):
         if head.kernel == "fbgemm":
             return None
         w, scale, comp, n = head.subset_packed(ids)
         return [w, scale, comp, none], n, f"int8-{head.kernel}"
-    kind, tensors, width = _product_params(head.subset(ids))
-    return None if kind is None else (tensors, width, kind)
-
-
-def _head_params(module: nn.Module, head: nn.Module | None):
-    """What the whole searches (``mt::greedy_search``, ``mt::beam_search``) take of the
-    projection (``head``, or ``module``'s tied embedding where None): its four tensors, output
-    width and kind; None where it is not a product they run."""
-    if head is None:
-        weight = module.output_weight.detach()
-        return [weight, torch.empty(0), torch.empty(0), torch.empty(0)], weight.size(0), "linear"
-    kind, tensors, width = _product_params(head)
+    kind, tensors, width = _product_params(head if ids is None else head.subset(ids))
     return None if kind is None else (tensors, width, kind)
 
 

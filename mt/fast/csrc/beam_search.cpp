@@ -273,12 +273,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_sear
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mt, m) {
-  m.def("beam_search(Tensor emb, Tensor pe, float scale, Tensor[] params, int[] widths, "
-        "Tensor(a!)[] cross_k, Tensor(b!)[] cross_v, Tensor(c!)? bias, int heads, bool pre_norm, "
-        "float eps, str products, Tensor[] final_norm, Tensor[] head, int head_width, "
-        "str head_kind, int vocab, int[] limits, int K, int nbest, float alpha, bool settle, "
-        "int min_len, int bos, int eos, int forbid, Tensor(d!)? vocab_bias=None, "
-        "Tensor? vocab_ids=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("beam_search(" MT_SEARCH_MODEL_ARGS
+        "int K, int nbest, float alpha, bool settle, int min_len, int bos, int eos, "
+        "int forbid" MT_SEARCH_SHORTLIST_ARGS);
 }
 
 TORCH_LIBRARY_IMPL(mt, CPU, m) { m.impl("beam_search", &beam_search); }

@@ -141,12 +141,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> greedy_se
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mt, m) {
-  m.def("greedy_search(Tensor emb, Tensor pe, float scale, Tensor[] params, int[] widths, "
-        "Tensor(a!)[] cross_k, Tensor(b!)[] cross_v, Tensor(c!)? bias, int heads, bool pre_norm, "
-        "float eps, str products, Tensor[] final_norm, Tensor[] head, int head_width, "
-        "str head_kind, int vocab, int[] limits, int min_len, float alpha, int bos, int eos, "
-        "int forbid, Tensor(d!)? vocab_bias=None, Tensor? vocab_ids=None) -> "
-        "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("greedy_search(" MT_SEARCH_MODEL_ARGS
+        "int min_len, float alpha, int bos, int eos, int forbid" MT_SEARCH_SHORTLIST_ARGS);
 }
 
 TORCH_LIBRARY_IMPL(mt, CPU, m) { m.impl("greedy_search", &greedy_search); }

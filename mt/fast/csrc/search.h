@@ -20,6 +20,17 @@
 #include <string_view>
 #include <vector>
 
+// Both operators' schemas: the model's inputs first (what Decoder takes), their own settings
+// between, a shortlist last.
+#define MT_SEARCH_MODEL_ARGS                                                                  \
+  "Tensor emb, Tensor pe, float scale, Tensor[] params, int[] widths, Tensor(a!)[] cross_k, " \
+  "Tensor(b!)[] cross_v, Tensor(c!)? bias, int heads, bool pre_norm, float eps, "            \
+  "str products, Tensor[] final_norm, Tensor[] head, int head_width, str head_kind, "        \
+  "int vocab, int[] limits, "
+#define MT_SEARCH_SHORTLIST_ARGS                                \
+  ", Tensor(d!)? vocab_bias=None, Tensor? vocab_ids=None) -> " \
+  "(Tensor, Tensor, Tensor, Tensor, Tensor)"
+
 namespace mt_search {
 
 // One finished hypothesis: its tokens (without BOS and EOS), score and summed log-probability.
