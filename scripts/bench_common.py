@@ -182,12 +182,14 @@ def random_pairs(
 
 
 def random_batches(args, count: int) -> list:
-    """``count`` random ``mt.data.batches.Batch``es of ``--batch-size`` pairs (seeded)."""
+    """``count`` random ``mt.data.batches.Batch``es of ``--batch-size`` pairs (seeded; with
+    ``--compile`` as compiled training collates them: ``one_graph``)."""
     from mt.data.batches import collate
 
     return [
         collate(
-            random_pairs(args.batch_size, args.min_len, args.max_len, args.vocab, args.seed + i)
+            random_pairs(args.batch_size, args.min_len, args.max_len, args.vocab, args.seed + i),
+            one_graph=getattr(args, "compile", False),
         )
         for i in range(count)
     ]

@@ -52,11 +52,12 @@ def synthetic_split(n: int, min_len: int, max_len: int, vocab: int, seed: int) -
 
 def real_batches(
     split: EncodedSplit, spec: str, max_tokens: int, count: int, seed: int, rank: int = 0,
-    world_size: int = 1, pad_multiple: int = 1,
+    world_size: int = 1, pad_multiple: int = 1, one_graph: bool = False,
 ) -> list:  # fmt: skip
     """The first ``count`` batches of a prepared split (epochs repeat if needed): this rank's
     shard, the ranks of one step given batches of similar lengths, as in training; lengths
-    padded up to a multiple of ``pad_multiple`` (``train.pad_multiple``)."""
+    padded up to a multiple of ``pad_multiple`` (``train.pad_multiple``); ``one_graph`` as
+    training compiled (``mt.data.batches.collate``)."""
     sampler = BatchSampler(
         split.src.lengths, split.tgt.lengths, max_tokens, seed, rank, world_size,
         group=world_size,
@@ -64,7 +65,9 @@ def real_batches(
     out, epoch = [], 1
     while len(out) < count:
         before = len(out)
-        for batch in iterate_batches(split, sampler, epoch, pad_multiple=pad_multiple):
+        for batch in iterate_batches(
+            split, sampler, epoch, pad_multiple=pad_multiple, one_graph=one_graph
+        ):
             out.append(batch)
             if len(out) == count:
                 break

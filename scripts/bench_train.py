@@ -45,7 +45,7 @@ from bench_common import (
 from torch import nn
 
 from mt import distributed
-from mt.fast.compile import compile_model
+from mt.fast.compile import compile_model, compiled_graphs
 from mt.fast.training import for_training
 from mt.model.loss import label_smoothed_nll_loss
 from mt.model.transformer import build_model, sinusoidal_positions
@@ -244,7 +244,8 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
     n = args.warmup_steps + args.steps
     if args.data:
         batches = real_batches(
-            split, args.data, args.max_tokens, n, args.seed, rank, world, args.pad_multiple
+            split, args.data, args.max_tokens, n, args.seed, rank, world, args.pad_multiple,
+            one_graph=args.compile,
         )
         source = args.data
     else:  # each rank its own batches (seeds rank x 1000 on)
@@ -296,6 +297,8 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
             "params": r.n_params,
             "precision": args.precision,
             "compile": args.compile,
+            # graphs Dynamo made over the warm-up and timed steps (each is minutes on a GPU host)
+            "compiled_graphs": compiled_graphs() if args.compile else None,
             "master_weights": bool(args.master_weights and r.name == "mt"),
             "cpu_kernels": bool(args.cpu_kernels and device.type == "cpu" and r.name == "mt"),
             "source": source,

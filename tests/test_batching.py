@@ -53,6 +53,31 @@ def test_collate_exact():
     assert meta.ntokens == 5
 
 
+def test_one_graph_gives_the_real_positions_of_a_side_without_padding_as_indices():
+    """Compiled training's batches (``one_graph``): a side without padding has every position as
+    an index instead of None, and the model's loss is the same either way."""
+    from mt.model.transformer import build_model
+    from mt.schema import ModelConfig
+    from mt.train.update import batch_loss
+
+    pairs = [(np.array([7, 8, 9]), np.array([11, 12])), (np.array([5, 6, 4]), np.array([13]))]
+    plain, one = collate(pairs), collate(pairs, one_graph=True)
+    assert plain.real.src is None and plain.real.tgt.tolist() == [0, 1, 2, 3, 4]
+    assert one.real.src.tolist() == list(range(8))  # 2 x (3 + EOS), none padded
+    assert torch.equal(one.real.tgt, plain.real.tgt)  # a padded side: the same either way
+    for name in ("src", "tgt_in", "tgt_out"):
+        assert torch.equal(getattr(one, name), getattr(plain, name))
+    both = collate([(np.array([7, 8]), np.array([11, 12]))] * 2, one_graph=True)
+    assert both.real.src.tolist() == list(range(6)) and both.real.tgt.tolist() == list(range(6))
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(N=1, d_model=16, d_ff=32, h=2, dropout=0.0), 20).eval()
+    for group in (pairs, [(np.array([7, 8]), np.array([11, 12]))] * 2):
+        want = batch_loss(model, collate(group), 0.1, "fp32")
+        got = batch_loss(model, collate(group, one_graph=True), 0.1, "fp32")
+        assert got[0].item() == pytest.approx(want[0].item(), rel=1e-6)
+        assert got[1].item() == pytest.approx(want[1].item(), rel=1e-6)
+
+
 def pad_one_at_a_time(seqs, bos: bool, eos: bool, multiple: int) -> np.ndarray:
     """The definition: each sequence written into its row, one after another."""
     width = max(len(s) for s in seqs) + bos + eos

@@ -83,6 +83,15 @@ def test_the_compiled_benchmark_compiles_as_training_does(monkeypatch):
     assert step.model is model  # on a CPU, compiled: the model as written, not the kernels' copy
     Runner("mt", step, args, cfg, torch.device("cpu"))
     assert seen == [{"dynamic": True}]
+    # and its batches are collated as compiled training's (one graph whatever the padding)
+    import argparse
+
+    from bench_common import random_batches
+
+    even = {"batch_size": 3, "min_len": 5, "max_len": 5, "vocab": 40, "seed": 0}  # no padding
+    (compiled,) = random_batches(argparse.Namespace(**even, compile=True), 1)
+    (eager,) = random_batches(argparse.Namespace(**even, compile=False), 1)
+    assert compiled.real.src.tolist() == list(range(18)) and eager.real.src is None
 
 
 def test_train_flops_formula_matches_hand_count():

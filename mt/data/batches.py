@@ -92,18 +92,24 @@ def _pad_flat(
     return out
 
 
-def _real_rows(lengths: np.ndarray, width: int) -> torch.Tensor | None:
+def _real_rows(lengths: np.ndarray, width: int, one_graph: bool = False) -> torch.Tensor | None:
     """Flat indices of the first ``lengths[b]`` positions of each row of a (B, width) batch;
-    None when every position is real."""
+    None when every position is real, unless ``one_graph`` (then all B*width indices)."""
     real = np.arange(width)[None, :] < lengths[:, None]  # (B, width)
-    return None if real.all() else torch.from_numpy(np.flatnonzero(real))
+    return None if real.all() and not one_graph else torch.from_numpy(np.flatnonzero(real))
 
 
-def collate(pairs: Sequence[tuple[np.ndarray, np.ndarray]], pad_multiple: int = 1) -> Batch:
+def collate(
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]], pad_multiple: int = 1, one_graph: bool = False
+) -> Batch:
     """Pad a list of (source ids, target ids) pairs (no BOS/EOS in the inputs) into a Batch.
 
     ``pad_multiple`` rounds both padded lengths up to a multiple (fewer distinct shapes for
     ``torch.compile``, aligned GPU kernels). The real positions are found here, on the host.
+    ``one_graph`` (compiled training) gives them as indices also for a side without padding,
+    where None would let the model skip its key mask or the selection of the real rows: every
+    batch then runs the same code, so ``torch.compile`` makes one graph for all of them, not
+    one for each combination of padded sides (each ~60 s of compiling on an H200's host).
 
     Example:
         >>> b = collate([(np.array([7, 8]), np.array([9]))])
@@ -113,12 +119,12 @@ def collate(pairs: Sequence[tuple[np.ndarray, np.ndarray]], pad_multiple: int = 
     if not pairs:
         raise ValueError("collate needs at least one pair")
     srcs, tgts = zip(*pairs)
-    return collate_flat(*_flatten(srcs), *_flatten(tgts), pad_multiple)
+    return collate_flat(*_flatten(srcs), *_flatten(tgts), pad_multiple, one_graph)
 
 
 def collate_flat(
     src_ids: np.ndarray, src_lengths: np.ndarray, tgt_ids: np.ndarray, tgt_lengths: np.ndarray,
-    pad_multiple: int = 1,
+    pad_multiple: int = 1, one_graph: bool = False,
 ) -> Batch:  # fmt: skip
     """:func:`collate` of pairs given flat (``TokenArray.gather``): each side's ids one
     sentence after another and its (B,) lengths (no BOS/EOS)."""
@@ -134,7 +140,10 @@ def collate_flat(
         src=torch.from_numpy(src),
         tgt_in=torch.from_numpy(tgt_in),
         tgt_out=torch.from_numpy(tgt_out),
-        real=RealPositions(_real_rows(src_len, src.shape[1]), _real_rows(tgt_len, tgt_in.shape[1])),
+        real=RealPositions(
+            _real_rows(src_len, src.shape[1], one_graph),
+            _real_rows(tgt_len, tgt_in.shape[1], one_graph),
+        ),
         ntokens=int(tgt_len.sum()),
     )
 
@@ -336,14 +345,17 @@ class BatchSampler:
 
 
 def iterate_batches(
-    split, sampler: BatchSampler, epoch: int, start: int = 0, pad_multiple: int = 1
-) -> Iterator[Batch]:
+    split, sampler: BatchSampler, epoch: int, start: int = 0, pad_multiple: int = 1,
+    one_graph: bool = False,
+) -> Iterator[Batch]:  # fmt: skip
     """Yield this rank's Batches of ``epoch`` from ``split`` (an EncodedSplit: ``.src``/``.tgt``
-    TokenArrays), beginning at batch index ``start`` (exact resume mid-epoch)."""
+    TokenArrays), beginning at batch index ``start`` (exact resume mid-epoch); ``pad_multiple``
+    and ``one_graph`` as :func:`collate`'s."""
     batches, weights = sampler.batches(epoch), sampler.weights(epoch)
     for i in range(start, len(batches)):
         idx = np.asarray(batches[i])
-        batch = collate_flat(*split.src.gather(idx), *split.tgt.gather(idx), pad_multiple)
+        gathered = (*split.src.gather(idx), *split.tgt.gather(idx))
+        batch = collate_flat(*gathered, pad_multiple, one_graph)
         batch.weight = weights[i]
         yield batch
 

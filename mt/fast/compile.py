@@ -1,6 +1,6 @@
-"""``torch.compile`` for training: dynamic shapes (one graph for every batch length, instead of
-padding lengths to multiples, which added positions and a key mask to nearly every batch), the
-order torch documents for DDP, and the count of compiled graphs for the log."""
+"""``torch.compile`` for training: dynamic shapes (one graph for every batch, instead of padding
+lengths to multiples, which added positions and a key mask to nearly every batch), the order
+torch documents for DDP, and the count of compiled graphs for the log."""
 
 from __future__ import annotations
 
@@ -26,20 +26,30 @@ def compile_model(raw: torch.nn.Module, tc: TrainConfig) -> torch.nn.Module:
     result in DDP after.
 
     Dynamic shapes: batch and sequence lengths are symbols in one graph, so batches of every
-    length run it without a recompile (a batch without source padding, which passes no key
-    mask, makes at most one more graph). The order is the one torch documents for DDP
-    ("Where to apply torch.compile?": compile the inner module, then wrap it). Dynamo then
-    compiles inside DDP's forward, sees the DDP module and, with
-    ``torch._dynamo.config.optimize_ddp`` (on by default), splits the graph at DDP's
+    length run it without a recompile. Two things would still compile again, each ~60 s on an
+    H200's host (``make gpu-check``, 2026-11-28: two of 30 timed steps), and are ruled out:
+    - a side without padding, for which a batch would pass no key mask or no selection of the
+      real rows: compiled training collates with ``one_graph`` (``mt.data.batches.collate``);
+    - sizes equal by chance: Dynamo's "duck sizing" gives sizes equal at the first trace one
+      symbol (a first batch with as many real source as target tokens, say) and compiles again
+      when a later batch has them differ; turned off here
+      (``torch.fx.experimental._config.use_duck_shape``, for the whole process).
+    A batch of one sentence still makes one more graph (Dynamo specialises sizes 0 and 1).
+
+    The order is the one torch documents for DDP ("Where to apply torch.compile?": compile the
+    inner module, then wrap it). Dynamo then compiles inside DDP's forward, sees the DDP module
+    and, with ``torch._dynamo.config.optimize_ddp`` (on by default), splits the graph at DDP's
     gradient-bucket boundaries, so each bucket's all-reduce overlaps the rest of the backward.
     ``raw`` itself stays uncompiled: validation and checkpoints use it.
     """
     if not tc.compile:
         return raw
     import torch._dynamo
+    import torch.fx.experimental._config as fx_config
 
     if not torch._dynamo.config.optimize_ddp:
         log.warning("torch._dynamo.config.optimize_ddp is off: DDP cannot overlap all-reduces")
+    fx_config.use_duck_shape = False
     return torch.compile(raw, dynamic=True)
 
 

@@ -297,7 +297,8 @@ def train_loop(run: Run) -> str:
             log.info("epoch %d pairs by corpus: %s", state.epoch, sampler.mix.describe(counts))
         batches = run.prefetch(
             iterate_batches(
-                split, sampler, state.epoch, start=state.batch, pad_multiple=pad_multiple(tc)
+                split, sampler, state.epoch, start=state.batch, pad_multiple=pad_multiple(tc),
+                one_graph=tc.compile,
             )
         )
         for group in _groups(batches, tc.accum_steps):
