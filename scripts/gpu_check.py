@@ -45,7 +45,10 @@ big compiled alone 238 s in a second call; on an H100 again (c7d35c7) the tests 
 the news corpus's preparation, 57 s), base eager 15 s, base master-compiled 237 s (two of its
 timed steps compiling again, 75 s and 62 s), base compiled over 207 s (out of budget); on an
 H100 at f30a87b the tests 62 s, the two Multi30k runs 120 s and 124 s, base master eager 12 s,
-the profile 18 s, base master-compiled over 183 s (out of budget).
+the profile 18 s, base master-compiled over 183 s (out of budget); on an H200 at dd880bc the
+tests 50 s, big and base master-compiled 208 s and 214 s (each with two timed steps compiling
+again, 76 s and ~50 s: graph variants since removed, ``mt.fast.compile``), big master eager 16 s,
+the profile 23 s; the rest out of budget.
 
 Offline machines: the few packages the device image lacks travel as wheels (``.whl``, see
 README "When a GPU is lent") and the corpora as a folder (``--data-dir``); this script installs
