@@ -152,13 +152,18 @@ def experiment(kills: int, seed: int, workdir: Path, atol: float) -> dict:
     log_path = workdir / "killed.log"
     endless = load_config(overrides(data, cache, killed, 100_000))
 
-    # The prepared data first (a cache every start then only loads), in a child of its own.
+    # The prepared data and mt's C++ kernels first (a cache every start then only loads), in a
+    # child of its own. Built by the first start instead, the kernels made its calibration a
+    # compile's minute (more beside a test run building them too), and a kill during the
+    # build left a lock the next start waited on: 139 s for this experiment in CI against 21.
     pid = os.fork()
     if pid == 0:
         from mt.data.build import prepare
+        from mt.fast import native
 
         try:
             prepare(endless)
+            native.dropout()  # builds or loads the kernels (None where they cannot be built)
         finally:
             os._exit(0)
     wait(pid)

@@ -92,6 +92,19 @@ def assert_same_nbest(expected, actual, abs_tol: float = 1e-4) -> None:
         assert [h.tokens for h in a] == [h.tokens for h in b]
 
 
+def pytest_configure(config):
+    """Under pytest-xdist, mt's C++ kernels are built (or found built) once, before the workers
+    start: built by whichever tests came first, their minute of compiling ran beside the other
+    worker's tests, and the tests that started processes of their own (torchrun nodes, the
+    fault injector's runs) each waited for it, up to two minutes apiece in CI."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return  # a worker, or a run without workers: the first test that needs them builds
+    import subprocess
+
+    code = "from mt.fast import native; native.dropout()"  # builds, or loads an earlier build
+    subprocess.run([sys.executable, "-c", code], check=False)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` need a CUDA device: ``pytest -m gpu`` selects all of them on a GPU
     machine; elsewhere they skip with one reason."""

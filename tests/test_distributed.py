@@ -105,8 +105,11 @@ def test_two_ranks_equal_one_rank_with_accumulation(tmp_path):
 @pytest.mark.slow
 def test_two_nodes_rendezvous_and_finish(tmp_path):
     """Two torchrun "nodes" of one process each meet through c10d rendezvous on 127.0.0.1."""
+    from mt.data.build import prepare
+
     port = _free_port()
     run = tmp_path / "run"
+    prepare(_cfg(run))  # under torchrun ranks only load prepared data (cached: a no-op)
     procs = []
     for node in range(2):
         (tmp_path / f"node{node}").mkdir()

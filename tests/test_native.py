@@ -232,6 +232,39 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_waited_for(tmp_
     assert 0.25 < time.perf_counter() - start < 5 and not lock.exists()
 
 
+def test_the_build_lock_waits_for_a_live_build_and_not_for_a_killed_one(tmp_path, caplog):
+    """``build_lock``: a build in another process is waited for, however long it takes; a
+    build killed mid-way holds nothing (the kernel drops its ``flock``), and the torch lock file
+    it left is removed at once, however new (a time rule would wait, or remove a live one)."""
+    import subprocess
+    import sys
+    import time
+
+    hold = ("import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+            "print('held', flush=True); time.sleep(float(sys.argv[2]))")  # fmt: skip
+    flock = str(tmp_path / "build.flock")
+    for seconds, kill in ((0.5, False), (60, True)):
+        (tmp_path / "lock").touch()  # torch's, as a build leaves it (alive or killed)
+        holder = subprocess.Popen([sys.executable, "-c", hold, flock, str(seconds)],
+                                  stdout=subprocess.PIPE, text=True)  # fmt: skip
+        assert holder.stdout.readline().strip() == "held"
+        if kill:
+            holder.kill()
+            holder.wait()
+        else:
+            (tmp_path / "lock").unlink()  # a live build: it ends and releases torch's lock
+        start = time.perf_counter()
+        with caplog.at_level(logging.WARNING, logger="mt.fast.native"):
+            with native.build_lock(tmp_path):
+                waited = time.perf_counter() - start
+                assert not (tmp_path / "lock").exists()
+        holder.wait()
+        if kill:  # no wait, and the killed build's lock removed with a warning
+            assert waited < 5 and "did not finish" in caplog.text
+        else:  # waited for the live one
+            assert waited > 0.3 and "did not finish" not in caplog.text
+
+
 def test_the_kernel_is_built_under_its_own_name_and_directory(op):
     directory = native.build_directory()
     assert directory.name == native.build_name()

@@ -48,10 +48,11 @@ backward pass in one more: on an AMD Zen 3 (2 threads, a 25x41x256 tensor) 92 us
 
 The kernels are compiled with torch's C++ extension loader (``torch.utils.cpp_extension.load``,
 into ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``) for this CPU's instruction
-set (``-march=native``), once per CPU kind, torch and Python version and sources: ~10 s on 2
+set (``-march=native``), once per CPU kind, torch and Python version and sources: ~1 minute on 2
 cores, then loaded in milliseconds. The build directory's name carries a digest of them all, so
-a home directory shared by machines of different CPUs never loads a kernel built for another;
-a build lock left by a killed build is removed after two minutes (torch would wait for ever).
+a home directory shared by machines of different CPUs never loads a kernel built for another.
+Processes that start at once build it once (:func:`build_lock`: the others wait for the first),
+and a build lock left by a killed build is removed (torch would wait for it for ever).
 Where they cannot be built (no C++ compiler or ninja, an unwritable cache) or
 ``MT_NATIVE_KERNELS=0`` is set, :func:`short_attention`, :func:`int8_linear`,
 :func:`f32_linear`, :func:`smoothed_ce`, :func:`best_token` and :func:`dropout` return None, the
@@ -61,6 +62,7 @@ and fbgemm's int8 products; the loss and dropout, torch's operators.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -68,7 +70,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -129,9 +131,9 @@ def build_directory() -> Path:
 
 
 def clear_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_S) -> None:
-    """Wait for a build in progress elsewhere (torch's ``lock`` file in ``directory``) to end;
-    remove the lock when it is older than ``max_age_s``: left by a build that was killed, it
-    would make torch wait for ever (a build takes seconds)."""
+    """Where ``flock`` is missing (:func:`build_lock`): wait for a build in progress elsewhere
+    (torch's ``lock`` file in ``directory``) to end; remove the lock when it is older than
+    ``max_age_s``: left by a build that was killed, it would make torch wait for ever."""
     lock = directory / "lock"
     while lock.exists():
         try:
@@ -144,6 +146,32 @@ def clear_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_S) -> None:
             lock.unlink(missing_ok=True)
             return
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """Hold the build of ``directory`` for this process: an exclusive ``flock`` on
+    ``directory/build.flock``, waited for as long as a build elsewhere takes (a minute on 2 busy
+    cores) and released by the kernel when its holder ends, killed or not. Holding it, a torch
+    ``lock`` file found in ``directory`` was left by a build that was killed (torch would wait
+    for it for ever) and is removed. Without ``fcntl``: :func:`clear_stale_lock`."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        clear_stale_lock(directory)
+        yield
+        return
+    with open(directory / "build.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            lock = directory / "lock"
+            if lock.exists():
+                log.warning("removing %s, left by a build of mt's kernels that did not finish",
+                            lock)  # fmt: skip
+                lock.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _load() -> None:
@@ -159,10 +187,10 @@ def _load() -> None:
         start = time.perf_counter()
         directory = build_directory()
         directory.mkdir(parents=True, exist_ok=True)
-        clear_stale_lock(directory)
-        load(directory.name, [str(source) for source in SOURCES], extra_cflags=CFLAGS,
-             extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
-             verbose=False)  # fmt: skip
+        with build_lock(directory):
+            load(directory.name, [str(source) for source in SOURCES], extra_cflags=CFLAGS,
+                 extra_ldflags=["-fopenmp"], build_directory=str(directory),
+                 is_python_module=False, verbose=False)  # fmt: skip
         log.info("mt's kernels for this CPU ready (%.1f s: built, or loaded from an earlier "
                  "build)", time.perf_counter() - start)  # fmt: skip
 
