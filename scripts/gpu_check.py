@@ -381,14 +381,29 @@ def profile(args, out: Path, env: dict) -> dict:
     return run(cmd, out, "profile", env, args.step_timeout, needs=30)
 
 
+def _compiled(record: dict) -> str:
+    """``True (1)``: compiled, with the graphs Dynamo made (a slow timed step beside more than
+    one graph is a compile); ``False``: eager."""
+    graphs = record.get("compiled_graphs")
+    return f"{record.get('compile')}" + ("" if graphs is None else f" ({graphs})")
+
+
+def _steps(record: dict) -> str:
+    """The median and the slowest timed step, in ms (a step compiling again shows here)."""
+    times = record.get("step_ms") or []
+    median = record.get("step_ms_median")
+    return "-" if not times or median is None else f"{median:,.1f} / {max(times):,.1f}"
+
+
 def summary(out: Path, steps: list[dict], info: dict) -> str:
     lines = ["# gpu-check", "", f"machine: {json.dumps(info)}", "", "| step | status | seconds |",
              "|---|---|---|"]  # fmt: skip
     lines += [f"| {s['step']} | {s['status']} | {s['seconds']} |" for s in steps]
     bench_file = out / "bench.jsonl"
     if bench_file.is_file():
-        lines += ["", "| bench | compiled | tgt tok/s | MFU (datasheet) | MFU (measured peak) | "
-                  "peak memory MB |", "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += ["", "| bench | compiled (graphs) | tgt tok/s | median / slowest step ms | "
+                  "MFU (datasheet) | MFU (measured peak) | peak memory MB |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
         records = [json.loads(line) for line in bench_file.read_text().splitlines()]
         for r in records:
             if r.get("bench") != "train":
@@ -398,7 +413,7 @@ def summary(out: Path, steps: list[dict], info: dict) -> str:
                 f"| {r.get('d_model')}x{r.get('layers')} {r.get('precision')}"
                 f"{' pad ' + str(r['pad_multiple']) if (r.get('pad_multiple') or 1) > 1 else ''}"
                 f"{', master weights' if r.get('master_weights') else ''} | "
-                f"{r.get('compile')} | {r['tgt_tok_per_s']:,.0f} | "
+                f"{_compiled(r)} | {r['tgt_tok_per_s']:,.0f} | {_steps(r)} | "
                 f"{'-' if mfu is None else f'{mfu:.1%}'} | "
                 f"{'-' if r.get('mfu') is None else format(r['mfu'], '.1%')} | "
                 f"{r.get('peak_mem_mb', 0):,.0f} |"

@@ -357,8 +357,13 @@ def test_gpu_check_bench_steps_name_their_variant_and_the_summary_shows_it(monke
     assert f"cache_dir={tmp_path / 'cache'}" in cmd  # the corpus prepared once, for both
     record = {"bench": "train", "d_model": 512, "layers": 6, "precision": "bf16",
               "compile": False, "tgt_tok_per_s": 1.0, "master_weights": True}  # fmt: skip
-    (tmp_path / "bench.jsonl").write_text(json.dumps(record) + "\n")
-    assert "| 512x6 bf16, master weights | False |" in gpu_check.summary(tmp_path, [], {})
+    compiled = {**record, "compile": True, "compiled_graphs": 1, "step_ms_median": 40.05,
+                "step_ms": [39.0, 40.1, 75970.2]}  # fmt: skip
+    (tmp_path / "bench.jsonl").write_text(json.dumps(record) + "\n" + json.dumps(compiled) + "\n")
+    text = gpu_check.summary(tmp_path, [], {})
+    assert "| 512x6 bf16, master weights | False | 1 | - |" in text
+    # compiled: the graphs Dynamo made, and a timed step that compiled again shows as the slowest
+    assert "| 512x6 bf16, master weights | True (1) | 1 | 40.0 / 75,970.2 |" in text
 
 
 def test_gpu_check_refuses_an_unknown_step_before_running_anything(tmp_path):
