@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="bf16: a 16-bit model and float32 master weights (train.master_weights), no autocast",
     )  # fmt: skip
     train.add_argument(
+        "--blas", choices=("default", "cublas", "cublaslt"), default="default",
+        help="CUDA: the library torch's matrix products use (torch.backends.cuda."
+        "preferred_blas_library); cuBLASLt's host setup of a product measured cheaper on an H200",
+    )  # fmt: skip
+    train.add_argument(
         "--cpu-kernels",
         action=argparse.BooleanOptionalAction,
         default=True,

@@ -229,6 +229,10 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
             log.info("--data: vocabulary %d (the prepared tokenizer's)", prepared.vocab_size)
         args.vocab = prepared.vocab_size
     cfg = model_config(args)
+    if args.blas != "default":
+        if device.type != "cuda":
+            raise SystemExit(f"--blas {args.blas} chooses a CUDA library: not for {device}")
+        torch.backends.cuda.preferred_blas_library(args.blas)
     torch.manual_seed(args.seed)
     mt_model = build_model(cfg, args.vocab).to(device)  # before any copy for_training makes
     p_enc, p_dec = mt_stack_params(mt_model)
@@ -300,6 +304,7 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
             # graphs Dynamo made over the warm-up and timed steps (each is minutes on a GPU host)
             "compiled_graphs": compiled_graphs() if args.compile else None,
             "master_weights": bool(args.master_weights and r.name == "mt"),
+            "blas": args.blas,
             "cpu_kernels": bool(args.cpu_kernels and device.type == "cpu" and r.name == "mt"),
             "source": source,
             "batch_size": args.batch_size if not args.data else None,

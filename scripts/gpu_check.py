@@ -29,13 +29,15 @@ start in time is listed as skipped:
    (c7d35c7): eager +14% tokens/s for ``base``, +16% for ``big``, 7-10% less memory.
 8. ``multi30k-master``: step 4 again in bf16 with master weights, in a run directory of its own
    (the corpus prepared once): the test score of a bf16 model beside autocast's.
+9. ``base-master-lt``, ``big-master-lt``: the eager master-weights benches with torch's products
+   on cuBLASLt (``bench train --blas cublaslt``), beside their cuBLAS twins.
 
 The default order (``--steps`` picks and orders them): tests (beside the preparation of the
-corpora), then the WMT experiments' settings compiled: big with master weights (never measured),
-base with master weights (measured once, cut off by the budget once), then big and base eager with
-master weights, the profile, the two Multi30k runs (answered on an H100 at f30a87b: bf16 with
-master weights 41.16 test BLEU, fp32 with TF32 40.43), base compiled with autocast, and what was
-measured on both GPUs before (base, big, the loader, base padded to 8, big compiled). The
+corpora), then base with master weights compiled (on an H200 at dd880bc two of its timed steps
+compiled again; one graph since, to be seen), eager, and eager on cuBLASLt; the same three for
+big; the profile; the two Multi30k runs (answered on an H100 at f30a87b: bf16 with master weights
+41.16 test BLEU, fp32 with TF32 40.43); base compiled with autocast, and what was measured on
+both GPUs before (base, big, the loader, base padded to 8, big compiled). The
 default budget, 540 s, fits one call of this workplace's device tool (10 minutes a call, 15 of
 device time a session), started fresh: a second call must follow within the machine's 30 s of
 warmth. On an H200 the first run of everything took 426 s (base compiled alone 180 s; big
@@ -150,11 +152,15 @@ QUICK_FLAGS = {"N": "--layers", "d_model": "--d-model", "d_ff": "--d-ff", "h": "
 
 
 def bench_train(args, out: Path, env: dict, data: Path | None, preset: str,
-                compiled: bool, pad8: bool = False, master: bool = False) -> dict:  # fmt: skip
+                compiled: bool, pad8: bool = False, master: bool = False,
+                lt: bool = False) -> dict:  # fmt: skip
     """Training steps of one preset, bf16 (fp32 on a CPU), eager or compiled; ``pad8``: the
     batches' lengths padded to multiples of 8 (fewer distinct shapes, a little more work);
     ``master``: a bf16 model and float32 master weights instead of autocast (bf16 on a CPU
-    too, where it may be emulated: the miniature checks the command, not the figure)."""
+    too, where it may be emulated: the miniature checks the command, not the figure); ``lt``:
+    torch's products on cuBLASLt (``--blas cublaslt``: the profile's product alone took 198 µs
+    of host time at a new row count on an H200 against cuBLAS's 243, 23 against 31 at a seen
+    one; whether a whole step gains is this bench's question)."""
     precision = "bf16" if args.device == "cuda" or master else "fp32"
     cmd = [sys.executable, "scripts/bench.py", "train", "--preset", preset,
            "--device", args.device, "--precision", precision, "--output",
@@ -171,8 +177,10 @@ def bench_train(args, out: Path, env: dict, data: Path | None, preset: str,
         cmd += ["--pad-multiple", "8"]
     if master:
         cmd.append("--master-weights")
+    if lt and args.device != "cpu":  # a CPU has no BLAS to choose: the miniature runs the rest
+        cmd += ["--blas", "cublaslt"]
     name = (f"bench_{preset}_{'compiled' if compiled else 'eager'}{'_pad8' if pad8 else ''}"
-            f"{'_master' if master else ''}")  # fmt: skip
+            f"{'_master' if master else ''}{'_lt' if lt else ''}")  # fmt: skip
     return run(cmd, out, name, env, args.step_timeout, needs=150 if compiled else 45)
 
 
@@ -412,7 +420,8 @@ def summary(out: Path, steps: list[dict], info: dict) -> str:
             lines.append(
                 f"| {r.get('d_model')}x{r.get('layers')} {r.get('precision')}"
                 f"{' pad ' + str(r['pad_multiple']) if (r.get('pad_multiple') or 1) > 1 else ''}"
-                f"{', master weights' if r.get('master_weights') else ''} | "
+                f"{', master weights' if r.get('master_weights') else ''}"
+                f"{', cuBLASLt' if r.get('blas') == 'cublaslt' else ''} | "
                 f"{_compiled(r)} | {r['tgt_tok_per_s']:,.0f} | {_steps(r)} | "
                 f"{'-' if mfu is None else f'{mfu:.1%}'} | "
                 f"{'-' if r.get('mfu') is None else format(r['mfu'], '.1%')} | "
@@ -439,18 +448,18 @@ def summary(out: Path, steps: list[dict], info: dict) -> str:
 
 
 # The steps and their default order: the open questions first where a budget is short.
-STEPS = ("tests", "big-master-compiled", "base-master-compiled", "big-master", "base-master",
-         "profile", "multi30k-master", "multi30k", "base-compiled", "base", "big", "data",
-         "base-pad8", "big-compiled")
-# bench train: a preset, then what differs from eager autocast (pad8, master, compiled)
+STEPS = ("tests", "base-master-compiled", "base-master", "base-master-lt", "big-master-compiled",
+         "big-master", "big-master-lt", "profile", "multi30k-master", "multi30k", "base-compiled",
+         "base", "big", "data", "base-pad8", "big-compiled")
+# bench train: a preset, then what differs from eager autocast (pad8, master, compiled, lt)
 TRAIN_BENCHES = tuple(s for s in STEPS if s.split("-")[0] in ("base", "big"))
 
 
 def bench_variant(name: str) -> tuple[str, dict]:
     """A bench step's preset and how it differs from eager autocast: ``base-master-compiled``
-    -> ``("base", {"compiled": True, "pad8": False, "master": True})``."""
+    -> ``("base", {"compiled": True, "pad8": False, "master": True, "lt": False})``."""
     preset, *how = name.split("-")
-    return preset, {flag: flag in how for flag in ("compiled", "pad8", "master")}
+    return preset, {flag: flag in how for flag in ("compiled", "pad8", "master", "lt")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -345,7 +345,10 @@ def test_gpu_check_bench_steps_name_their_variant_and_the_summary_shows_it(monke
     assert "--master-weights" in cmd and "--compile" in cmd and "bf16" in cmd
     assert "--master-weights" not in seen["bench_base_compiled"]
     assert "--pad-multiple" in seen["bench_base_eager_pad8"]
-    assert len(seen) == len(gpu_check.TRAIN_BENCHES) == 9
+    lt = seen["bench_base_eager_master_lt"]  # the same bench with cuBLASLt's products
+    assert lt[lt.index("--blas") + 1] == "cublaslt" and "--master-weights" in lt
+    assert "--blas" not in seen["bench_base_eager_master"]
+    assert len(seen) == len(gpu_check.TRAIN_BENCHES) == 11
     # Multi30k's bf16 twin: master weights, its own run directory, the preparation not repeated
     args.multi30k_minutes = None
     prepared = {"step": "multi30k_prepare", "status": 0, "seconds": 1.0}
@@ -364,6 +367,8 @@ def test_gpu_check_bench_steps_name_their_variant_and_the_summary_shows_it(monke
     assert "| 512x6 bf16, master weights | False | 1 | - |" in text
     # compiled: the graphs Dynamo made, and a timed step that compiled again shows as the slowest
     assert "| 512x6 bf16, master weights | True (1) | 1 | 40.0 / 75,970.2 |" in text
+    (tmp_path / "bench.jsonl").write_text(json.dumps({**record, "blas": "cublaslt"}) + "\n")
+    assert "| 512x6 bf16, master weights, cuBLASLt | False |" in gpu_check.summary(tmp_path, [], {})
 
 
 def test_gpu_check_refuses_an_unknown_step_before_running_anything(tmp_path):
