@@ -265,6 +265,26 @@ def test_the_build_lock_waits_for_a_live_build_and_not_for_a_killed_one(tmp_path
             assert waited > 0.3 and "did not finish" not in caplog.text
 
 
+def test_without_flock_the_build_lock_falls_back_to_the_lock_files_age(tmp_path, monkeypatch):
+    """A file system that refuses ``flock`` (some network mounts) still builds: the rule by the
+    age of torch's lock file (an old one removed), not an error that would turn the kernels off."""
+    import errno
+    import fcntl
+    import os
+    import time
+
+    def refuse(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - 600
+    os.utime(lock, (old, old))  # left by a build killed ten minutes ago
+    with native.build_lock(tmp_path):
+        assert not lock.exists()
+
+
 def test_the_kernel_is_built_under_its_own_name_and_directory(op):
     directory = native.build_directory()
     assert directory.name == native.build_name()

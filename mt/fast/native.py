@@ -154,7 +154,8 @@ def build_lock(directory: Path) -> Iterator[None]:
     ``directory/build.flock``, waited for as long as a build elsewhere takes (a minute on 2 busy
     cores) and released by the kernel when its holder ends, killed or not. Holding it, a torch
     ``lock`` file found in ``directory`` was left by a build that was killed (torch would wait
-    for it for ever) and is removed. Without ``fcntl``: :func:`clear_stale_lock`."""
+    for it for ever) and is removed. Without ``fcntl``, or where the file system refuses the
+    lock: :func:`clear_stale_lock`."""
     try:
         import fcntl
     except ImportError:  # not a POSIX system
@@ -162,7 +163,13 @@ def build_lock(directory: Path) -> Iterator[None]:
         yield
         return
     with open(directory / "build.flock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError as err:  # a file system without locks (some network mounts)
+            log.info("no flock in %s (%s): waiting on torch's lock file instead", directory, err)
+            clear_stale_lock(directory)
+            yield
+            return
         try:
             lock = directory / "lock"
             if lock.exists():
