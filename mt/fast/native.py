@@ -152,33 +152,35 @@ def clear_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_S) -> None:
 def build_lock(directory: Path) -> Iterator[None]:
     """Hold the build of ``directory`` for this process: an exclusive ``flock`` on
     ``directory/build.flock``, waited for as long as a build elsewhere takes (a minute on 2 busy
-    cores) and released by the kernel when its holder ends, killed or not. Holding it, a torch
-    ``lock`` file found in ``directory`` was left by a build that was killed (torch would wait
-    for it for ever) and is removed. Without ``fcntl``, or where the file system refuses the
-    lock: :func:`clear_stale_lock`."""
-    try:
-        import fcntl
-    except ImportError:  # not a POSIX system
-        clear_stale_lock(directory)
-        yield
-        return
+    cores) and released by the kernel when its holder ends, killed or not (or when the file is
+    closed here). Holding it, a torch ``lock`` file found in ``directory`` was left by a build
+    that was killed (torch would wait for it for ever) and is removed. Without ``fcntl``, or
+    where the file system refuses the lock: :func:`clear_stale_lock`."""
     with open(directory / "build.flock", "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError as err:  # a file system without locks (some network mounts)
-            log.info("no flock in %s (%s): waiting on torch's lock file instead", directory, err)
-            clear_stale_lock(directory)
-            yield
-            return
-        try:
+        if _flock(handle, directory):
             lock = directory / "lock"
             if lock.exists():
                 log.warning("removing %s, left by a build of mt's kernels that did not finish",
                             lock)  # fmt: skip
                 lock.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        else:
+            clear_stale_lock(directory)
+        yield
+
+
+def _flock(handle, directory: Path) -> bool:
+    """Take an exclusive ``flock`` on ``handle`` (waiting for its holder); False where there is
+    none to take (not a POSIX system, or a file system without locks: some network mounts)."""
+    try:
+        import fcntl
+
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        return True
+    except ImportError:
+        return False
+    except OSError as err:
+        log.info("no flock in %s (%s): waiting on torch's lock file instead", directory, err)
+        return False
 
 
 def _load() -> None:
