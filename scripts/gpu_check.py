@@ -475,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
         "--budget", type=float, default=540, help="seconds for the whole check (0: none)"
     )
     p.add_argument("--steps", default=",".join(STEPS),
-                   help="which steps, in this order (default: all, as listed)")
+                   help="which steps, comma-separated, in this order "
+                        "(default, all of them: %(default)s)")
     p.add_argument("--multi30k-minutes", type=float, help="train.max_minutes of the Multi30k run")
     args = p.parse_args(argv)
     chosen = args.steps.split(",")
