@@ -105,7 +105,7 @@ def plain_decoding(decode_cfg, device: torch.device | str) -> bool:
     bound_onednn_kernels``); the model as written does neither. ``news_de_en``, 450 updates
     validated every 100 (AMD Zen 4, bf16): growth from the first validation to the last +9.0 /
     +10.3 / +11.6% with the fast copy, +5.4 / +6.1% with the model as written, the same
-    validations; it decodes Multi30k's ``val`` in 4.5 s against 3.2 s (README, Performance:
+    validations; it decodes Multi30k's ``val`` in 4.5 s against 3.2 s (docs/performance.md:
     "Validation decodes the model as written").
     """
     return (
