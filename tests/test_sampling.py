@@ -17,6 +17,7 @@ from mt.data.encode import Sampling, encode_files
 from mt.data.store import TokenArray
 from mt.train.recipe import train
 from mt.train.state import TrainBatches, data_plan
+from mt.vocab import PAD
 
 SAMPLED = ["tokenizer.sampling_alpha=0.1", "tokenizer.sampled_copies=3"]
 
@@ -132,10 +133,11 @@ def test_each_epoch_batches_every_pair_once_in_its_own_encoding(sampled):
         assert split is p.train_split(epoch)
         pairs, encodings = Counter(), Counter()
         for b in iterate_batches(split, sampler, epoch):
-            src = p.tokenizer.decode(b.src.tolist(), side="src")
+            rows = b.src.tolist()
+            src = p.tokenizer.decode(rows, side="src")
             tgt = p.tokenizer.decode(b.tgt_out.tolist(), side="tgt")
             pairs.update(zip(src, tgt))
-            encodings.update(tuple(row[row.ne(0)].tolist()) for row in b.src)
+            encodings.update(tuple(i for i in row if i != PAD) for row in rows)
         assert pairs == text
         seen.append(encodings)
     # other encodings of the same text (their piece totals can tie by chance: compared whole),
