@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -229,6 +231,34 @@ def test_projected_equals_the_explicit_distribution_of_the_projection(rows, eps)
     torch.testing.assert_close(w1.grad, w2.grad)
     assert torch.all(w1.grad[13:] == 0)  # the padded rows get no gradient
     assert not nll.requires_grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N", [0, 11])
+def test_projected_weight_gradient_is_written_not_added_to_fresh_memory(monkeypatch, N, dtype):
+    """The weight's gradient is allocated without a zero fill (the first block's product writes
+    it): with every fresh tensor full of NaN, the gradients are still the reference's, the
+    never-scored rows zero, and a batch without rows gives a zero gradient. Also under bf16
+    autocast (16-bit products added to a float32 gradient)."""
+    from mt.fast.loss import projected_cross_entropy
+
+    h, weight, target = _projection_data(N=max(N, 1), dtype=torch.float32)
+    h, target = h[:N], target[:N]
+    h2, w2 = h.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        want, _ = projected_cross_entropy(h2, w2, target, 0.1, vocab=13, rows=4)
+    (want * 0.25).backward()
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: empty_like(*a, **k).fill_(math.nan))
+    h1, w1 = h.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        loss, _ = projected_cross_entropy(h1, w1, target, 0.1, vocab=13, rows=4)
+    (loss * 0.25).backward()
+    assert torch.isfinite(w1.grad).all() and torch.all(w1.grad[13:] == 0)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=0, atol=0)
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=0, atol=0)
+    if N == 0:
+        assert torch.all(w1.grad == 0)
 
 
 def test_projected_gradient_passes_gradcheck():

@@ -143,7 +143,11 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         acc = torch.float64 if dtype == torch.float64 else torch.float32  # scores, sums
         grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if grads else None
-        grad_w = torch.zeros_like(weight, dtype=acc) if grads else None
+        # the weight's gradient: its first block's product writes it (no zero fill of V x D
+        # first), later blocks add theirs; rows from `vocab` on are never scored
+        grad_w = torch.empty_like(weight, dtype=acc) if grads else None
+        if grads and (N == 0 or vocab < weight.size(0)):
+            grad_w[vocab if N else 0 :].zero_()
         nll, smooth = (h.new_empty(N, dtype=acc) for _ in range(2))
         kernel = _block_kernel(h.device, dtype)
         for i in range(0, N, rows):
@@ -172,8 +176,10 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
             if not grads:
                 continue
             grad_h[i : i + r] = product(g, w.t(), None)[:r]  # G W: W^T as the (in, out) weight
-            if dtype == acc:
-                grad_w[:vocab].addmm_(g.t(), x)  # += G^T x
+            if dtype == acc:  # G^T x, into the gradient (i == 0) or added to it
+                grad_w[:vocab].addmm_(g.t(), x, beta=0.0 if i == 0 else 1.0)
+            elif i == 0:
+                grad_w[:vocab].copy_(g.t().mm(x))  # a 16-bit product, a float32 gradient
             else:
                 grad_w[:vocab] += g.t().mm(x)
         ctx.save_for_backward(grad_h, grad_w)
