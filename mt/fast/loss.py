@@ -144,9 +144,10 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if grads else None
         # the weight's gradient: its first block's product writes it (no zero fill of V x D
-        # first), later blocks add theirs; rows from `vocab` on are never scored
+        # first), later blocks add theirs; zeros only where no block writes (rows from `vocab`
+        # on, never scored; all of it without rows)
         grad_w = torch.empty_like(weight, dtype=acc) if grads else None
-        if grads and (N == 0 or vocab < weight.size(0)):
+        if grads:
             grad_w[vocab if N else 0 :].zero_()
         nll, smooth = (h.new_empty(N, dtype=acc) for _ in range(2))
         kernel = _block_kernel(h.device, dtype)
