@@ -135,6 +135,9 @@ class TrainConfig:
     beta2: float = 0.98
     eps: float = 1e-9
     weight_decay: float = 0.0
+    # true: decoupled, as fairseq's Adam and AdamW (Loshchilov & Hutter 2019): p -= lr * wd * p
+    # beside Adam's step; false: an L2 term wd * p added to the gradient (torch's plain Adam).
+    decoupled_weight_decay: bool = True
     clip_norm: float = 0.0  # gradient-norm clipping (0 = off)
     # Schedule: lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) ("Noam").
     warmup: int = 4000

@@ -520,7 +520,8 @@ def test_validation_records_resident_memory(tmp_path):
 
 def test_resuming_with_a_new_learning_rate_applies_it_and_says_so(tmp_path, caplog):
     """OpenNMT-py #1911's trap: a resumed optimiser state carries the old settings. Here a
-    changed peak lr, weight decay and Adam betas are applied to the resumed run, each logged."""
+    changed peak lr, weight decay (and its form) and Adam betas are applied to the resumed run,
+    each logged."""
     import mt.train.recipe as recipe
     from mt import distributed
     from mt.train.schedule import noam_factor, noam_lr
@@ -528,14 +529,17 @@ def test_resuming_with_a_new_learning_rate_applies_it_and_says_so(tmp_path, capl
     run = tmp_path / "run"
     train(_cfg(run, "train.max_steps=4", "train.lr=1e-3", "train.warmup=2"))
     cfg = _cfg(run, "train.max_steps=8", "train.lr=4e-3", "train.warmup=2",
-               "train.weight_decay=0.01", "train.beta2=0.99")  # fmt: skip
+               "train.weight_decay=0.01", "train.decoupled_weight_decay=false",
+               "train.beta2=0.99")  # fmt: skip
     with caplog.at_level(logging.INFO, logger="mt.train"):
         r = recipe.setup(cfg, distributed.setup("cpu"))
     group = r.update.optimizer.param_groups[0]
     assert group["weight_decay"] == 0.01 and group["betas"] == (0.9, 0.99)
+    assert group["decoupled_weight_decay"] is False
     noam = noam_lr(5, cfg.model.d_model, 2, noam_factor(cfg.model.d_model, 2, 1.0, 4e-3))
     assert group["lr"] == pytest.approx(noam)  # the new schedule's rate for update 5
     for text in ("train.lr 0.001 -> 0.004: applied", "train.weight_decay 0.0 -> 0.01: applied",
+                 "train.decoupled_weight_decay True -> False: applied",
                  "train.beta2 0.98 -> 0.99: applied"):
         assert text in caplog.text
     assert r.state.step == 4 and r.update.optimizer.state  # Adam's moments came back

@@ -124,7 +124,8 @@ def restore(resume: dict, cfg: Config, resets: list[str], optimizer, scheduler, 
         optimizer.load_state_dict(resume["optimizer"])
         changes = changed_settings(stored, cfg, OPTIMIZER_KEYS)
         for group in optimizer.param_groups:  # the checkpoint's groups hold the old values
-            group.update(betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay)
+            group.update(betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay,
+                         decoupled_weight_decay=tc.decoupled_weight_decay)
         for key, (old, new) in changes.items():
             log.warning("resuming with train.%s %s -> %s: applied", key, old, new)
     if "schedule" in resets:

@@ -422,7 +422,8 @@ def training_state(
 
 
 RESETS = ("optimizer", "schedule", "meters", "data")
-OPTIMIZER_KEYS = ("beta1", "beta2", "eps", "weight_decay")  # what Adam's param groups hold
+# what Adam's param groups hold
+OPTIMIZER_KEYS = ("beta1", "beta2", "eps", "weight_decay", "decoupled_weight_decay")
 SCHEDULE_KEYS = ("lr", "factor", "warmup", "cooldown", "max_steps", "max_minutes")
 
 
