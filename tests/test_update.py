@@ -255,7 +255,6 @@ def test_an_update_rebuilds_the_decoding_copy(defer_check):
     assert not torch.allclose(old, ref, atol=1e-5, rtol=1e-5)  # the update did change them
 
 
-
 def _adam_by_hand(p, grads, lrs, tc, decoupled):
     """Adam's updates written out (float64), with weight decay in either form."""
     m, v = torch.zeros_like(p), torch.zeros_like(p)

@@ -26,6 +26,7 @@ from mt.train.state import (
     changed_settings,
     training_state,
 )
+from mt.train.update import adam_settings
 from mt.train.validation import validate
 
 log = logging.getLogger(__name__)
@@ -124,8 +125,7 @@ def restore(resume: dict, cfg: Config, resets: list[str], optimizer, scheduler, 
         optimizer.load_state_dict(resume["optimizer"])
         changes = changed_settings(stored, cfg, OPTIMIZER_KEYS)
         for group in optimizer.param_groups:  # the checkpoint's groups hold the old values
-            group.update(betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay,
-                         decoupled_weight_decay=tc.decoupled_weight_decay)
+            group.update(adam_settings(tc))
         for key, (old, new) in changes.items():
             log.warning("resuming with train.%s %s -> %s: applied", key, old, new)
     if "schedule" in resets:

@@ -422,7 +422,7 @@ def training_state(
 
 
 RESETS = ("optimizer", "schedule", "meters", "data")
-# what Adam's param groups hold
+# the train settings behind Adam's param groups (mt.train.update.adam_settings)
 OPTIMIZER_KEYS = ("beta1", "beta2", "eps", "weight_decay", "decoupled_weight_decay")
 SCHEDULE_KEYS = ("lr", "factor", "warmup", "cooldown", "max_steps", "max_minutes")
 

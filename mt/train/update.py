@@ -77,19 +77,23 @@ def batch_loss(
     return loss * batch.weight, nll * batch.weight
 
 
-def build_optimizer(params, tc, device: torch.device) -> torch.optim.Optimizer:
-    """Adam with the paper's betas and eps (weight decay decoupled or L2, ``train``'s choice),
-    at base rate 1.0 (the LambdaLR schedule gives the
-    rate itself); the fused single-kernel implementation on CPU and CUDA (on a CPU it is
-    ~6x faster than the per-tensor loop: 21 vs 132 ms per step for the base model)."""
-    return torch.optim.Adam(
-        params,
-        lr=1.0,
+def adam_settings(tc) -> dict:
+    """``train``'s Adam settings as Adam's param groups hold them (built and resumed alike)."""
+    return dict(
         betas=(tc.beta1, tc.beta2),
         eps=tc.eps,
         weight_decay=tc.weight_decay,
         decoupled_weight_decay=tc.decoupled_weight_decay,
-        fused=device.type in ("cpu", "cuda") or None,
+    )
+
+
+def build_optimizer(params, tc, device: torch.device) -> torch.optim.Optimizer:
+    """Adam with the paper's betas and eps (weight decay decoupled or L2, ``train``'s choice),
+    at base rate 1.0 (the LambdaLR schedule gives the rate itself); the fused single-kernel
+    implementation on CPU and CUDA (on a CPU it is ~6x faster than the per-tensor loop: 21 vs
+    132 ms per step for the base model)."""
+    return torch.optim.Adam(
+        params, lr=1.0, fused=device.type in ("cpu", "cuda") or None, **adam_settings(tc)
     )
 
 
