@@ -168,4 +168,4 @@ def test_the_default_recipe_is_stated_in_updates_with_time_as_a_cap():
         assert tc.max_steps == 4000 and tc.cooldown == 0.3 and tc.max_minutes in (42, 15)
         assert tc.eval_every * tc.patience < tc.max_steps  # patience can stop a run early
         # regularised with weight decay decoupled from Adam's step, as chosen on val
-        assert tc.weight_decay == 0.1 and tc.decoupled_weight_decay is True
+        assert tc.weight_decay == 0.2 and tc.decoupled_weight_decay is True
