@@ -56,6 +56,9 @@ def test_experiments_set_paper_values():
     )
     en_de = load_config(["experiment=multi30k_en_de"])
     assert (en_de.data.src_lang, en_de.data.tgt_lang) == ("en", "de")
+    # en→de smooths its targets more, as chosen on its val; the rest is the de→en recipe's
+    assert en_de.train.label_smoothing == 0.2 and load_config().train.label_smoothing == 0.1
+    assert en_de.train.max_steps == load_config().train.max_steps
 
 
 def test_a_model_preset_brings_its_own_dropout():
