@@ -83,10 +83,12 @@ def test_master_weights_need_a_16_bit_precision():
         MasterWeights(tiny_model(), "fp32")
 
 
+SMOOTHING = 0.1  # the update's and the textbook loss's, whatever the recipe's
+
+
 def _updater(step, model, precision: str, device: str = "cpu") -> Updater:
-    # the smoothing of the textbook loss below (_textbook_gradient), whatever the recipe's
-    overrides = [f"train.precision={precision}", "train.clip_norm=0", "train.label_smoothing=0.1"]
-    cfg = load_config(overrides)
+    overrides = [f"train.precision={precision}", "train.clip_norm=0"]
+    cfg = load_config([*overrides, f"train.label_smoothing={SMOOTHING}"])
     opt = torch.optim.SGD(model.parameters(), lr=1.0)  # the update is -(the master gradient)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     scaler = torch.amp.GradScaler(device, enabled=precision == "fp16")
@@ -98,7 +100,8 @@ def _textbook_gradient(model, batch, dtype) -> list[torch.Tensor]:
     (``log_softmax``, ``label_smoothed_nll_loss``) summed, its gradient per target token."""
     ref = copy.deepcopy(model).to(dtype)
     lp = F.log_softmax(ref(batch.src, batch.tgt_in).float(), dim=-1)
-    loss, _ = label_smoothed_nll_loss(lp.view(-1, lp.size(-1)), batch.tgt_out.reshape(-1), 0.1)
+    target = batch.tgt_out.reshape(-1)
+    loss, _ = label_smoothed_nll_loss(lp.view(-1, lp.size(-1)), target, SMOOTHING)
     loss.backward()
     return [p.grad.float() / batch.ntokens for p in ref.parameters()]
 
