@@ -87,8 +87,9 @@ SMOOTHING = 0.1  # the update's and the textbook loss's, whatever the recipe's
 
 
 def _updater(step, model, precision: str, device: str = "cpu") -> Updater:
-    overrides = [f"train.precision={precision}", "train.clip_norm=0"]
-    cfg = load_config([*overrides, f"train.label_smoothing={SMOOTHING}"])
+    cfg = load_config(
+        [f"train.precision={precision}", "train.clip_norm=0", f"train.label_smoothing={SMOOTHING}"]
+    )
     opt = torch.optim.SGD(model.parameters(), lr=1.0)  # the update is -(the master gradient)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     scaler = torch.amp.GradScaler(device, enabled=precision == "fp16")
