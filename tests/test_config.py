@@ -158,7 +158,9 @@ def test_the_15_minute_experiment_is_the_default_recipe_in_a_third_of_the_time()
         "run_dir",
         "train.eval_every",
         "train.max_minutes",
+        "train.warmup",
     ]  # model, decode and data are the default's
+    assert (short.train.warmup, default.train.warmup) == (400, 800)  # each as measured
 
 
 def test_the_default_recipe_is_stated_in_updates_with_time_as_a_cap():
