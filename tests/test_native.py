@@ -658,6 +658,25 @@ def test_dropout_kernel_is_the_stated_hash_and_scale(drop_ops, dtype, shape, see
     assert torch.equal(got, want_g.to(dtype))
 
 
+def test_dropout_kernel_rounds_bfloat16_as_torch_does(drop_ops):
+    """bfloat16's vector path (16 elements at a time) against torch's float32 -> bfloat16
+    rounding, to the bit: halfway cases both ways, the largest values (rounding up to inf),
+    infinities, NaN and signed zeros, the odd tail after the last whole vector; every bit."""
+    forward, _ = drop_ops
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(1000, generator=g).to(torch.bfloat16)
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 3.3895e38,
+                            -3.3895e38, 1.0, 1.00390625, 1.01171875, -1.00390625, 1e-40, -1e-40])
+    x = torch.cat([base, special.to(torch.bfloat16), base[:7]])
+    for scale in (65536 / (65536 - 6554), 1.00390625, 1.0 + 2**-9, 1.5):
+        y, keep = forward(x, 77, 6554, scale)
+        factor = torch.where(keep, torch.tensor(scale, dtype=torch.float32), 0.0)
+        want = (x.float() * factor).to(torch.bfloat16)  # a dropped -x is -0, as in the kernel
+        number = ~want.isnan()
+        assert torch.equal(y.isnan(), ~number)
+        assert torch.equal(y.view(torch.int16)[number], want.view(torch.int16)[number])
+
+
 def test_dropout_kernel_keeps_the_stated_share_and_ignores_the_threads(drop_ops):
     """A million draws keep (65536 - dropped) / 65536 of the units, the four parts of one word
     independently; the same seed gives the same mask on 1 and 2 threads and from a

@@ -115,11 +115,15 @@ class CPUTrainingAttention(ScaledDotProduct):
     def forward(self, q, k, v, mask=None, is_causal=False, dropout_p=0.0, need_weights=False):
         if need_weights:
             return attention(q, k, v, mask, is_causal, dropout_p, self.dropout)
-        if q.dtype in (torch.bfloat16, torch.float16) and not torch.is_autocast_enabled("cpu"):
-            # a 16-bit model: in float32, as under autocast (module docstring), 16 bits out
-            q32, k32, v32 = q.float(), k.float(), v.float()
+        if q.dtype in (torch.bfloat16, torch.float16):
+            # In float32 (module docstring), laid out contiguously in the same pass: the views
+            # of the packed projection cast as they are keep its strides, and the forward pass
+            # would copy each again (3 copies per call saved).
+            q32, k32, v32 = (t.to(torch.float32, memory_format=torch.contiguous_format)
+                             for t in (q, k, v))  # fmt: skip
             out = _WrittenOutAttention.apply(q32, k32, v32, mask, is_causal, dropout_p)
-            return out.to(q.dtype), None
+            # under autocast the next product casts as it needs; a 16-bit model wants 16 bits
+            return (out if torch.is_autocast_enabled("cpu") else out.to(q.dtype)), None
         return _WrittenOutAttention.apply(q, k, v, mask, is_causal, dropout_p), None
 
 
