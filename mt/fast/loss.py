@@ -181,8 +181,8 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
                 grad_w[:vocab].addmm_(g.t(), x, beta=0.0 if i == 0 else 1.0)
             elif i == 0:
                 grad_w[:vocab].copy_(g.t().mm(x))  # a 16-bit product, a float32 gradient
-            else:
-                grad_w[:vocab] += g.t().mm(x)
+            else:  # add_ on the view: `grad_w[:vocab] += ...` would copy the view onto itself
+                grad_w[:vocab].add_(g.t().mm(x))
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         nll_sum = nll.sum()
