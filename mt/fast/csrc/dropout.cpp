@@ -64,10 +64,38 @@ typedef int16_t i16x16 __attribute__((vector_size(32)));
 typedef int16_t i16x8 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 
-// Words [w, w + 4) of float32 x, in vector registers: mix64 on the four words' lanes, their 16
-// draws compared at once, the mask stored as 16 bytes and the kept units scaled.
-inline void drop_4words(const float* x, float* y, bool* keep, int64_t w, uint64_t seed,
-                        uint32_t dropped, float scale) {
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+// 8 elements as float32 lanes, and back: float32 as they are; bfloat16 widened (its bits
+// shifted up) and rounded back to nearest-even as c10::BFloat16 rounds (NaN to 0x7fc0), where
+// element-wise conversions ran its dropout at a fifth of float32's speed.
+inline mt_vec::fvec load8(const float* p) { return mt_vec::load(p); }
+inline void store8(float* p, mt_vec::fvec v) { mt_vec::store(p, v); }
+
+inline mt_vec::fvec load8(const c10::BFloat16* p) {
+  u16x8 in;
+  std::memcpy(&in, p, sizeof in);
+  return reinterpret_cast<mt_vec::fvec>(__builtin_convertvector(in, u32x8) << 16);
+}
+
+inline void store8(c10::BFloat16* p, mt_vec::fvec v) {
+  const u32x8 u = reinterpret_cast<u32x8>(v);
+  const u32x8 rounded = (u + (((u >> 16) & 1u) + 0x7fffu)) >> 16;
+  const u32x8 out = v != v ? u32x8{} + 0x7fc0u : rounded;  // NaN: c10's quiet NaN
+  const u16x8 narrow = __builtin_convertvector(out, u16x8);
+  std::memcpy(p, &narrow, sizeof narrow);
+}
+
+// The element types with a vector path (load8 / store8); float16 takes drop_word alone.
+template <typename T>
+constexpr bool kVectorType = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+// Words [w, w + 4) of x, in vector registers: mix64 on the four words' lanes, their 16 draws
+// compared at once, the mask stored as 16 bytes and the kept units scaled in float32.
+template <typename T>
+inline void drop_4words(const T* x, T* y, bool* keep, int64_t w, uint64_t seed, uint32_t dropped,
+                        float scale) {
   const u64x4 index = {static_cast<uint64_t>(w + 1), static_cast<uint64_t>(w + 2),
                        static_cast<uint64_t>(w + 3), static_cast<uint64_t>(w + 4)};
   const u64x4 z = mix64(seed + index * kGamma);
@@ -85,51 +113,8 @@ inline void drop_4words(const float* x, float* y, bool* keep, int64_t w, uint64_
     std::memcpy(&kh, reinterpret_cast<const char*>(&k) + 16 * half, sizeof kh);
     const mt_vec::ivec k32 = __builtin_convertvector(kh, mt_vec::ivec);  // -1 or 0, widened
     const mt_vec::fvec factor = reinterpret_cast<mt_vec::fvec>(k32 & scale_bits);  // scale or 0
-    mt_vec::store(y + at + 8 * half, mt_vec::load(x + at + 8 * half) * factor);
+    store8(y + at + 8 * half, load8(x + at + 8 * half) * factor);
   }
-}
-
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-
-// The same for bfloat16 x: each half widened to float32 (its bits shifted up), scaled, and
-// rounded back to nearest-even as c10::BFloat16 rounds (NaN to 0x7fc0), 8 lanes at a time; the
-// element-wise conversions of the generic path below ran this at a fifth of float32's speed.
-inline void drop_4words(const c10::BFloat16* x, c10::BFloat16* y, bool* keep, int64_t w,
-                        uint64_t seed, uint32_t dropped, float scale) {
-  const u64x4 index = {static_cast<uint64_t>(w + 1), static_cast<uint64_t>(w + 2),
-                       static_cast<uint64_t>(w + 3), static_cast<uint64_t>(w + 4)};
-  const u64x4 z = mix64(seed + index * kGamma);
-  u16x16 d;
-  std::memcpy(&d, &z, sizeof d);
-  const i16x16 k = d >= static_cast<uint16_t>(dropped);
-  const int64_t at = 4 * w;
-  const i8x16 bytes = __builtin_convertvector(-k, i8x16);
-  std::memcpy(keep + at, &bytes, sizeof bytes);
-  int32_t bits;
-  std::memcpy(&bits, &scale, sizeof bits);
-  const mt_vec::ivec scale_bits = mt_vec::ivec{} + bits;
-  for (int half = 0; half < 2; ++half) {
-    i16x8 kh;
-    std::memcpy(&kh, reinterpret_cast<const char*>(&k) + 16 * half, sizeof kh);
-    const mt_vec::ivec k32 = __builtin_convertvector(kh, mt_vec::ivec);
-    const mt_vec::fvec factor = reinterpret_cast<mt_vec::fvec>(k32 & scale_bits);
-    u16x8 in;
-    std::memcpy(&in, x + at + 8 * half, sizeof in);
-    const u32x8 wide = __builtin_convertvector(in, u32x8) << 16;
-    const mt_vec::fvec v = reinterpret_cast<mt_vec::fvec>(wide) * factor;
-    const u32x8 u = reinterpret_cast<u32x8>(v);
-    const u32x8 rounded = (u + (((u >> 16) & 1u) + 0x7fffu)) >> 16;
-    const u32x8 out = v != v ? u32x8{} + 0x7fc0u : rounded;  // NaN: c10's quiet NaN
-    const u16x8 narrow = __builtin_convertvector(out, u16x8);
-    std::memcpy(y + at + 8 * half, &narrow, sizeof narrow);
-  }
-}
-
-template <typename T>
-inline void drop_4words(const T* x, T* y, bool* keep, int64_t w, uint64_t seed, uint32_t dropped,
-                        float scale) {
-  for (int i = 0; i < 4; ++i) drop_word(x, y, keep, w + i, 4, seed, dropped, scale);
 }
 
 template <typename T>
@@ -138,7 +123,7 @@ void drop(const T* x, T* y, bool* keep, int64_t n, uint64_t seed, uint32_t dropp
   at::parallel_for(0, words, kGrain, [&](int64_t begin, int64_t end) {
     const int64_t stop = end < whole ? end : whole;
     int64_t w = begin;
-    if (kVectorPath) {
+    if constexpr (kVectorPath && kVectorType<T>) {
       for (; w + 4 <= stop; w += 4) drop_4words(x, y, keep, w, seed, dropped, scale);
     }
     for (; w < stop; ++w) drop_word(x, y, keep, w, 4, seed, dropped, scale);
