@@ -298,6 +298,28 @@ def test_the_real_training_probe_runs_quickly_on_this_cpu(tmp_path, monkeypatch)
     assert (tmp_path / "probes.json").is_file()
 
 
+def test_the_real_projection_probe_runs_quickly_and_is_cached(tmp_path, monkeypatch):
+    """The loss projection's probe itself (torch's products against oneDNN's at the loss's
+    block shape), on this CPU: quick, and cached with both figures."""
+    from mt.fast.loss import projected_block_rows
+    from mt.fast.onednn import bucket_rows, onednn_available
+    from mt.fast.training import onednn_projection
+
+    monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})
+    model = build_model(ModelConfig(N=1, d_model=64, d_ff=128, h=4), 1000)
+    start = time.perf_counter()
+    on_onednn = onednn_projection(model, torch.device("cpu"), tmp_path)
+    assert isinstance(on_onednn, bool) and time.perf_counter() - start < 10
+    if not onednn_available():
+        assert not on_onednn
+        return
+    entries = json.loads((tmp_path / "probes.json").read_text())
+    rows = projected_block_rows(1000, "cpu", bucket_rows)  # 4,194 rows' scores: 16 MB
+    (key,) = [k for k in entries if k.startswith(f"train.projection|projection {rows}x64x1000|")]
+    assert entries[key]["choice"] == ("onednn" if on_onednn else "torch")
+    assert set(entries[key]["figures"]) == {"torch", "onednn"}
+
+
 INDUCTOR_RANK = """
 import json, sys
 import numpy as np

@@ -601,3 +601,56 @@ def test_training_products_follow_the_probe(monkeypatch):
         kinds = {type(m) for m in for_training(model, torch.device("cpu"), True, "fp32").modules()}
         assert (Linear in kinds) == (faster == "onednn" and onednn_available())
         assert Dropout in kinds  # the rest of the copy either way
+
+
+def test_the_losss_projection_follows_its_own_probe(monkeypatch):
+    """fp32: the blockwise loss projects onto the vocabulary with oneDNN's products where its
+    own probe (at the loss's block shape) measures them faster, whatever the layers' probe
+    chose (on an AMD Zen 4 torch's won the layers and oneDNN the projection); bf16 never asks."""
+    import mt.fast.probe
+    from mt.fast.loss import projected_block_rows
+
+    model = build_model(CFG, vocab_size=40)
+    asked: dict[str, str] = {}
+    winners: dict[str, str] = {}
+
+    def choose(what, device, shape, make, candidates, *args, **kwargs):
+        asked[what] = shape
+        return winners[what]
+
+    monkeypatch.setattr(mt.fast.probe, "choose", choose)
+    cpu = torch.device("cpu")
+    for layers in ("torch", "onednn"):
+        for projection in ("torch", "onednn"):
+            winners.update({"train.products": layers, "train.projection": projection})
+            asked.clear()
+            fwd = for_training(model, cpu, True, "fp32")
+            if not onednn_available():
+                assert fwd.product is F.linear and not asked
+                continue
+            kinds = {type(m) for m in fwd.modules()}
+            assert (Linear in kinds) == (layers == "onednn")
+            assert fwd.product is (linear if projection == "onednn" else F.linear)
+            assert fwd.bucket is (bucket_rows if projection == "onednn" else None)
+            rows = projected_block_rows(40, "cpu", bucket_rows)
+            assert asked["train.projection"] == f"projection {rows}x{CFG.d_model}x40"
+    asked.clear()
+    fwd = for_training(model, cpu, True, "bf16")
+    assert "train.projection" not in asked and fwd.product is bucketed_linear
+
+
+def test_the_projection_probe_times_a_loss_blocks_two_products():
+    """projection_step: the block's scores x W^T and its input gradient G W (W^T passed as the
+    weight, as the loss passes it), the kernels built on a call before the timing."""
+    from mt.fast.precision import projection_step
+
+    seen = []
+
+    def product(x, w, bias=None):
+        seen.append((tuple(x.shape), tuple(w.shape)))
+        return F.linear(x, w, bias)
+
+    step = projection_step(12, 8, 40, torch.device("cpu"), product)
+    assert seen == [((12, 8), (40, 8)), ((12, 40), (8, 40))]
+    step()
+    assert len(seen) == 4 and seen[2:] == seen[:2]

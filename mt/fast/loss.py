@@ -214,11 +214,23 @@ BLOCKWISE_MIN_ROWS = 256  # fewer rows make G^T h a thin, slow product
 GPU_BLOCKWISE_BLOCK_BYTES = 1 << 29
 
 
-def projected_block_rows(vocab: int, device: torch.device | str) -> int:
-    """Rows per block of :func:`projected_cross_entropy` on ``device``."""
+def projected_block_rows(
+    vocab: int, device: torch.device | str, bucket: Callable[[int], int] | None = None
+) -> int:
+    """Rows per block of :func:`projected_cross_entropy` on ``device`` (with ``bucket``, the
+    row counts a product pads to: the largest such count at most that)."""
     if torch.device(device).type == "cuda":
-        return max(1024, GPU_BLOCKWISE_BLOCK_BYTES // (4 * max(vocab, 1)))
-    return max(BLOCKWISE_MIN_ROWS, BLOCKWISE_BLOCK_BYTES // (4 * max(vocab, 1)))
+        rows = max(1024, GPU_BLOCKWISE_BLOCK_BYTES // (4 * max(vocab, 1)))
+    else:
+        rows = max(BLOCKWISE_MIN_ROWS, BLOCKWISE_BLOCK_BYTES // (4 * max(vocab, 1)))
+    return rows if bucket is None else _unpadded(rows, bucket)
+
+
+def _unpadded(rows: int, bucket: Callable[[int], int]) -> int:
+    """The largest row count at most ``rows`` that ``bucket`` leaves as it is (no padding)."""
+    while rows > 1 and bucket(rows) != rows:
+        rows -= 1
+    return rows
 
 
 def projected_cross_entropy(
@@ -267,10 +279,9 @@ def projected_cross_entropy(
         )
     vocab = weight.size(0) if vocab is None else vocab
     if rows is None:
-        rows = projected_block_rows(vocab, h.device)
-    if bucket is not None:  # the largest row count at most `rows` that needs no padding
-        while rows > 1 and bucket(rows) != rows:
-            rows -= 1
+        rows = projected_block_rows(vocab, h.device, bucket)
+    elif bucket is not None:
+        rows = _unpadded(rows, bucket)
     device = h.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
     with torch.autocast(device, enabled=False):

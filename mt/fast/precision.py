@@ -122,6 +122,24 @@ def layer_step(precision: str, n: int, d: int, f: int, device: torch.device, pro
     return step
 
 
+def projection_step(n: int, d: int, vocab: int, device: torch.device, product):
+    """The two products of one block of the blockwise loss (``mt.fast.loss``) in float32 with
+    ``product`` (a ``linear(x, weight)``): the scores ``x W^T`` of ``n`` rows and the input
+    gradient ``G W`` (``W^T`` as the weight, as the loss passes it). The weight gradient
+    ``G^T x`` is torch's whatever the product, so it is left out. Kernels are built on the
+    call made here, before timing."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x, w, grad = (torch.randn(*s, generator=g).to(device)
+                  for s in ((n, d), (vocab, d), (n, vocab)))  # fmt: skip
+
+    def step() -> None:
+        product(x, w)
+        product(grad, w.t())
+
+    step()
+    return step
+
+
 def set_fp32_precision(device: torch.device, tf32: bool) -> None:
     """On CUDA, let float32 matrix products use TF32 tensor cores (``train.tf32``): a 10-bit
     mantissa for the inputs, float32 accumulation. CPUs are left alone."""
