@@ -355,6 +355,23 @@ def test_smoothed_ce_kernel_computes_the_formula(ce, dtype, V, scale, eps):
         torch.testing.assert_close(z[:rows].float(), rounded.float(), rtol=8e-3, atol=1e-6)
 
 
+@pytest.mark.parametrize("V", [1003, 8, 77])
+def test_smoothed_ce_kernels_bfloat16_gradient_is_its_float32_one_rounded(ce, V):
+    """bfloat16 scores are widened exactly, so the gradient written for them is the float32
+    one of the same values rounded to nearest even as torch rounds, bit for bit: eight lanes at
+    a time, and in the scalar tail where V is off the vector width."""
+    g = torch.Generator().manual_seed(V + 1)
+    z16 = (torch.randn(13, V, generator=g) * 3.0).bfloat16()
+    target = torch.randint(0, V, (11,), generator=g)
+    target[0] = V - 1
+    eps_i = 0.1 / (V - 1)
+    z32 = z16.float()
+    sums32 = ce(z32, target, 11, eps_i, -(1 - 0.1 - eps_i), True)
+    sums16 = ce(z16, target, 11, eps_i, -(1 - 0.1 - eps_i), True)
+    assert all(torch.equal(a, b) for a, b in zip(sums32, sums16))
+    assert torch.equal(z16.view(torch.int16), z32.bfloat16().view(torch.int16))
+
+
 def test_smoothed_ce_kernel_names_what_it_cannot_take(ce):
     z, t = torch.zeros(3, 5), torch.tensor([1, 2])
     with pytest.raises(RuntimeError, match="outside"):

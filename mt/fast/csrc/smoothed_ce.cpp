@@ -49,6 +49,28 @@ inline uint16_t narrow(float f) {  // round to nearest even; NaN stays NaN
   return static_cast<uint16_t>(u >> 16);
 }
 
+// The same two, eight lanes at a time.
+typedef uint32_t u32x8 __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t u16x8 __attribute__((vector_size(kLanes * 2)));
+
+inline fvec widen8(const uint16_t* p) {
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x8 u = __builtin_convertvector(h, u32x8) << 16;
+  fvec f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline void narrow8(uint16_t* p, fvec f) {
+  u32x8 u;
+  std::memcpy(&u, &f, sizeof u);
+  const u32x8 rounded = (u + (0x7fffu + ((u >> 16) & 1u))) >> 16;
+  const u32x8 nan = (u >> 16) | 0x40u;
+  const u16x8 h = __builtin_convertvector((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded, u16x8);
+  std::memcpy(p, &h, sizeof h);
+}
+
 inline float hmax(fvec x) {
   float m = x[0];
   for (int i = 1; i < kLanes; ++i) m = x[i] > m ? x[i] : m;
@@ -106,7 +128,7 @@ void row_gradient(const float* z, int64_t V, float lse, float eps_i, float* g, u
     if (g != nullptr) {
       store(g + j, p);
     } else {
-      for (int i = 0; i < kLanes; ++i) g16[j + i] = narrow(p[i]);
+      narrow8(g16 + j, p);
     }
   }
   for (; j < V; ++j) {
@@ -159,7 +181,10 @@ std::tuple<at::Tensor, at::Tensor> smoothed_ce(at::Tensor z, const at::Tensor& t
       }
       const float* row = z32 + i * V;
       if (bf16) {
-        for (int64_t j = 0; j < V; ++j) wide[j] = widen(z16[i * V + j]);
+        const uint16_t* in = z16 + i * V;
+        int64_t j = 0;
+        for (; j + kLanes <= V; j += kLanes) store(wide.data() + j, widen8(in + j));
+        for (; j < V; ++j) wide[j] = widen(in[j]);
         row = wide.data();
       }
       const RowStats st = row_stats(row, V);
