@@ -206,6 +206,7 @@ def test_auto_decode_precision_follows_the_probe(model, monkeypatch):
 
     monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})
     monkeypatch.setattr(mt.fast.probe.ProbeCache, "get", lambda self, key: None)
+    monkeypatch.setattr(mt.fast.probe.ProbeCache, "put", lambda self, key, entry: None)
     shapes = []
 
     def measure(make, candidates, size, screen_size, sync=None):
@@ -262,6 +263,7 @@ def test_auto_onednn_decodes_with_whichever_products_measure_faster(model, monke
     from mt.fast.attention import ShortQueryAttention
 
     monkeypatch.setattr(mt.fast.probe.ProbeCache, "get", lambda self, key: None)
+    monkeypatch.setattr(mt.fast.probe.ProbeCache, "put", lambda self, key, entry: None)
     built = {"torch": True, "onednn": onednn_available(), "mt": native.f32_linear() is not None}
     products = {"torch": nn.Linear, "onednn": OneDNNLinear, "mt": Fp32Linear}
     for faster, product in products.items():

@@ -410,6 +410,8 @@ def test_auto_precision_is_bf16_only_where_the_hardware_has_it(tmp_path, monkeyp
     monkeypatch.setattr(mt.fast.probe, "measure", lambda *a, **k: dict(figures))
     monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})
     monkeypatch.setattr(mt.fast.probe.ProbeCache, "get", lambda self, key: None)
+    # the given figures must not reach the session's shared cache: later runs would read them
+    monkeypatch.setattr(mt.fast.probe.ProbeCache, "put", lambda self, key, entry: None)
     seen = []
     autocast = mt.train.update.autocast
 
