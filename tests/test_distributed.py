@@ -293,3 +293,42 @@ def test_ddp_wrap_asks_for_no_buffer_sync_without_deprecation_warnings(tmp_path)
         # destroy_process_group, gloo's destructor once hung joining its thread (a CI run).
         del wrapped
         distributed.cleanup()  # mt's own way out of the group
+
+
+def test_the_other_ranks_take_rank_0s_kernel_choices(tmp_path, monkeypatch):
+    """In a distributed run rank 0 builds the training module first, probing its kernels, and
+    broadcasts its choices; another rank adopts them and probes nothing (all ranks probing at
+    once on shared cores would skew the figures, and could choose differently)."""
+    import mt.fast.probe
+    import mt.train.recipe as recipe
+    from mt.fast.onednn import Linear, linear, onednn_available
+    from mt.model.transformer import build_model
+
+    if not onednn_available():
+        pytest.skip("no oneDNN linear kernel: nothing to choose between")
+    cfg = _cfg(tmp_path / "run", "train.precision=fp32")
+    raw = build_model(cfg.model, 40)
+    monkeypatch.setattr(mt.fast.probe.ProbeCache, "get", lambda self, key: None)
+    monkeypatch.setattr(mt.fast.probe.ProbeCache, "put", lambda self, key, entry: None)
+    sent = []
+
+    def broadcast(obj):
+        sent.append(obj)
+        return obj
+
+    monkeypatch.setattr(distributed, "broadcast_object", broadcast)
+    monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})
+    monkeypatch.setattr(
+        mt.fast.probe, "measure", lambda *a, **k: {"torch": 2.0, "onednn": 1.0}
+    )  # oneDNN measured faster on rank 0
+    rank0 = recipe._training_forward(raw, cfg, distributed.DistInfo(rank=0, world_size=2))
+    (decisions,) = sent
+    assert sorted(k.split("|")[0] for k in decisions) == ["train.products", "train.projection"]
+
+    monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})  # rank 1: a process of its own
+    monkeypatch.setattr(mt.fast.probe, "measure", lambda *a, **k: pytest.fail("rank 1 probed"))
+    monkeypatch.setattr(distributed, "broadcast_object", lambda obj: decisions)
+    rank1 = recipe._training_forward(raw, cfg, distributed.DistInfo(rank=1, world_size=2))
+    for forward in (rank0, rank1):
+        assert forward.product is linear
+        assert any(type(m) is Linear for m in forward.modules())

@@ -165,6 +165,19 @@ def choose(
     return choice
 
 
+def decided() -> dict[str, str]:
+    """What this process has decided so far (key -> choice), for :func:`adopt` elsewhere."""
+    return dict(_DECIDED)
+
+
+def adopt(decisions: dict[str, str]) -> None:
+    """Take another process's :func:`decided` as this one's: the ranks of a distributed run on
+    one machine run rank 0's kernels instead of each probing its own, all at once on shared
+    cores (which skews every rank's figures) and possibly choosing differently. A key names
+    the machine and thread count, so a rank elsewhere still probes where it differs."""
+    _DECIDED.update(decisions)
+
+
 def _shown(figures: dict) -> str:
     return ", ".join(
         f"{c} {'ruled out' if t is None else f'{t * 1000:.1f} ms'}" for c, t in figures.items()

@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 import torch
 
+import mt.fast.probe as probe
 from mt import distributed
 from mt.allocator import describe_allocator
 from mt.checkpoint import (
@@ -238,10 +239,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     # The module the training step runs: on a CPU, a copy with faster kernels sharing raw's
     # parameters (mt.fast.for_training), with train.master_weights a 16-bit copy following
     # them; compiled, then wrapped in DDP.
-    forward = for_training(
-        raw, info.device, tc.cpu_kernels, tc.precision, tc.compile, tc.max_tokens, cfg.cache_dir,
-        tc.master_weights,
-    )
+    forward = _training_forward(raw, cfg, info)
     model = compile_model(forward, tc)
     model = distributed.wrap(model, info)
     data = TrainBatches(prepared, cfg, info.rank, info.world_size)
@@ -382,6 +380,29 @@ def _prepared(cfg: Config, info: distributed.DistInfo):
         error = err
     distributed.check_all(error, "loading the prepared data")
     return prepared
+
+
+def _training_forward(raw: torch.nn.Module, cfg: Config, info: distributed.DistInfo):
+    """``mt.fast.for_training``'s module for ``raw``. In a distributed run rank 0 builds it
+    first, probing the kernels it chooses by (``train.products``, ``train.projection``), and
+    the other ranks take rank 0's choices (``mt.fast.probe.adopt``), as they take its
+    precision: one probe instead of one per rank at once, and every rank on the same kernels."""
+    tc = cfg.train
+
+    def build():
+        return for_training(
+            raw, info.device, tc.cpu_kernels, tc.precision, tc.compile, tc.max_tokens,
+            cfg.cache_dir, tc.master_weights,
+        )  # fmt: skip
+
+    if not info.distributed:
+        return build()
+    forward = build() if info.is_main else None
+    decisions = distributed.broadcast_object(probe.decided() if info.is_main else None)
+    if forward is None:
+        probe.adopt(decisions)
+        forward = build()
+    return forward
 
 
 def _precision(cfg: Config, info: distributed.DistInfo) -> str:
