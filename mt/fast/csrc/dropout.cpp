@@ -64,27 +64,18 @@ typedef int16_t i16x16 __attribute__((vector_size(32)));
 typedef int16_t i16x8 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-
-// 8 elements as float32 lanes, and back: float32 as they are; bfloat16 widened (its bits
-// shifted up) and rounded back to nearest-even as c10::BFloat16 rounds (NaN to 0x7fc0), where
-// element-wise conversions ran its dropout at a fifth of float32's speed.
+// 8 elements as float32 lanes, and back: float32 as they are; bfloat16 through vec.h's
+// load_bf16 / store_bf16 (rounded as c10::BFloat16 rounds), where element-wise conversions ran
+// its dropout at a fifth of float32's speed.
 inline mt_vec::fvec load8(const float* p) { return mt_vec::load(p); }
 inline void store8(float* p, mt_vec::fvec v) { mt_vec::store(p, v); }
 
 inline mt_vec::fvec load8(const c10::BFloat16* p) {
-  u16x8 in;
-  std::memcpy(&in, p, sizeof in);
-  return reinterpret_cast<mt_vec::fvec>(__builtin_convertvector(in, u32x8) << 16);
+  return mt_vec::load_bf16(reinterpret_cast<const uint16_t*>(p));
 }
 
 inline void store8(c10::BFloat16* p, mt_vec::fvec v) {
-  const u32x8 u = reinterpret_cast<u32x8>(v);
-  const u32x8 rounded = (u + (((u >> 16) & 1u) + 0x7fffu)) >> 16;
-  const u32x8 out = v != v ? u32x8{} + 0x7fc0u : rounded;  // NaN: c10's quiet NaN
-  const u16x8 narrow = __builtin_convertvector(out, u16x8);
-  std::memcpy(p, &narrow, sizeof narrow);
+  mt_vec::store_bf16(reinterpret_cast<uint16_t*>(p), v);
 }
 
 // The element types with a vector path (load8 / store8); float16 takes drop_word alone.

@@ -14,7 +14,7 @@
 //
 // float32 arithmetic but for the sums of the row (double across lanes) and an exp of relative
 // error ~1e-7 (vec.h); bfloat16 rows are widened exactly and the gradient is rounded to nearest
-// even, as a cast of the float32 gradient would be.
+// even, as a cast of the float32 gradient would be (vec.h's bfloat16 conversions).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -33,43 +33,6 @@
 namespace {
 
 using namespace mt_vec;
-
-inline float widen(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline uint16_t narrow(float f) {  // round to nearest even; NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-// The same two, eight lanes at a time.
-typedef uint32_t u32x8 __attribute__((vector_size(kLanes * 4)));
-typedef uint16_t u16x8 __attribute__((vector_size(kLanes * 2)));
-
-inline fvec widen8(const uint16_t* p) {
-  u16x8 h;
-  std::memcpy(&h, p, sizeof h);
-  const u32x8 u = __builtin_convertvector(h, u32x8) << 16;
-  fvec f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline void narrow8(uint16_t* p, fvec f) {
-  u32x8 u;
-  std::memcpy(&u, &f, sizeof u);
-  const u32x8 rounded = (u + (0x7fffu + ((u >> 16) & 1u))) >> 16;
-  const u32x8 nan = (u >> 16) | 0x40u;
-  const u16x8 h = __builtin_convertvector((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded, u16x8);
-  std::memcpy(p, &h, sizeof h);
-}
 
 inline float hmax(fvec x) {
   float m = x[0];
@@ -128,7 +91,7 @@ void row_gradient(const float* z, int64_t V, float lse, float eps_i, float* g, u
     if (g != nullptr) {
       store(g + j, p);
     } else {
-      narrow8(g16 + j, p);
+      store_bf16(g16 + j, p);
     }
   }
   for (; j < V; ++j) {
@@ -136,7 +99,7 @@ void row_gradient(const float* z, int64_t V, float lse, float eps_i, float* g, u
     if (g != nullptr) {
       g[j] = p;
     } else {
-      g16[j] = narrow(p);
+      g16[j] = float_to_bf16(p);
     }
   }
 }
@@ -183,8 +146,8 @@ std::tuple<at::Tensor, at::Tensor> smoothed_ce(at::Tensor z, const at::Tensor& t
       if (bf16) {
         const uint16_t* in = z16 + i * V;
         int64_t j = 0;
-        for (; j + kLanes <= V; j += kLanes) store(wide.data() + j, widen8(in + j));
-        for (; j < V; ++j) wide[j] = widen(in[j]);
+        for (; j + kLanes <= V; j += kLanes) store(wide.data() + j, load_bf16(in + j));
+        for (; j < V; ++j) wide[j] = bf16_to_float(in[j]);
         row = wide.data();
       }
       const RowStats st = row_stats(row, V);
@@ -197,7 +160,7 @@ std::tuple<at::Tensor, at::Tensor> smoothed_ce(at::Tensor z, const at::Tensor& t
           static_cast<float>(std::exp(static_cast<double>(zt) - st.lse)) - ei + on;
       if (bf16) {
         row_gradient(row, V, st.lse, ei, nullptr, z16 + i * V);
-        z16[i * V + target_id] = narrow(gt);
+        z16[i * V + target_id] = float_to_bf16(gt);
       } else {
         row_gradient(row, V, st.lse, ei, z32 + i * V, nullptr);
         z32[i * V + target_id] = gt;

@@ -46,6 +46,39 @@ inline fvec load(const float* p) {
 
 inline void store(float* p, fvec x) { std::memcpy(p, &x, sizeof x); }
 
+// bfloat16, as its 16 bits, to and from float32: widened exactly (the bits shifted up), and
+// rounded back to nearest even as c10::BFloat16 rounds, NaN to its quiet NaN 0x7fc0 (what a
+// cast in torch gives); one element, or 8 lanes at a time (dropout.cpp, smoothed_ce.cpp).
+typedef uint16_t u16x8 __attribute__((vector_size(kLanes * 2)));
+typedef uint32_t u32x8 __attribute__((vector_size(kLanes * 4)));
+
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  if (f != f) return 0x7fc0u;
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline fvec load_bf16(const uint16_t* p) {
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<fvec>(__builtin_convertvector(h, u32x8) << 16);
+}
+
+inline void store_bf16(uint16_t* p, fvec v) {
+  const u32x8 u = reinterpret_cast<u32x8>(v);
+  const u32x8 rounded = (u + (0x7fffu + ((u >> 16) & 1u))) >> 16;
+  const u16x8 h = __builtin_convertvector(v != v ? u32x8{} + 0x7fc0u : rounded, u16x8);
+  std::memcpy(p, &h, sizeof h);
+}
+
 // The lanes of x added up, as a tree of halves (a loop of adds would wait on each other).
 inline float hsum(fvec x) {
   f4v lo, hi;
