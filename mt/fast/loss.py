@@ -39,7 +39,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         lse, nll, smooth = (logits.new_empty(N, dtype=acc) for _ in range(3))
         for i in range(0, N, rows):
             # One block, cast once: element-wise ops that mix bfloat16 and float32 operands
-            # take torch's slow per-element casting loop on a CPU (5-10x a plain float pass).
+            # take torch's slow per-element casting loop on a CPU (many times a plain pass).
             z, t = logits[i : i + rows].to(acc), target[i : i + rows].unsqueeze(-1)
             lp = torch.log_softmax(z, dim=-1)  # float32 at least
             nll[i : i + rows] = -lp.gather(-1, t).squeeze(-1)

@@ -9,8 +9,8 @@ time (docs/performance.md).
 
 With master weights the passes run on a 16-bit working copy of the model instead, with no
 autocast: its weights, activations, LayerNorms and gradients are 16-bit (the loss still scores
-in float32, block by block): a tenth of the casts in the same passes. The optimiser keeps the
-float32 weights, the masters: before each update's passes the working copy takes their values (one
+in float32, block by block): far fewer casts in the same passes. The optimiser keeps the float32
+weights, the masters: before each update's passes the working copy takes their values (one
 multi-tensor copy), and after the backward passes they take its gradients as float32 (another);
 clipping, the finite check, the loss scale of fp16 and Adam all see float32, as without it.
 Checkpoints, validation and averaging use the float32 model, which is the master. This is
