@@ -1,20 +1,13 @@
 """The memory allocator of an mt command: tcmalloc or jemalloc where installed, else glibc's.
 
 glibc's malloc fragments under training: the first validation leaves small blocks inside the
-heap that training's large temporaries had used, and the heap grows by ~70-90 MB in the updates
-after it. The default recipe on an AMD Zen 3 (fp32, 600 updates, validation every 200; resident
-memory at the first validation -> the last -> after averaging the last checkpoints, wall time):
-
-    glibc (mt's held-memory setting)   919 -> 1,012 (+10.1%) -> 1,042 MB   614 s
-    tcmalloc (gperftools, defaults)    774 ->   827  (+6.9%) ->   857 MB   571 s
-    jemalloc (JEMALLOC_CONF)           751 ->   787  (+4.8%) ->   818 MB   595 s
-
-and ``make bench`` train, three alternating rounds, target tokens/s: small 1,808-2,187 glibc,
-1,856-2,202 tcmalloc, 1,674-1,928 jemalloc; base 297-366, 312-379, 317-367. tcmalloc is the
-first choice (torch's own CPU launcher, ``torch.backends.xeon.run_cpu``, prefers it too), then
-jemalloc. A library replaces malloc only when it is loaded before the program (``LD_PRELOAD``),
-so an mt command executes itself again with it preloaded (:func:`preload_allocator`), before
-importing torch; this module imports nothing heavy for that reason.
+heap that training's large temporaries had used, and the heap keeps growing in the updates after
+it. tcmalloc and jemalloc keep a run's resident memory lower and flatter at the same speed or
+better (the figures: docs/performance.md). tcmalloc is the first choice (torch's own CPU
+launcher, ``torch.backends.xeon.run_cpu``, prefers it too), then jemalloc. A library replaces
+malloc only when it is loaded before the program (``LD_PRELOAD``), so an mt command executes
+itself again with it preloaded (:func:`preload_allocator`), before importing torch; this module
+imports nothing heavy for that reason.
 
 Every mt command also bounds the caches of built products that oneDNN and torch's front end to
 it keep (:func:`bound_onednn_kernels`), likewise before torch is imported.
@@ -34,8 +27,8 @@ from pathlib import Path
 
 ALLOCATOR_ENV = "MT_ALLOCATOR"  # auto | tcmalloc | jemalloc | system
 # jemalloc's settings: torch's CPU launcher's (torch.backends.xeon.run_cpu), and freed pages
-# never returned to the kernel ("decay" -1), as hold_freed_memory does for glibc. With jemalloc's
-# default decay (10 s) the default recipe's first 600 updates took 687 s instead of 595 (Zen 3).
+# never returned to the kernel ("decay" -1), as hold_freed_memory does for glibc: with jemalloc's
+# default decay (10 s) training pays for faulting the same pages in again and again.
 JEMALLOC_CONF = (
     "oversize_threshold:1,background_thread:true,metadata_thp:auto,"
     "dirty_decay_ms:-1,muzzy_decay_ms:-1"
@@ -215,32 +208,24 @@ def bound_onednn_kernels(capacity: int = ONEDNN_KERNELS) -> bool:
     oneDNN product runs (both are read when the first product is built). Returns whether a
     cap was set here.
 
-    oneDNN builds a kernel per product shape and keeps the last 1,024 it built, ~1 MB each in
-    bfloat16. Training under CPU autocast gives its products (torch's own, on oneDNN) new
-    shapes at most steps: batch lengths vary, and so do a product's rows and the attention's
-    (B, T, S). On an AMD Zen 4, 300 updates of the default recipe in bf16 peaked at 2.72 GB
-    resident with the default cache and 1.76 GB with 64 kernels, and ran no slower (2 min 26 s
-    against 2 min 50 s: building a kernel again costs less than faulting in new memory). Once
-    the attention's batched products stayed out of oneDNN (``mt.fast.attention``), 16 kernels
-    peaked 120 MB lower than 64 at the same speed (``make bench train`` on Multi30k batches,
-    three alternating rounds: 4,692 against 4,717 target tokens/s). Float32 products on MKL
-    keep no such cache.
+    oneDNN builds a kernel per product shape and keeps the last 1,024 it built, each of them
+    large in bfloat16. Training under CPU autocast gives its products (torch's own, on oneDNN)
+    new shapes at most steps: batch lengths vary, and so do a product's rows and the
+    attention's (B, T, S), so a full cache mostly holds kernels that are never used again.
+    Building a kernel again costs less than faulting in the memory a large cache takes, so a
+    small cache trains as fast at a much lower peak; with the attention's batched products kept
+    out of oneDNN (``mt.fast.attention``) 16 kernels are enough. Float32 products on MKL keep
+    no such cache.
 
     ideep keeps 1,024 built products of its own (``LRU_CACHE_CAPACITY``), each holding its
-    kernel: validation's decoding (oneDNN float32 products at many row counts) left 63 MB held
-    for the rest of a run with both caches at their defaults, 32 MB with oneDNN's at 16 (AMD
-    Zen 3, the default recipe's model after 600 updates, 1,014 sentences; heap in use after
-    validation: +34 MB at 1,024 products, +21 at 64, +7 at 16, decoding no slower). Training
-    on oneDNN's float32 products (the choice where they are faster, e.g. an AMD Zen 4) held
-    290 MB of heap after 80 updates at 1,024, 244 MB at 16, and ran no slower (67-72 s against
-    71-81 s, two rounds each on the Zen 3 with the choice forced).
+    kernel: validation's decoding (oneDNN float32 products at many row counts) would leave
+    their memory held for the rest of a run, and so would training on oneDNN's float32
+    products (the choice where they are faster).
 
     Every mt command sets the caps (decoding meets a new row count whenever a beam's
-    hypotheses end): a process that decodes like mt-serve, on oneDNN's products, the trained
-    Multi30k model (AMD Zen 3), the 1,000 test sentences with beam 5 in batches of 64, then 150
-    requests of 1-16 sentences, held 199 -> 280 -> 333 MB of heap at the default caps and 156
-    MB throughout at 16, in the same time (test set 19.3 / 18.4 s against 15.3 / 19.9 s;
-    requests 52.0 / 50.3 s against 52.6 / 54.1 s, two rounds).
+    hypotheses end): a process that decodes like mt-serve keeps a flat heap at 16 where the
+    default caps let it grow with every new batch shape, in the same time. The figures that
+    chose 16: docs/performance.md.
     """
     caps = (  # each setting under the names a user may have given it, the one set here first
         ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"),

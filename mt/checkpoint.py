@@ -281,9 +281,8 @@ def average_checkpoints(
     for i, path in enumerate(paths):
         # Mapped, not read: whole checkpoints (Adam's state included) read into the heap of a
         # training process, which keeps freed memory, raised its peak at the end of the run;
-        # mapped, only the weights are read (the default run's last 5, in isolation: +135 MB
-        # resident read, +33 MB mapped). One file at a time: the pages read from a mapping
-        # count as the process's resident memory until it is released.
+        # mapped, only the weights are read, a fraction of the file. One file at a time: the
+        # pages read from a mapping count as the process's resident memory until it is released.
         ckpt = load_checkpoint(path, mmap=True)
         weights = ckpt["model"]
         reference = total if i > 0 else into  # names and shapes every file must have

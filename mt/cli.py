@@ -51,7 +51,7 @@ def _hydra_app(task: Callable[[Config], object], command: str) -> Callable[[], N
             except ValueError as err:
                 sys.exit(f"{tool}: {err}")
         # Hydra after the allocator's decision: a process that is executed again under the
-        # allocator would import it twice (~0.3 s of a command's start)
+        # allocator would import it twice (a noticeable part of a command's start)
         import hydra
 
         from mt.config import command_overrides, conf_dir, register_schema, to_config

@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--blas", choices=("default", "cublas", "cublaslt"), default="default",
         help="CUDA: the library torch's matrix products use (torch.backends.cuda."
-        "preferred_blas_library); cuBLASLt's host setup of a product measured cheaper on an H200",
+        "preferred_blas_library); cuBLASLt's host setup of a product can be the cheaper",
     )  # fmt: skip
     train.add_argument(
         "--cpu-kernels",

@@ -1,6 +1,6 @@
 """``make gpu-check``: everything this project wants measured on a GPU, in one command.
 
-Whoever is lent a GPU runs this once; it fits in a time budget (``--budget``) and writes one
+On a machine with a GPU, run this once; it fits in a time budget (``--budget``) and writes one
 folder (``--out``, default ``$OUT`` or ``gpu-check/``) with a summary table (summary.md) and
 the raw records beside it. The steps run in the order below, the tests beside the (CPU-only)
 data preparation; each step is given what is left of the budget, and a step that cannot
@@ -25,35 +25,23 @@ start in time is listed as skipped:
    (``train.pad_multiple=8``): whether fewer distinct shapes buy back more than the padding.
 7. ``base-master``, ``big-master``: the same eager benches with a bf16 model and float32 master
    weights (``train.master_weights=true``, the WMT experiments' setting) instead of autocast;
-   ``base-master-compiled``, ``big-master-compiled`` the same, compiled. Measured on an H100
-   (c7d35c7): eager +14% tokens/s for ``base``, +16% for ``big``, 7-10% less memory.
+   ``base-master-compiled``, ``big-master-compiled`` the same, compiled (the figures that chose
+   master weights for the WMT experiments: docs/performance.md).
 8. ``multi30k-master``: step 4 again in bf16 with master weights, in a run directory of its own
    (the corpus prepared once): the test score of a bf16 model beside autocast's.
 9. ``base-master-lt``, ``big-master-lt``: the eager master-weights benches with torch's products
    on cuBLASLt (``bench train --blas cublaslt``), beside their cuBLAS twins.
 
 The default order (``--steps`` picks and orders them): tests (beside the preparation of the
-corpora), then base with master weights compiled (on an H200 at dd880bc two of its timed steps
-compiled again; one graph since, to be seen), eager, and eager on cuBLASLt; the same three for
-big; the profile; the two Multi30k runs (answered on an H100 at f30a87b: bf16 with master weights
-41.16 test BLEU, fp32 with TF32 40.43); base compiled with autocast, and what was measured on
-both GPUs before (base, big, the loader, base padded to 8, big compiled). The
-default budget, 540 s, fits one call of this workplace's device tool (10 minutes a call, 15 of
-device time a session), started fresh: a second call must follow within the machine's 30 s of
-warmth. On an H200 the first run of everything took 426 s (base compiled alone 180 s; big
-compiled was left out), the second (all but Multi30k and big eager) 476 s, of which base and
-big compiled 199 s and 187 s; on an H100 (tree 68626a4) everything but big compiled took 438 s,
-big compiled alone 238 s in a second call; on an H100 again (c7d35c7) the tests 57 s (beside
-the news corpus's preparation, 57 s), base eager 15 s, base master-compiled 237 s (two of its
-timed steps compiling again, 75 s and 62 s), base compiled over 207 s (out of budget); on an
-H100 at f30a87b the tests 62 s, the two Multi30k runs 120 s and 124 s, base master eager 12 s,
-the profile 18 s, base master-compiled over 183 s (out of budget); on an H200 at dd880bc the
-tests 50 s, big and base master-compiled 208 s and 214 s (each with two timed steps compiling
-again, 76 s and ~50 s: graph variants since removed, ``mt.fast.compile``), big master eager 16 s,
-the profile 23 s; the rest out of budget.
+corpora), then base with master weights compiled, eager, and eager on cuBLASLt; the same three
+for big; the profile; the two Multi30k runs; base compiled with autocast, then base, big, the
+loader, base padded to 8 and big compiled. The order puts first what is least often measured, so
+that a short budget still answers it. The default budget, 540 s, keeps the whole check within
+ten minutes; steps that do not fit are listed as skipped, and a second run with ``--steps``
+picks them up.
 
-Offline machines: the few packages the device image lacks travel as wheels (``.whl``, see
-README "When a GPU is lent") and the corpora as a folder (``--data-dir``); this script installs
+An offline machine: carry the wheels that scripts/gpu_wheels.sh downloads (``.whl``, the few
+packages a GPU image may lack) and the corpora as a folder (``--data-dir``); this script installs
 the wheels into a folder on ``PYTHONPATH`` first. ``--device cpu --quick`` runs the same steps
 in miniature on a CPU (what the tests do, so that the command stays ready).
 """
@@ -158,9 +146,8 @@ def bench_train(args, out: Path, env: dict, data: Path | None, preset: str,
     batches' lengths padded to multiples of 8 (fewer distinct shapes, a little more work);
     ``master``: a bf16 model and float32 master weights instead of autocast (bf16 on a CPU
     too, where it may be emulated: the miniature checks the command, not the figure); ``lt``:
-    torch's products on cuBLASLt (``--blas cublaslt``: the profile's product alone took 198 µs
-    of host time at a new row count on an H200 against cuBLAS's 243, 23 against 31 at a seen
-    one; whether a whole step gains is this bench's question)."""
+    torch's products on cuBLASLt (``--blas cublaslt``: the profile step times a product's host
+    setup under both libraries; whether a whole step gains is this bench's question)."""
     precision = "bf16" if args.device == "cuda" or master else "fp32"
     cmd = [sys.executable, "scripts/bench.py", "train", "--preset", preset,
            "--device", args.device, "--precision", precision, "--output",
@@ -320,8 +307,8 @@ def device_table(averages, rows=15):  # sorted by the GPU's time where there is 
             continue
 
 
-# The copies by shape (casts between float32 and bf16 took 16% of an H100's kernel time): one
-# more update of the batch seen before, its shapes recorded.
+# The copies by shape (casts between float32 and bf16 can be a large share of a GPU's kernel
+# time): one more update of the batch seen before, its shapes recorded.
 by_shape, _ = profiled([again], shapes=True)
 copies = [a for a in by_shape if a.key in ("aten::_to_copy", "aten::copy_")]
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The wheels `make gpu-check` needs on the lent GPU machine (Python 3.12, torch 2.11, offline):
-# what its image lacks of mt's dependencies. Run here, in the repository's root; the folders
-# .whl and .gpu-data are git-ignored and travel with the device tool's `carry`.
+# The wheels `make gpu-check` needs on an offline GPU machine (Python 3.12, torch 2.11): what
+# its image lacks of mt's dependencies. Run on a machine with network, in the repository's root;
+# the folders .whl and .gpu-data are git-ignored: carry them to the GPU machine with the tree.
 #     bash scripts/gpu_wheels.sh            # -> .whl/*.whl and .gpu-data/ (the corpora)
 set -euo pipefail
 cd "$(dirname "$0")/.."

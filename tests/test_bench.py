@@ -302,7 +302,7 @@ def test_benchmark_batches_padded_to_a_multiple(prepared_dir, tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_runs_its_steps_in_miniature_on_a_cpu(real_data, tmp_path):
-    """`make gpu-check` stays ready for the day a GPU is lent: the same steps (benchmark,
+    """`make gpu-check` stays ready for a machine with a GPU: the same steps (benchmark,
     Multi30k prepare/train/evaluate, a profiled update) run on a CPU with --quick, in the order
     ``--steps`` gives, and the summary table holds each of them."""
     env = dict(os.environ, MT_DATA_DIR=str(real_data))

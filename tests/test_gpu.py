@@ -1,7 +1,7 @@
 """Checks that run real CUDA code: each is the GPU side of a CPU test (the blockwise loss of
 test_loss, the training step of test_cpu_training, Inductor of test_acceleration, the search
 of test_search). Marked ``gpu``: skipped without a CUDA device; ``pytest -m gpu`` and
-``make gpu-check`` run them where a GPU is lent. Each check is a function of the device, so
+``make gpu-check`` run them on a machine with a GPU. Each check is a function of the device, so
 that it can be run on a CPU by hand (``python -c "import test_gpu as t; t.check_...('cpu')"``
 in tests/) before a GPU is at hand."""
 

@@ -3,7 +3,7 @@
 plan, best.pt across resumes), empty validation, preemption status, progress lines.
 
 In-process training on a tiny model over a small synthetic corpus (scripts/fault_inject.py's),
-prepared once per session."""
+prepared once per test run."""
 
 from __future__ import annotations
 

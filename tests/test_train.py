@@ -30,7 +30,7 @@ from mt.train.update import NonFiniteError
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Shared by every test so the prepared-data cache is built once per session.
+# Shared by every test so the prepared-data cache is built once per test run.
 TINY = [
     "experiment=smoke",
     "data.max_train_pairs=500",
@@ -410,7 +410,7 @@ def test_auto_precision_is_bf16_only_where_the_hardware_has_it(tmp_path, monkeyp
     monkeypatch.setattr(mt.fast.probe, "measure", lambda *a, **k: dict(figures))
     monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})
     monkeypatch.setattr(mt.fast.probe.ProbeCache, "get", lambda self, key: None)
-    # the given figures must not reach the session's shared cache: later runs would read them
+    # the given figures must not reach the shared probe cache: later runs would read them
     monkeypatch.setattr(mt.fast.probe.ProbeCache, "put", lambda self, key, entry: None)
     seen = []
     autocast = mt.train.update.autocast

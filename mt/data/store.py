@@ -73,7 +73,8 @@ class TokenArray:
     def gather(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Sequences ``idx`` at once: their ids one after another, (sum of lengths,) int64,
         and their (k,) lengths. One fancy index into the flat ids instead of a slice per
-        sequence (a memory-mapped slice costs ~5 us of Python: most of a loader's time)."""
+        sequence (a memory-mapped slice per sequence would be most of a loader's time, in
+        Python overhead)."""
         idx = np.asarray(idx, dtype=np.int64)
         starts = np.asarray(self.offsets)[idx]  # a plain view: no memmap bookkeeping
         lengths = self.lengths[idx]

@@ -206,14 +206,14 @@ def side_by_side(
     yet started cancelled).
 
     Decoding spends much of a step in Python between small products, under the interpreter's
-    lock: two threads decoding side by side then mostly wait for each other (AMD Zen 4, int8
-    greedy on real text: 495 sentences/s with 2 threads as 2 workers, 591 with one worker of 2
-    intra-op threads, 426 on one thread). So where :func:`forks_workers`, the workers are
+    lock: two threads decoding side by side then mostly wait for each other, and two thread
+    workers can be slower than one worker of two intra-op threads. So where
+    :func:`forks_workers`, the workers are
     processes forked from this one (the decoding copy and the inputs inherited, nothing pickled
     but batch indices and hypotheses), each on one thread, as CTranslate2's ``inter_threads``
-    and Marian's CPU workers are threads of their own; elsewhere threads (on an AMD Zen 3, where
-    the products dominate, two threads of one thread each outran one worker of two threads by
-    1.06-1.48x). Restored after."""
+    and Marian's CPU workers are threads of their own; elsewhere threads (where the products
+    dominate a step, workers of one thread each still outrun one worker of several threads;
+    docs/performance.md). Restored after."""
     global _JOB
     total = torch.get_num_threads()
     each = max(1, total // workers)

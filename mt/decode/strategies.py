@@ -114,7 +114,7 @@ def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     maxima (a value outside them is below k block maxima, each a different element), so the
     row's top k are the top k of those k blocks' elements. That is one vectorised pass over the
     row (``amax``) and a top-k over k x 64 candidates, where torch's CPU top-k walks every
-    element: 1.5 ms against 0.26 ms for beam 5's 32 x 40,000 block on an AMD Zen 4. The
+    element, several times slower at a beam step's rows (docs/performance.md). The
     values are torch's exactly; among equal values the index may differ (torch's is unspecified
     too).
     """
@@ -137,8 +137,8 @@ def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     occurrence (of the first NaN, where there is one, as torch's).
 
     On a CPU through NumPy's ``argmax``: torch's reduction with indices runs element by element
-    there, 604 us on a 32 x 8,000 block on an AMD Zen 3 against NumPy's vectorised 34 us (1,965
-    against 116 at 160 rows), a greedy step's largest cost after its products.
+    there, an order of magnitude slower than NumPy's vectorised one at a greedy step's rows,
+    and otherwise a greedy step's largest cost after its products (docs/performance.md).
     """
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
         return x.max(dim=-1)

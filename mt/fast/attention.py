@@ -20,8 +20,8 @@ of a model holds its core as ``core``; :func:`install` swaps the cores of a mode
   costs no speed.
 * :class:`ShortQueryAttention` (CPU decoding): short queries (one per row in incremental
   self-attention, one per beam in encoder-decoder attention, short sources in the encoder)
-  through the written-out formula with batched matrix products: 40-70% of the time of SDPA's
-  CPU kernel, which is built for long queries. Against a float32 cache under bf16 autocast
+  through the written-out formula with batched matrix products, faster there than SDPA's CPU
+  kernel, which is built for long queries. Against a float32 cache under bf16 autocast
   (``DecoderCache(dtype=float32)``) the attention runs in float32 with autocast off: CPU
   attention with one query per row is several times slower in bfloat16, and the cache is small.
 * On CUDA the model's own core (SDPA) runs, over flash and memory-efficient kernels:
@@ -48,10 +48,9 @@ def gpu_attention(device: torch.device) -> None:
     """On CUDA, SDPA without cuDNN's kernel (flash and memory-efficient attention stay).
 
     cuDNN's attention builds an execution plan for each new shape (batch, lengths), and
-    batches by tokens bring a new shape nearly every step, in training and in decoding. On an
-    H200 (torch 2.11, CUDA 13.0), ``base`` in bf16 on real news batches of 25k tokens trained
-    at 46k and 43k target tokens/s with SDPA's default choice (cuDNN's) and at 349k without
-    it; ``big`` at 193k. Process-wide, as TF32 is; a no-op elsewhere and when already off.
+    batches by tokens bring a new shape nearly every step, in training and in decoding, so
+    with cuDNN's kernel a step spends most of its time planning (the figures:
+    docs/performance.md). Process-wide, as TF32 is; a no-op elsewhere and when already off.
     """
     if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
         return

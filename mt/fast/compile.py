@@ -26,8 +26,8 @@ def compile_model(raw: torch.nn.Module, tc: TrainConfig) -> torch.nn.Module:
     result in DDP after.
 
     Dynamic shapes: batch and sequence lengths are symbols in one graph, so batches of every
-    length run it without a recompile. Two things would still compile again, each ~60 s on an
-    H200's host (``make gpu-check``, 2026-11-28: two of 30 timed steps), and are ruled out:
+    length run it without a recompile. Two things would still compile again, each as long as
+    the first compile and in the middle of training, and are ruled out:
     - a side without padding, for which a batch would pass no key mask or no selection of the
       real rows: compiled training collates with ``one_graph`` (``mt.data.batches.collate``);
     - sizes equal by chance: Dynamo's "duck sizing" gives sizes equal at the first trace one

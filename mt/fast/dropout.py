@@ -1,10 +1,10 @@
 """Dropout whose masks come from 16 random bits per element, for CPU training.
 
-torch's CPU dropout draws a float per element through ``bernoulli_``, about 4x the time of
-drawing the same number of 16-bit integers, and on the small model those draws were a tenth of
-a training step. Here a unit is dropped with probability ``round(p * 65536) / 65536`` (p = 0.1:
-0.10001) and the kept units are scaled by the inverse of the exact keep probability, so the
-expected output is the input, as with ``F.dropout``.
+torch's CPU dropout draws a float per element through ``bernoulli_``, several times the time
+of drawing the same number of 16-bit integers, and on a small model those draws are a sizeable
+share of a training step (docs/performance.md). Here a unit is dropped with probability
+``round(p * 65536) / 65536`` (p = 0.1: 0.10001) and the kept units are scaled by the inverse of
+the exact keep probability, so the expected output is the input, as with ``F.dropout``.
 
 Where mt's kernels are built (``mt.fast.native``), the draws, the mask and the scaled output
 come from one pass over the tensor (``csrc/dropout.cpp``: each element's 16 bits hashed from a

@@ -39,7 +39,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         lse, nll, smooth = (logits.new_empty(N, dtype=acc) for _ in range(3))
         for i in range(0, N, rows):
             # One block, cast once: element-wise ops that mix bfloat16 and float32 operands
-            # take torch's slow per-element casting loop on a CPU (5-10x a plain float pass).
+            # take torch's slow per-element casting loop on a CPU (many times a plain pass).
             z, t = logits[i : i + rows].to(acc), target[i : i + rows].unsqueeze(-1)
             lp = torch.log_softmax(z, dim=-1)  # float32 at least
             nll[i : i + rows] = -lp.gather(-1, t).squeeze(-1)
@@ -261,8 +261,8 @@ def projected_cross_entropy(
         bucket: the row counts ``product`` pads its input to (``mt.fast.onednn.bucket_rows``,
             so that oneDNN meets few shapes), or None. Given, the blocks hold such a count of
             rows (the last one padded with zero rows of ``h``, D wide, here), so the products
-            never pad: G W's input is V wide (a 500-row pad of it cost 5 ms an update at V =
-            8,000, 2% of the small model's step on an AMD Zen 4).
+            never pad: G W's input is V wide, so a pad of it copies a large block at every
+            update.
 
     Returns:
         ``(loss_sum, nll_sum)`` as :func:`label_smoothed_cross_entropy` returns them.

@@ -4,12 +4,12 @@ Autocast keeps the model in float32 and casts at the operations it lists: every 
 way into a product (once per forward pass, its gradient back in the backward), the input and
 output of every LayerNorm, which it runs in float32, and the 16-bit outputs of products where
 they meet the float32 residual stream. On the GPU's code path the forward and backward passes
-of one update of ``base`` under bf16 autocast make 443 casts (counted on a CPU, the same code);
-on an H100 an update's copies took 16% of its kernels' time.
+of one update under bf16 autocast make hundreds of casts, a sizeable share of a GPU's kernel
+time (docs/performance.md).
 
 With master weights the passes run on a 16-bit working copy of the model instead, with no
 autocast: its weights, activations, LayerNorms and gradients are 16-bit (the loss still scores
-in float32, block by block): 47 casts in the same passes. The optimiser keeps the float32
+in float32, block by block): far fewer casts in the same passes. The optimiser keeps the float32
 weights, the masters: before each update's passes the working copy takes their values (one
 multi-tensor copy), and after the backward passes they take its gradients as float32 (another);
 clipping, the finite check, the loss scale of fp16 and Adam all see float32, as without it.

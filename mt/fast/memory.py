@@ -27,8 +27,8 @@ def hold_freed_memory() -> bool:
     A training step allocates and frees the same large temporaries every time (activations,
     the loss's float blocks). glibc returns freed blocks above its mmap threshold, and the top
     of its heap above the trim threshold, to the kernel, so the next step touches fresh pages:
-    a page fault and a zero-fill per 4 KB, up to a millisecond for a 4 MB block (the loss's
-    float copies cost 10x their own time that way). Fixing the mmap threshold at its 32 MB
+    a page fault and a zero-fill per 4 KB, which can cost a short copy many times its own
+    work (the loss's float blocks, above all). Fixing the mmap threshold at its 32 MB
     ceiling and never trimming keeps those pages; the process's resident memory then stays at
     its peak instead of shrinking between steps. Returns whether glibc took the settings.
     """

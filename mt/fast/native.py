@@ -4,9 +4,8 @@
 decoder step over its caches, ``softmax(q k^T / sqrt(d_k) + bias) v`` for the few queries of a
 row (one per hypothesis in self-attention, a sentence's G hypotheses in encoder-decoder
 attention), in one pass over each row's keys and values. Through torch the same step is two
-batched products of thousands of tiny matrices and a softmax: on an AMD Zen 4 the kernel took
-decoding of real text (Multi30k, 1,000 sentences, one thread, int8) from 409 to 500 sentences/s
-greedy and from 148 to 170 with beam 5, +9% with beam 5 in float32 (the same outputs there).
+batched products of thousands of tiny matrices and a softmax, each call paying torch's
+overhead for a few hundred multiply-adds (the figures: docs/performance.md).
 
 ``torch.ops.mt.int8_linear`` and ``torch.ops.mt.int8_linear_avx2`` (``csrc/int8_linear.cpp``):
 int8 decoding's products (``mt.fast.quantize.Int8Linear``) on AVX-512 VNNI (8 bits) and on AVX2
@@ -17,15 +16,14 @@ fbgemm's products.
 
 ``torch.ops.mt.f32_linear`` (``csrc/f32_linear.cpp``): float32 decoding's products on AVX2 and FMA
 (``mt.fast.fp32.Fp32Linear``), the weights in blocks of 16 output channels, a row's result
-independent of the rows beside it; on an AMD Zen 3 greedy decoding of real text ran 1.48x as
-fast as on oneDNN's products (beam 5 1.15x), the same outputs. Elsewhere a stub
+independent of the rows beside it, for the AVX2 CPUs where oneDNN's float32 products are the
+slower (docs/performance.md), with the same outputs. Elsewhere a stub
 (``mt::f32_linear_available`` says false) and float32 decoding runs on oneDNN's or torch's.
 
 ``torch.ops.mt.smoothed_ce`` (``csrc/smoothed_ce.cpp``): a row block of the CPU training loss
 (``mt.fast.loss``): the label-smoothed cross-entropy of float32 or bfloat16 scores and, in place,
 its gradient, three passes over each row where torch's operators make about ten over the block
-(and cast it to float32 and back). On an AMD Zen 4 the loss of the small model's batches took
-3.6-4.2 ms less a step (of ~40 in bfloat16: -3% of the step, -1.5% in float32).
+(and cast it to float32 and back): the loss reads its block from the cache, not from memory.
 
 ``torch.ops.mt.best_token`` (``csrc/best_token.cpp``): a greedy decoding step's token and its
 log-probability straight from the logits (and a shortlist's bias), two passes over each row in
@@ -43,8 +41,8 @@ beam search (``FusedStep.beam``).
 ``torch.ops.mt.dropout`` and ``torch.ops.mt.masked_scale`` (``csrc/dropout.cpp``): the CPU
 training copy's dropout (``mt.fast.dropout``) in one pass, each element's 16 random bits hashed
 from a seed and its index, the bool mask and the scaled output written together, and its
-backward pass in one more: on an AMD Zen 3 (2 threads, a 25x41x256 tensor) 92 us forward and
-24 us backward where torch's operators took 622 and 173.
+backward pass in one more, where torch's operators draw, compare, cast and multiply in passes
+of their own (docs/performance.md).
 
 The kernels are compiled with torch's C++ extension loader (``torch.utils.cpp_extension.load``,
 into ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``) for this CPU's instruction

@@ -1,9 +1,9 @@
 """oneDNN's linear kernel (``torch.ops.mkldnn._linear_pointwise``, the kernel ``torch.compile``
 picks on a CPU) for float32 and bfloat16 products on a CPU.
 
-``nn.Linear`` runs on MKL's sgemm, which reaches about half of an AMD CPU's float32 peak;
-oneDNN reaches about 85% there. Every product here accumulates in float32; only the order of
-the sums differs from ``F.linear``.
+``nn.Linear`` runs on MKL's sgemm, which leaves much of an AMD CPU's float32 peak unused;
+oneDNN reaches far more of it there (docs/performance.md). Every product here accumulates in
+float32; only the order of the sums differs from ``F.linear``.
 
 - :class:`OneDNNLinear`: ``y = act(x W^T + b)`` for decoding (no autograd), float32 or with a
   bfloat16 copy of the weight, ReLU optionally fused into the kernel, the float32 weight
@@ -70,9 +70,8 @@ def bucket_rows(rows: int) -> int:
     power of two (at most 6.25% added rows, 16 sizes per doubling).
 
     oneDNN builds (and keeps) a kernel per input shape. Batches of varying length give the
-    products a new row count at almost every call, and the process then grows by about 1 MB
-    per new shape without end (measured: 1.5 GB after 1,500 row counts). Padded to these sizes
-    the kernels are reused and memory stays flat.
+    products a new row count at almost every call, and the process then grows with every new
+    shape, without end. Padded to these sizes the kernels are reused and memory stays flat.
     """
     step = max(8, 1 << max(0, rows.bit_length() - 5))
     return -(-rows // step) * step
@@ -103,11 +102,9 @@ def pack(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
     about ``rows`` rows (any row count works), or None where this torch cannot make it.
 
     A product with a weight in torch's layout re-lays the weight out at every call, which at the
-    few rows of a decoder step costs as much as the product: on an AMD Zen 3 the 19 products of
-    a 3-layer, 256-wide decoder step took 1.6 ms packed against 2.1 ms unpacked (2.6 ms through
-    ``F.linear``) at 13 rows, the same at 160 rows. In bfloat16 (AMD Zen 4, one thread, 32
-    rows) packing took the projection onto 8,000 pieces from 735 to 625 us and the FFN's
-    products from 122 to 96 us, with the same outputs. The packed weight is a copy.
+    few rows of a decoder step costs as much as the product itself; packed once, the weight is
+    re-laid out never, in float32 and in bfloat16, with the same outputs (the figures:
+    docs/performance.md). The packed weight is a copy.
     """
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     dtypes = (torch.float32, torch.bfloat16)

@@ -12,7 +12,7 @@ position never reaches a real one). Where the products pad their rows to few cou
 (oneDNN's), a few padded rows join the real ones to reach such a count (:class:`InFlight`).
 
 Packing costs a gather and a scatter per product; it pays where a batch is well padded (random
-lengths: ~23% padding), not on length-sorted batches (Multi30k: ~5%), so a batch is packed
+lengths), not on length-sorted batches (little padding), so a batch is packed
 only above :data:`MIN_PADDING`, decided on the host from the counts alone.
 """
 

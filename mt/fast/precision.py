@@ -23,8 +23,8 @@ def native_bf16(device: torch.device) -> bool:
     than float32 there: a CUDA GPU that supports it (Ampere and later), or an x86 CPU with
     AVX512-BF16 or AMX (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later).
 
-    Elsewhere (AVX2 CPUs such as AMD Zen 3, older GPUs) bfloat16 is emulated: on a 2-core Zen 3
-    a bf16 training step took 20x the float32 one, and oneDNN has no bf16 kernels there at all.
+    Elsewhere (AVX2 CPUs such as AMD Zen 3, older GPUs) bfloat16 is emulated: a bf16 training
+    step is many times slower than the float32 one, and oneDNN has no bf16 kernels there at all.
     """
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
@@ -98,8 +98,8 @@ def layer_step(precision: str, n: int, d: int, f: int, device: torch.device, pro
 
     Each call takes the next of ``n x ROW_SHARES`` rows. A batch of ``n`` tokens rarely fills
     them: padding and sentence lengths leave fewer, and a kernel can be fast at one row count
-    only (on an AMD Zen 3, oneDNN's products of a 256-wide layer tied torch's at 4,096 rows and
-    took 1.14x their time at 3,000). One call at every row count is made here, before timing,
+    only (a library can tie another at a power of two and lose at the row counts around it).
+    One call at every row count is made here, before timing,
     so kernels built per row count are built outside it.
     """
     import torch.nn.functional as F

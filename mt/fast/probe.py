@@ -1,7 +1,7 @@
 """Speed settings chosen by measuring on the device in hand, not by a CPU flag.
 
-The same AVX512-BF16 flag has meant bf16 at 2x fp32 on an AMD Zen 5 and at 0.6x on an Intel
-Xeon, and a CPU without it still runs bf16 (emulated, 20x slower). So ``auto`` settings run a
+The same AVX512-BF16 flag can mean bf16 well ahead of fp32 on one CPU and behind it on another,
+and a CPU without it still runs bf16 (emulated, many times slower). So ``auto`` settings run a
 short probe at the run's shapes: each candidate (e.g. fp32 and bf16) times the work that
 dominates the run (for training, a layer's products forward and backward at batches of up to
 the run's token count, ``mt.fast.precision.layer_step``), the fastest candidate that is

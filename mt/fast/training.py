@@ -229,11 +229,11 @@ def onednn_products(
 ) -> bool:
     """Whether oneDNN's float32 products train faster than torch's (MKL's) here: measured on a
     layer's products forward and backward at batches of up to ``tokens`` rows
-    (:func:`mt.fast.precision.layer_step`; ``mt.fast.probe``, cached). oneDNN reached 85% of an
-    AMD Zen 4's float32 peak where MKL reached half; on a Zen 3 (AVX2) it is the slower of the
-    two in training (news_de_en, 100 updates: 1,760-1,915 target tokens/s against 2,040-2,270,
-    and 1.97 GB peak resident memory against 1.43), though it tied at the FFN alone at exactly
-    ``tokens`` rows, what this probe measured before."""
+    (:func:`mt.fast.precision.layer_step`; ``mt.fast.probe``, cached). Which library wins
+    depends on the CPU: oneDNN reaches much more of an AVX-512 CPU's float32 peak than MKL, and
+    is the slower one in training on some AVX2 CPUs. The probe times batches of several row
+    counts up to ``tokens``, forward and backward, because a product at exactly ``tokens`` rows
+    alone can tie where training does not (docs/performance.md)."""
     if not onednn_available():
         return False
     d, f = model.cfg.d_model, model.cfg.d_ff
@@ -252,9 +252,9 @@ def onednn_projection(
     """Whether oneDNN's float32 products run the blockwise loss's projection faster than
     torch's here: measured on a block's scores ``x W^T`` and input gradient ``G W`` at the
     loss's block rows (:func:`mt.fast.precision.projection_step`; ``mt.fast.probe``, cached).
-    Its shapes are not the layers': V = 8,000 outputs against 256-2,048. On an AMD Zen 4,
-    where torch's products won the layers' probe, oneDNN ran the small model's projection
-    (512 x 256 x 8,000) 12% faster, and the whole step 2.3% faster."""
+    Its shapes are not the layers' (V outputs, thousands, against the layers' hundreds), so
+    the library that loses the layers' probe can win this one, and the step is then faster
+    with each product on its own winner (docs/performance.md)."""
     if not onednn_available():
         return False
     d, vocab = model.cfg.d_model, model.vocab_size

@@ -55,11 +55,10 @@ def average_into_best(run) -> None:
 
     Called once training is over (``last.pt`` holds the trained state): the average is summed
     in the run's own model, which is left holding it, and validated as every checkpoint was
-    (the same loss path, the same decoding copy rebuilt in place). With a second model and
-    its decoding copy, and two checkpoints mapped at a time, this step took the default recipe's
-    process 93 MB above its resident memory at the last validation; then 31 MB (400 updates,
-    5 checkpoints, bf16 on an AMD Zen 4) with the average in a float64 sum and a copy of its
-    own; summed in the model, the heap in use after it is the same as before it (AMD Zen 3).
+    (the same loss path, the same decoding copy rebuilt in place). A second model with its
+    own decoding copy, and two checkpoints mapped at a time, would raise the process's peak
+    well above training's at the very end of a run; summed in the model, one checkpoint at a
+    time, the heap in use after averaging is the same as before it (docs/performance.md).
     """
     paths = periodic_checkpoints(run.ckpt_dir)[-run.cfg.train.average_last :]
     if len(paths) < 2:

@@ -73,10 +73,10 @@ def valid_hypotheses(
         n = min(n, cfg.train.eval_max_sentences)
     mine = range(rank, n, world_size)
     src_ids = [split.src[i].tolist() for i in mine]
-    # One batch at a time on all threads: batches side by side (decode.workers) validated 1.4x
-    # faster, but each worker's thread held its freed memory in an arena of its own (this
-    # process keeps freed memory, mt.fast.memory): 600 updates of the default recipe ended at
-    # 1,141 MB against 948 (one arena for all threads: 1,056), AMD Zen 3, glibc.
+    # One batch at a time on all threads: batches side by side (decode.workers) validate faster,
+    # but each worker's thread holds its freed memory in an arena of its own (this process
+    # keeps freed memory, mt.fast.memory), and a training run then ends with much more of it
+    # resident (glibc; docs/performance.md).
     greedy = dataclasses.replace(cfg.decode, beam_size=1, nbest=1, workers=1)
     was_training = model.training
     model.eval()
@@ -102,11 +102,10 @@ def plain_decoding(decode_cfg, device: torch.device | str) -> bool:
     rose in steps in the updates after a validation, the bytes in use level. The fast copy
     allocates packed products and preallocated caches amid that heap, and its oneDNN products
     push training's kernels out of oneDNN's bounded cache (``mt.allocator.
-    bound_onednn_kernels``); the model as written does neither. ``news_de_en``, 450 updates
-    validated every 100 (AMD Zen 4, bf16): growth from the first validation to the last +9.0 /
-    +10.3 / +11.6% with the fast copy, +5.4 / +6.1% with the model as written, the same
-    validations; it decodes Multi30k's ``val`` in 4.5 s against 3.2 s (docs/performance.md:
-    "Validation decodes the model as written").
+    bound_onednn_kernels``); the model as written does neither. Validating with the model as
+    written, training's memory grows about half as much from the first validation to the
+    last, for a validation that takes somewhat longer (docs/performance.md: "Validation decodes
+    the model as written").
     """
     return (
         torch.device(device).type == "cpu"

@@ -22,8 +22,9 @@ inline void even_chunks(int64_t M, int64_t most, F&& f) {
   }
 }
 
-// 8 floats as one value (GCC and Clang vector extensions): an AVX register. 8 lanes ran faster
-// than 16 on an AMD Zen 4 even with AVX-512 (which it executes in 256-bit halves).
+// 8 floats as one value (GCC and Clang vector extensions): an AVX register. 8 lanes, not 16, even
+// with AVX-512: CPUs that execute AVX-512 in 256-bit halves gain nothing from 16, and pay for
+// the longer tails (docs/performance.md).
 constexpr int kLanes = 8;
 typedef float fvec __attribute__((vector_size(kLanes * 4)));
 typedef int32_t ivec __attribute__((vector_size(kLanes * 4)));
