@@ -176,6 +176,9 @@ class TrainConfig:
     # its first step: warm-up again), meters (best value, patience), data (a new epoch order)
     reset: list = field(default_factory=list)
     max_nonfinite: int = 10  # stop after this many consecutive non-finite updates
+    # fp16: stop when the dynamic loss scale falls below this (fairseq's --min-loss-scale):
+    # the gradients overflow at every scale; fp16 overflows do not count as non-finite updates
+    min_loss_scale: float = 1e-4
 
 
 @dataclass

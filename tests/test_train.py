@@ -352,6 +352,43 @@ def test_nonfinite_updates_are_skipped_then_stop(tmp_path, monkeypatch, caplog):
         train(_cfg(tmp_path / "nan", "train.max_steps=10", "train.max_nonfinite=3"))
 
 
+class _InfGradient(torch.autograd.Function):
+    """The identity forward; backward, an infinite gradient: overflows at every loss scale."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.full_like(grad, float("inf"))
+
+
+def test_fp16_overflow_at_every_scale_stops_with_one_error(tmp_path, monkeypatch, caplog):
+    """An fp16 run whose gradient overflows at every scale (its loss finite) ends at
+    train.min_loss_scale with one error line naming it and what to try, instead of halving the
+    scale for ever with the step count standing still."""
+    from mt.cli import user_errors
+
+    real = mt.train.update.batch_loss
+
+    def overflowing(*args):
+        loss, nll = real(*args)
+        return _InfGradient.apply(loss), nll
+
+    monkeypatch.setattr(mt.train.update, "batch_loss", overflowing)
+    # max_epochs: without the floor the run ends there (0 updates) instead of never
+    cfg = _cfg(tmp_path / "run", "train.precision=fp16", "train.max_steps=5",
+               "train.max_epochs=3", "train.min_loss_scale=1")  # fmt: skip
+    with caplog.at_level("INFO"), pytest.raises(SystemExit) as stop, user_errors("mt-train"):
+        train(cfg)
+    assert stop.value.code == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "train.min_loss_scale=1" in errors[0], errors
+    assert "after 17 consecutive updates" in errors[0] and "train.precision=bf16" in errors[0]
+    assert not _losses(tmp_path / "run")  # no update was applied
+
+
 def test_accumulation_equals_one_big_batch(tmp_path):
     """accum_steps=2 with max_tokens=M normalises by the tokens of the whole update: its first
     update's loss equals the token-weighted mean of the two batches' losses."""
