@@ -174,7 +174,10 @@ class TrainConfig:
     init_from: Optional[str] = None  # fine-tune: start from these weights, fresh optimiser
     # On resume, start these afresh: optimizer (Adam's moments), schedule (the lr schedule from
     # its first step: warm-up again), meters (best value, patience), data (a new epoch order)
+    # A resume applies them once: not again when the checkpoint's run was started with the
+    # same list (a requeued job's command line), unless reset_again (mt.train.state)
     reset: list = field(default_factory=list)
+    reset_again: bool = False  # apply train.reset on this resume even if it was applied
     max_nonfinite: int = 10  # stop after this many consecutive non-finite updates
     # fp16: stop when the dynamic loss scale falls below this (fairseq's --min-loss-scale):
     # the gradients overflow at every scale; fp16 overflows do not count as non-finite updates

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -59,6 +59,8 @@ class TrainState:
     last_eval_step: int = -1
     wall: float = 0.0  # seconds spent training, over all restarts
     nonfinite: int = 0  # consecutive skipped updates
+    # train.reset as applied, oldest first: {"step": the resumed step, "parts": [names]}
+    resets: list = field(default_factory=list)
 
 
 def data_plan(cfg: Config, world_size: int) -> dict[str, Any]:
@@ -434,6 +436,32 @@ def check_resets(names) -> list[str]:
     if unknown:
         raise ValueError(f"train.reset: unknown {unknown}; choose from {list(RESETS)}")
     return names
+
+
+def resets_to_apply(tc, resume: Optional[dict], path: Optional[Path]) -> list[str]:
+    """The parts of ``train.reset`` (checked, :func:`check_resets`) to start afresh now.
+
+    A reset is an instruction for one resume, but a requeued job repeats its command line: a
+    resume whose ``train.reset`` is the list the checkpoint's own run was started with (its
+    ``train_cfg``) applies nothing, since that run applied it (or was a new run, with nothing
+    to reset) and what it saved already holds the effect. Another list is applied, and so is
+    the same one with ``train.reset_again=true``. Logged either way.
+    """
+    names = check_resets(tc.reset)
+    if resume is None or not names:
+        return names
+    stored = [str(n) for n in (resume.get("train_cfg") or {}).get("reset") or []]
+    if tc.reset_again or set(stored) != set(names):
+        return names
+    applied = (resume.get("state") or {}).get("resets") or []
+    done = [r["step"] for r in applied if set(r["parts"]) == set(names)]
+    when = f"applied at step {done[-1]}" if done else "applied when it started, or a new run"
+    log.info(
+        "train.reset=[%s]: not applied again: %s was saved by a run started with the same list "
+        "(%s); train.reset_again=true applies it on this start too",
+        ",".join(names), path.name if path else "the checkpoint", when,
+    )  # fmt: skip
+    return []
 
 
 def changed_settings(stored: dict, cfg: Config, keys: tuple[str, ...]) -> dict[str, tuple]:
