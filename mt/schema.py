@@ -294,6 +294,9 @@ class ExportConfig:
     # ctranslate2: a lexicon file (decode.shortlist's) also written as CTranslate2's vocabulary
     # map, decode.shortlist_k translations per piece and decode.shortlist_frequent always
     shortlist: Optional[str] = None
+    # hf: the model card's license, a hub license id (mit, apache-2.0, cc-by-4.0, other...);
+    # the training data's terms decide what it may be, so it is never guessed
+    license: str = "unknown"
 
 
 @dataclass

@@ -407,7 +407,8 @@ def training_state(
     With ``full`` every rank must call this (the RNG states of all ranks are gathered).
     """
     ckpt = model_state(raw_model, cfg.model, prepared.tokenizer, prepared.vocab_size)
-    ckpt.update(step=state.step, epoch=state.epoch, best=state.best, best_metric=metric_key(cfg))
+    ckpt.update(step=state.step, epoch=state.epoch, best=state.best, best_metric=metric_key(cfg),
+                data_summary=data_summary(prepared))  # fmt: skip
     if full:
         ckpt.update(
             optimizer=optimizer.state_dict(),
@@ -421,6 +422,33 @@ def training_state(
         if ema is not None:
             ckpt["ema"] = ema.state_dict()
     return ckpt
+
+
+def data_summary(prepared) -> dict[str, Any]:
+    """What the data was, from the prepared data's ``meta.json``, for the model card
+    (:mod:`mt.export.card`): kept in every checkpoint, so an exported model can say what it
+    was trained on wherever the checkpoint is copied. Names and counts, never local paths."""
+    meta = getattr(prepared, "meta", None) or {}
+    data, counts = meta.get("data") or {}, meta.get("counts") or {}
+    source, directory = data.get("source"), data.get("dir")
+    local = source == "local" or (source == "auto" and bool(directory) and Path(directory).is_dir())
+    splits = data.get("splits") or {}
+    train = counts.get("train") or {}
+    return {
+        "name": data.get("name"),
+        "src_lang": data.get("src_lang"),
+        "tgt_lang": data.get("tgt_lang"),
+        "source": "local" if local else "hub",
+        "hf_path": None if local else data.get("hf_path"),
+        "hf_name": None if local else data.get("hf_name"),
+        "local_dir": Path(directory).name if local and directory else None,
+        "corpora": [{"name": str(c.get("name")), "pairs": int(c.get("pairs", 0))}
+                    for c in train.get("corpora") or []],  # fmt: skip
+        "read": (train.get("clean") or {}).get("read"),
+        "pairs": {r: (counts.get(r) or {}).get("pairs") for r in ("train", "valid", "test")},
+        "splits": {role: str(splits.get(role)) for role in ("valid", "test")},
+        "max_train_pairs": data.get("max_train_pairs"),
+    }
 
 
 RESETS = ("optimizer", "schedule", "meters", "data")
