@@ -179,6 +179,9 @@ class TrainConfig:
     reset: list = field(default_factory=list)
     reset_again: bool = False  # apply train.reset on this resume even if it was applied
     max_nonfinite: int = 10  # stop after this many consecutive non-finite updates
+    # mt-train ends with mt-evaluate's work on the run (eval.split with eval.checkpoint or
+    # best.pt: results.json); `make train ARGS="-m ..."` sets it, one evaluation per trial
+    evaluate: bool = False
     # fp16: stop when the dynamic loss scale falls below this (fairseq's --min-loss-scale):
     # the gradients overflow at every scale; fp16 overflows do not count as non-finite updates
     min_loss_scale: float = 1e-4
