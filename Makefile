@@ -64,10 +64,21 @@ lint: install  ## ruff alone
 prepare: install  ## stages 1-2: data and SentencePiece (cached)
 	$(PY) -m mt prepare $(ARGS)
 
+# A Hydra multirun (ARGS with -m): mt-train evaluates each trial in its own run directory as
+# the trial ends (train.evaluate=true), and the sweep's summary.md names their test scores; a
+# separate `mt-evaluate -m` would compose a sweep directory of its own and find no trial there.
+# Each trial prepares its data on a cache miss (its data and tokenizer settings may be swept).
+# The flag goes first: Hydra's parser takes no option after an override (make smoke adds one).
+MULTIRUN := $(filter -m --multirun,$(ARGS))
+
 train: install  ## the whole pipeline: prepare -> train -> evaluate (test BLEU, run directory)
+ifeq ($(MULTIRUN),)
 	$(PY) -m mt prepare $(ARGS)
 	$(LAUNCH) train $(ARGS)
 	$(PY) -m mt evaluate $(ARGS)
+else
+	$(LAUNCH) train $(MULTIRUN) $(filter-out -m --multirun,$(ARGS)) train.evaluate=true
+endif
 
 smoke: install  ## the whole pipeline on a tiny model and a slice of Multi30k (< 2 min)
 	$(MAKE) --no-print-directory train ARGS="experiment=smoke $(ARGS)"

@@ -303,7 +303,7 @@ def average_checkpoints(
                 total[k].add_(v.to(total[k].device))
             dtypes[k] = into[k].dtype if into is not None else v.dtype
         if i == len(paths) - 1:
-            keep = {*MODEL_KEYS, "epoch", "train_cfg"} - {"model"}  # all but the weights
+            keep = {*MODEL_KEYS, "epoch", "train_cfg", "data_summary"} - {"model"}  # not weights
             out = {k: _owned(v) for k, v in ckpt.items() if k in keep}
         ckpt = weights = v = None  # the mapping goes before the next file is mapped
     n = len(paths)

@@ -231,6 +231,9 @@ def _train(cfg: Config) -> float | None:
     status = exit_status(result.get("signal"))
     if status:  # stopped by a signal after saving: 75 = requeue me, 130 = Ctrl-C
         raise SystemExit(status)
+    if cfg.train.evaluate and int(os.environ.get("RANK", "0")) == 0:
+        # the trial's own run directory (trial_config): a multirun's trials each scored
+        _evaluate(cfg)
     return result["best"]
 
 

@@ -174,8 +174,17 @@ class TrainConfig:
     init_from: Optional[str] = None  # fine-tune: start from these weights, fresh optimiser
     # On resume, start these afresh: optimizer (Adam's moments), schedule (the lr schedule from
     # its first step: warm-up again), meters (best value, patience), data (a new epoch order)
+    # A resume applies them once: not again when the checkpoint's run was started with the
+    # same list (a requeued job's command line), unless reset_again (mt.train.state)
     reset: list = field(default_factory=list)
+    reset_again: bool = False  # apply train.reset on this resume even if it was applied
     max_nonfinite: int = 10  # stop after this many consecutive non-finite updates
+    # mt-train ends with mt-evaluate's work on the run (eval.split with eval.checkpoint or
+    # best.pt: results.json); `make train ARGS="-m ..."` sets it, one evaluation per trial
+    evaluate: bool = False
+    # fp16: stop when the dynamic loss scale falls below this (fairseq's --min-loss-scale):
+    # the gradients overflow at every scale; fp16 overflows do not count as non-finite updates
+    min_loss_scale: float = 1e-4
 
 
 @dataclass
@@ -288,6 +297,9 @@ class ExportConfig:
     # ctranslate2: a lexicon file (decode.shortlist's) also written as CTranslate2's vocabulary
     # map, decode.shortlist_k translations per piece and decode.shortlist_frequent always
     shortlist: Optional[str] = None
+    # hf: the model card's license, a hub license id (mit, apache-2.0, cc-by-4.0, other...);
+    # the training data's terms decide what it may be, so it is never guessed
+    license: str = "unknown"
 
 
 @dataclass

@@ -267,8 +267,9 @@ def test_the_hf_export_carries_a_model_card(trained):
 
     ckpt, hf_dir, _, _ = trained
     card = (hf_dir / "README.md").read_text()
-    assert card.startswith("---\nlibrary_name: transformers\npipeline_tag: translation")
-    assert "language:\n- de\n- en\n---" in card
+    assert card.startswith("---\nlanguage:\n- de\n- en\nlicense: unknown\nlibrary_name: "
+                           "transformers\npipeline_tag: translation\n")  # fmt: skip
+    assert "Multi30k is image captions" in card  # the data is Multi30k
     from mt.checkpoint import load_checkpoint
 
     params = sum(v.numel() for v in load_checkpoint(ckpt)["model"].values())
@@ -284,6 +285,7 @@ def test_the_hf_export_carries_a_model_card(trained):
         again = export(ckpt, "hf", hf_dir.parent / "hf-again")
         card = (again / "README.md").read_text()
         assert "| bleu | 12.35 | `nrefs:1|tok:13a` |" in card
+        assert "    - type: bleu\n      value: 12.35\n      name: BLEU\n" in card
     finally:
         (run_dir / "results.json").unlink()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,32 @@ def test_empty_sweep_is_an_error(tmp_path):
     assert out.returncode == 1 and "no trials" in out.stderr
 
 
+def _make_commands(target: str, args: str) -> list[list[str]]:
+    """The mt commands that ``make TARGET ARGS=...`` runs (``make -n``, this interpreter)."""
+    out = subprocess.run(
+        ["make", "-n", "--no-print-directory", "VENV=", f"PYTHON={sys.executable}", target,
+         f"ARGS={args}"], cwd=ROOT, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return [shlex.split(line) for line in out.stdout.splitlines()
+            if line.startswith(f"{sys.executable} -m mt ")]  # fmt: skip
+
+
+@pytest.mark.parametrize("target", ["train", "smoke"])
+def test_make_train_with_a_multirun_trains_and_evaluates_each_trial(target):
+    """`make train ARGS="-m ..."` is one mt-train multirun that evaluates each trial as it ends
+    (not a second `mt-evaluate -m`, which would look in a sweep directory of its own); without
+    -m it is prepare -> train -> evaluate."""
+    mt = [sys.executable, "-m", "mt"]
+    smoke = ["experiment=smoke"] if target == "smoke" else []
+    for flag in ("-m", "--multirun"):
+        commands = _make_commands(target, f"{flag} model.dropout=0.0,0.2")
+        assert commands == [[*mt, "train", flag, *smoke, "model.dropout=0.0,0.2",
+                             "train.evaluate=true"]]  # fmt: skip
+    commands = _make_commands(target, "model.dropout=0.2")
+    assert [c[3] for c in commands] == ["prepare", "train", "evaluate"]
+    assert all(c[4:] == [*smoke, "model.dropout=0.2"] for c in commands)
+
+
 @pytest.fixture(scope="module")
 def smoke_cache(tmp_path_factory) -> Path:
     """One prepared-data cache for this file's sweeps (the same experiment): the first sweep
@@ -78,16 +105,17 @@ def smoke_cache(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_a_two_trial_multirun_trains_two_runs_and_summarises_them(real_data, tmp_path,
                                                                    smoke_cache):  # fmt: skip
-    """`mt-train -m` with no run_dir of its own per trial: each trial trains in its own run
-    directory under the sweep directory (none resumes another), and the sweep ends with a
-    summary table and plot naming both."""
+    """`make train ARGS="-m ..."` (its command) with no run_dir of its own per trial: each
+    trial trains in its own run directory under the sweep directory (none resumes another) and
+    is evaluated there, and the sweep ends with a summary table (their test scores too) and
+    plot naming both."""
     env = dict(os.environ, MT_DATA_DIR=str(real_data), MT_CACHE_DIR=str(smoke_cache))
-    proc = subprocess.run(
-        [sys.executable, "-m", "mt", "train", "-m", "experiment=smoke", "train.max_steps=3",
-         "train.eval_every=3", "train.eval_max_sentences=10", "decode.max_len_b=5",
-         "model.dropout=0.0,0.2", f"run_dir={tmp_path / 'runs'}"],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=600,
+    (command,) = _make_commands(
+        "smoke", f"-m train.max_steps=3 train.eval_every=3 train.eval_max_sentences=10 "
+        f"decode.max_len_b=5 model.dropout=0.0,0.2 run_dir={tmp_path / 'runs'}",
     )  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resuming" not in proc.stderr
     (sweep,) = (tmp_path / "runs").glob("sweep-*")
@@ -101,6 +129,13 @@ def test_a_two_trial_multirun_trains_two_runs_and_summarises_them(real_data, tmp
     assert rows[0].startswith("| run | model.dropout |") and rows[0].endswith("| best |")
     assert len(rows) == 3 and sum("**best**" in r for r in rows) == 1
     assert (sweep / "summary.png").read_bytes()[:4] == b"\x89PNG"
+    head = [c.strip() for c in rows[0].strip("|").split("|")]
+    for row in rows[2:] + rows[1:2]:
+        cells = dict(zip(head, (c.strip() for c in row.strip("|").split("|"))))
+        result = json.loads((sweep / cells["run"] / "results.test.json").read_text())
+        assert result["split"] == "test" and result["checkpoint"].endswith("best.pt")
+        assert cells["test BLEU"] == f"{result['scores']['bleu']['score']:.2f}"
+        assert cells["test chrF"] == f"{result['scores']['chrf']['score']:.2f}"
 
 
 @pytest.mark.slow

@@ -352,6 +352,43 @@ def test_nonfinite_updates_are_skipped_then_stop(tmp_path, monkeypatch, caplog):
         train(_cfg(tmp_path / "nan", "train.max_steps=10", "train.max_nonfinite=3"))
 
 
+class _InfGradient(torch.autograd.Function):
+    """The identity forward; backward, an infinite gradient: overflows at every loss scale."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.full_like(grad, float("inf"))
+
+
+def test_fp16_overflow_at_every_scale_stops_with_one_error(tmp_path, monkeypatch, caplog):
+    """An fp16 run whose gradient overflows at every scale (its loss finite) ends at
+    train.min_loss_scale with one error line naming it and what to try, instead of halving the
+    scale for ever with the step count standing still."""
+    from mt.cli import user_errors
+
+    real = mt.train.update.batch_loss
+
+    def overflowing(*args):
+        loss, nll = real(*args)
+        return _InfGradient.apply(loss), nll
+
+    monkeypatch.setattr(mt.train.update, "batch_loss", overflowing)
+    # max_epochs: without the floor the run ends there (0 updates) instead of never
+    cfg = _cfg(tmp_path / "run", "train.precision=fp16", "train.max_steps=5",
+               "train.max_epochs=3", "train.min_loss_scale=1")  # fmt: skip
+    with caplog.at_level("INFO"), pytest.raises(SystemExit) as stop, user_errors("mt-train"):
+        train(cfg)
+    assert stop.value.code == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "train.min_loss_scale=1" in errors[0], errors
+    assert "after 17 consecutive updates" in errors[0] and "train.precision=bf16" in errors[0]
+    assert not _losses(tmp_path / "run")  # no update was applied
+
+
 def test_accumulation_equals_one_big_batch(tmp_path):
     """accum_steps=2 with max_tokens=M normalises by the tokens of the whole update: its first
     update's loss equals the token-weighted mean of the two batches' losses."""
@@ -568,3 +605,61 @@ def test_train_reset_starts_the_named_parts_afresh(tmp_path, caplog):
     r.metrics.close()
     with pytest.raises(ValueError, match=r"train.reset: unknown \['optimiser'\]"):
         recipe.setup(_cfg(run, "train.reset=[optimiser]"), distributed.setup("cpu"))
+
+
+def test_train_reset_is_applied_once_through_a_kill_and_two_resumes(tmp_path, real_data, caplog):
+    """A requeued job repeats its command line: train.reset=[schedule] restarts the warm-up on
+    the resume that first names it, which the checkpoints record; a kill and a second resume
+    with the same list do not restart it again; train.reset_again=true does."""
+    common = ["train.warmup=10", "train.save_every=2"]
+    run = tmp_path / "run"
+    last = run / "checkpoints" / "last.pt"
+    train(_cfg(run, *common, "train.max_steps=4"))
+
+    proc = _spawn(run, real_data, *common, "train.reset=[schedule]", "train.max_steps=1000")
+    _wait_for(run / "checkpoints" / "checkpoint_6.pt", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    out = proc.stdout.read()
+    proc.stdout.close()
+    assert "train.reset=[schedule]: applied at step 4" in out, out
+    killed = load_checkpoint(last, require_training=True)
+    k = killed["step"]
+    assert k >= 6 and killed["state"]["resets"] == [{"step": 4, "parts": ["schedule"]}]
+
+    with caplog.at_level(logging.INFO, logger="mt.train"):
+        train(_cfg(run, *common, "train.reset=[schedule]", f"train.max_steps={k + 2}"))
+    assert "train.reset=[schedule]: not applied again: last.pt" in caplog.text
+    assert "(applied at step 4)" in caplog.text
+    lrs = {r["step"]: r["lr"] for r in _records(run) if "lr" in r}
+    assert sorted(lrs) == list(range(1, k + 3))
+    for step in range(5, k + 3):  # one warm-up from step 4 on, through the kill
+        assert lrs[step] == pytest.approx(lrs[step - 4]), step
+    assert load_checkpoint(last)["state"]["resets"] == killed["state"]["resets"]
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="mt.train"):
+        train(_cfg(run, *common, "train.reset=[schedule]", "train.reset_again=true",
+                   f"train.max_steps={k + 4}"))  # fmt: skip
+    assert f"train.reset=[schedule]: applied at step {k + 2}" in caplog.text
+    lrs = {r["step"]: r["lr"] for r in _records(run) if "lr" in r}
+    assert [lrs[k + 3], lrs[k + 4]] == pytest.approx([lrs[1], lrs[2]])
+    assert load_checkpoint(last)["state"]["resets"] == [
+        {"step": 4, "parts": ["schedule"]}, {"step": k + 2, "parts": ["schedule"]}
+    ]
+
+
+@pytest.mark.parametrize(("stored", "now", "again", "applied"), [
+    (["schedule"], ["schedule"], False, []),  # the same list: applied when that run started
+    (["schedule"], ["optimizer", "schedule"], False, ["optimizer", "schedule"]),  # a new list
+    ([], ["schedule"], False, ["schedule"]),
+    (["meters", "schedule"], ["schedule", "meters"], False, []),  # order does not matter
+    (["schedule"], ["schedule"], True, ["schedule"]),  # train.reset_again
+])  # fmt: skip
+def test_which_resets_a_resume_applies(stored, now, again, applied):
+    from mt.train.state import resets_to_apply
+
+    cfg = load_config([f"train.reset=[{','.join(now)}]", f"train.reset_again={again}"])
+    resume = {"train_cfg": {"reset": stored}, "state": {"resets": []}}
+    assert resets_to_apply(cfg.train, resume, Path("last.pt")) == applied
+    assert resets_to_apply(cfg.train, None, None) == now  # a new run: nothing to skip

@@ -14,6 +14,8 @@ On a GPU, ``torch.cuda.set_sync_debug_mode("error")`` checks the same on the dev
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -293,3 +295,52 @@ def test_weight_decay_matches_the_textbook_step(decoupled):
     other = _adam_by_hand(p0, grads, lrs, cfg.train, not decoupled)
     torch.testing.assert_close(got, mine, rtol=1e-5, atol=1e-6)
     assert (got - other).abs().max() > 1e-4  # the two forms are told apart at this decay
+
+
+def _overflow_at_every_scale(update: Updater) -> list:
+    """Hooks writing inf into every gradient: the loss stays finite, the gradient overflows
+    whatever the loss scale (the removable handles)."""
+    return [p.register_hook(lambda g: torch.full_like(g, float("inf"))) for p in update.params]
+
+
+def test_fp16_stops_at_the_minimum_loss_scale(caplog):
+    """fp16 on the CPU's GradScaler: a gradient that overflows at every scale halves the scale
+    at each skipped update, without counting towards train.max_nonfinite; the run stops with
+    one FloatingPointError naming train.min_loss_scale once the scale is below it (30 halvings
+    from 2^16 to under 1e-4), WARNING lines from the 10th overflow in a row on. A good update
+    ends a streak."""
+    update = _update("fp16", clip=0.0)
+    assert update.scaler.is_enabled() and update.scaler.get_scale() == 2.0**16
+    state = TrainState()
+    hooks = _overflow_at_every_scale(update)
+    for _ in range(3):
+        assert update(_batches(), state) is None
+    assert update.overflows == 3 and update.scaler.get_scale() == 2.0**13
+    for h in hooks:
+        h.remove()
+    assert update(_batches(), state) is not None  # finite: a step, the streak is over
+    assert update.overflows == 0
+    update, state = _update("fp16", clip=0.0), TrainState()
+    _overflow_at_every_scale(update)
+    caplog.clear()  # the streak above may have been recorded too (another test set INFO)
+    expected = math.floor(math.log2(2.0**16 / update.tc.min_loss_scale)) + 1  # halvings to < 1e-4
+    with caplog.at_level("INFO", logger="mt.train.update"):
+        with pytest.raises(FloatingPointError, match=r"train\.min_loss_scale=0\.0001") as err:
+            for _ in range(200):  # without a floor this never ends
+                update(_batches(), state)
+    assert isinstance(err.value, mt.train.update.NonFiniteError)  # the CLI's one error line
+    assert "train.precision=bf16" in str(err.value) and "train.clip_norm" in str(err.value)
+    # overflows are not non-finite updates
+    assert update.overflows == expected == 30 and state.nonfinite == 0
+    levels = [r.levelname for r in caplog.records if "loss scale lowered" in r.message]
+    assert levels == ["INFO"] * 9 + ["WARNING"] * (expected - 10)
+    assert "29 consecutive overflow(s)" in caplog.records[-1].message
+
+
+def test_fp16_min_loss_scale_must_be_positive():
+    cfg = load_config(["train.precision=fp16", "train.min_loss_scale=0"])
+    model = build_model(cfg.model, V)
+    opt = build_optimizer(model.parameters(), cfg.train, torch.device("cpu"))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    with pytest.raises(ValueError, match="train.min_loss_scale must be > 0"):
+        Updater(model, model.parameters(), opt, sched, torch.amp.GradScaler("cpu"), cfg, 1)

@@ -5,7 +5,8 @@ each trial in ``<hydra.sweep.dir>/<job number>``, see ``mt.cli``). A training tr
 ``config.yaml`` and ``metrics.jsonl``; a decoding trial (``mt-evaluate -m split=valid ...``)
 holds ``results.json``. The table shows the settings that differ between trials (the sweep's
 overrides), the best validation BLEU (greedy, on the valid split: never a test set), the best
-valid loss, the updates done, the minutes of training, the median throughput and the best
+valid loss, the updates done, the minutes of training, the median throughput, the test scores
+of the trials that were evaluated (``train.evaluate``: shown, never ranked by) and the best
 trial. :class:`SweepSummary` writes ``summary.md`` and ``summary.png`` into the sweep directory
 when the sweep ends; ``scripts/sweep.py`` prints the same table for any sweep directory.
 """
@@ -81,6 +82,14 @@ def trial(run_dir: Path) -> dict | None:
     loss = min((r["valid_loss"] for r in valid), default=None)
     tok_s = statistics.median(r["tgt_tok_per_s"] for r in train) if train else None
     wall = max((r["wall"] for r in records if isinstance(r.get("wall"), (int, float))), default=0)
+    # reported beside the valid figures, never ranked by (train.evaluate wrote them)
+    test = {}
+    if (run_dir / "results.test.json").is_file():
+        scores = json.loads((run_dir / "results.test.json").read_text(encoding="utf-8"))
+        for metric, label in (("bleu", "test BLEU"), ("chrf", "test chrF")):
+            value = (scores.get("scores") or {}).get(metric) or {}
+            if value.get("score") is not None:
+                test[label] = f"{value['score']:.2f}"
     return {
         "run": run_dir.name,
         "config": _flatten(config),
@@ -92,6 +101,7 @@ def trial(run_dir: Path) -> dict | None:
             "updates": str(max((r["step"] for r in records if "step" in r), default=0)),
             "tgt tok/s": f"{tok_s:.0f}" if tok_s else "-",
             "minutes": f"{wall / 60:.1f}",
+            **test,
         },
     }
 

@@ -40,9 +40,11 @@ def export(
     shortlist: str | Path | None = None,
     shortlist_k: int = DecodeConfig.shortlist_k,
     shortlist_frequent: int = DecodeConfig.shortlist_frequent,
+    license: str = "unknown",
 ) -> Path:
     """Export an mt checkpoint to ``output`` in format ``fmt`` (``hf`` or ``ctranslate2``);
-    ``shortlist`` (a lexicon file, ``mt.decode.shortlist``): CTranslate2's vocabulary map too.
+    ``shortlist`` (a lexicon file, ``mt.decode.shortlist``): CTranslate2's vocabulary map too;
+    ``license``: the hub license id of the ``hf`` model card (``export.license``).
 
     Raises:
         ExportError: an unknown format, a setting the target cannot express, a shortlist for
@@ -62,7 +64,8 @@ def export(
         raise ExportError(f"output={out} exists and is not empty; choose a new directory")
     if fmt == "hf":
         export_hf(ckpt, cfg, blobs, out)
-        write_text(out / "README.md", model_card(ckpt, cfg, checkpoint))  # ready to publish
+        card = model_card(ckpt, cfg, checkpoint, license)
+        write_text(out / "README.md", card)  # ready to publish
     else:
         vmap = None
         if shortlist is not None:
@@ -84,7 +87,8 @@ def export_main(cfg: Config) -> None:
         raise SystemExit("mt-export: checkpoint=PATH format=hf|ctranslate2 output=DIR are needed")
     try:
         out = export(args.checkpoint, args.format, args.output, args.shortlist,
-                     cfg.decode.shortlist_k, cfg.decode.shortlist_frequent)  # fmt: skip
+                     cfg.decode.shortlist_k, cfg.decode.shortlist_frequent,
+                     args.license)  # fmt: skip
     except (ExportError, CheckpointError) as err:
         raise SystemExit(f"mt-export: {err}") from None
     print(out)

@@ -67,11 +67,11 @@ from mt.train.state import (
     better,
     check_compatible,
     check_data_plan,
-    check_resets,
     has_checkpoints,
     keep_best_of_best_pt,
     metric_key,
     record_config,
+    resets_to_apply,
     seed_everything,
     set_rng_state,
 )
@@ -202,7 +202,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
 
     resume, resume_path = agree_on_resume(ckpt_dir, info.is_main)
     raw = build_model(cfg.model, prepared.vocab_size)  # same init on every rank (same seed)
-    resets = check_resets(tc.reset)
+    resets = resets_to_apply(tc, resume, resume_path)
     if resume is not None:
         check_compatible(
             resume, cfg, prepared.vocab_size, resume_path, prepared.tokenizer.to_bytes()

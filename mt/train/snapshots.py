@@ -134,11 +134,12 @@ def restore(resume: dict, cfg: Config, resets: list[str], optimizer, scheduler, 
         for key, (old, new) in changed_settings(stored, cfg, SCHEDULE_KEYS).items():
             log.warning("resuming with train.%s %s -> %s: applied from the next update",
                         key, old, new)  # fmt: skip
-        rates = [base * f(scheduler.last_epoch)  # the schedule's rate now, not the stored one
-                 for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]  # fmt: skip
-        for group, lr in zip(optimizer.param_groups, rates):
-            group["lr"] = lr
-        scheduler._last_lr = rates
+    # The schedule's rate now (a reset one's first), not the one the optimiser state stored
+    rates = [base * f(scheduler.last_epoch)
+             for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]  # fmt: skip
+    for group, lr in zip(optimizer.param_groups, rates):
+        group["lr"] = lr
+    scheduler._last_lr = rates
     if resume.get("scaler"):
         scaler.load_state_dict(resume["scaler"])
     state = TrainState(**resume["state"])
@@ -148,4 +149,8 @@ def restore(resume: dict, cfg: Config, resets: list[str], optimizer, scheduler, 
     if "data" in resets:
         log.info("train.reset: data: a new epoch starts (epoch %d)", state.epoch + 1)
         state.epoch, state.batch = state.epoch + (1 if state.batch else 0), 0
+    if resets:  # saved with the state: a resume with the same list does not repeat them
+        state.resets = [*state.resets, {"step": state.step, "parts": list(resets)}]
+        log.info("train.reset=[%s]: applied at step %d (recorded in the checkpoints)",
+                 ",".join(resets), state.step)  # fmt: skip
     return state

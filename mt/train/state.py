@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -59,6 +59,8 @@ class TrainState:
     last_eval_step: int = -1
     wall: float = 0.0  # seconds spent training, over all restarts
     nonfinite: int = 0  # consecutive skipped updates
+    # train.reset as applied, oldest first: {"step": the resumed step, "parts": [names]}
+    resets: list = field(default_factory=list)
 
 
 def data_plan(cfg: Config, world_size: int) -> dict[str, Any]:
@@ -405,7 +407,8 @@ def training_state(
     With ``full`` every rank must call this (the RNG states of all ranks are gathered).
     """
     ckpt = model_state(raw_model, cfg.model, prepared.tokenizer, prepared.vocab_size)
-    ckpt.update(step=state.step, epoch=state.epoch, best=state.best, best_metric=metric_key(cfg))
+    ckpt.update(step=state.step, epoch=state.epoch, best=state.best, best_metric=metric_key(cfg),
+                data_summary=data_summary(prepared))  # fmt: skip
     if full:
         ckpt.update(
             optimizer=optimizer.state_dict(),
@@ -421,6 +424,33 @@ def training_state(
     return ckpt
 
 
+def data_summary(prepared) -> dict[str, Any]:
+    """What the data was, from the prepared data's ``meta.json``, for the model card
+    (:mod:`mt.export.card`): kept in every checkpoint, so an exported model can say what it
+    was trained on wherever the checkpoint is copied. Names and counts, never local paths."""
+    meta = getattr(prepared, "meta", None) or {}
+    data, counts = meta.get("data") or {}, meta.get("counts") or {}
+    source, directory = data.get("source"), data.get("dir")
+    local = source == "local" or (source == "auto" and bool(directory) and Path(directory).is_dir())
+    splits = data.get("splits") or {}
+    train = counts.get("train") or {}
+    return {
+        "name": data.get("name"),
+        "src_lang": data.get("src_lang"),
+        "tgt_lang": data.get("tgt_lang"),
+        "source": "local" if local else "hub",
+        "hf_path": None if local else data.get("hf_path"),
+        "hf_name": None if local else data.get("hf_name"),
+        "local_dir": Path(directory).name if local and directory else None,
+        "corpora": [{"name": str(c.get("name")), "pairs": int(c.get("pairs", 0))}
+                    for c in train.get("corpora") or []],  # fmt: skip
+        "read": (train.get("clean") or {}).get("read"),
+        "pairs": {r: (counts.get(r) or {}).get("pairs") for r in ("train", "valid", "test")},
+        "splits": {role: str(splits.get(role)) for role in ("valid", "test")},
+        "max_train_pairs": data.get("max_train_pairs"),
+    }
+
+
 RESETS = ("optimizer", "schedule", "meters", "data")
 # the train settings behind Adam's param groups (mt.train.update.adam_settings)
 OPTIMIZER_KEYS = ("beta1", "beta2", "eps", "weight_decay", "decoupled_weight_decay")
@@ -434,6 +464,32 @@ def check_resets(names) -> list[str]:
     if unknown:
         raise ValueError(f"train.reset: unknown {unknown}; choose from {list(RESETS)}")
     return names
+
+
+def resets_to_apply(tc, resume: Optional[dict], path: Optional[Path]) -> list[str]:
+    """The parts of ``train.reset`` (checked, :func:`check_resets`) to start afresh now.
+
+    A reset is an instruction for one resume, but a requeued job repeats its command line: a
+    resume whose ``train.reset`` is the list the checkpoint's own run was started with (its
+    ``train_cfg``) applies nothing, since that run applied it (or was a new run, with nothing
+    to reset) and what it saved already holds the effect. Another list is applied, and so is
+    the same one with ``train.reset_again=true``. Logged either way.
+    """
+    names = check_resets(tc.reset)
+    if resume is None or not names:
+        return names
+    stored = [str(n) for n in (resume.get("train_cfg") or {}).get("reset") or []]
+    if tc.reset_again or set(stored) != set(names):
+        return names
+    applied = (resume.get("state") or {}).get("resets") or []
+    done = [r["step"] for r in applied if set(r["parts"]) == set(names)]
+    when = f"applied at step {done[-1]}" if done else "applied when it started, or a new run"
+    log.info(
+        "train.reset=[%s]: not applied again: %s was saved by a run started with the same list "
+        "(%s); train.reset_again=true applies it on this start too",
+        ",".join(names), path.name if path else "the checkpoint", when,
+    )  # fmt: skip
+    return []
 
 
 def changed_settings(stored: dict, cfg: Config, keys: tuple[str, ...]) -> dict[str, tuple]:

@@ -32,10 +32,18 @@ class MetricsLog:
         self.file = JsonlAppender(run_dir / "metrics.jsonl", keep_through_step=resume_step)
         try:
             from torch.utils.tensorboard import SummaryWriter
-
+        except ImportError as e:  # tensorboard is an optional extra: metrics.jsonl has it all
+            log.warning(
+                "TensorBoard logging is off: the tensorboard package is not installed (%s). "
+                "Install it with `pip install tensorboard` (or mt's `all` extra, "
+                "`pip install 'mt[all]'`); metrics.jsonl records every figure meanwhile", e,
+            )  # fmt: skip
+            return
+        try:
             self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1)
-        except Exception as e:  # tensorboard missing or broken: JSONL is enough
-            log.info("TensorBoard disabled (%s)", e)
+        except Exception as e:  # a broken install or an unwritable folder: JSONL is enough
+            log.warning("TensorBoard logging is off: %s: %s; metrics.jsonl records every "
+                        "figure", type(e).__name__, e)  # fmt: skip
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record; scalars also go to TensorBoard under their key."""

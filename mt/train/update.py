@@ -26,6 +26,17 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive updates with a non-finite loss or gradient."""
 
 
+class LossScaleError(NonFiniteError, FloatingPointError):
+    """fp16: the dynamic loss scale fell below ``train.min_loss_scale`` (fairseq's
+    ``--min-loss-scale`` stops with a FloatingPointError too)."""
+
+
+# fp16: consecutive gradient overflows from which each one is logged as a WARNING (INFO
+# before). Nine halvings take GradScaler's initial scale, 2^16, to fairseq's, 2^7, where fairseq
+# starts every fp16 run: a longer streak is more than the calibration of a run's start.
+OVERFLOW_WARNING = 10
+
+
 @dataclass
 class UpdateResult:
     """One update's figures, reduced over accumulation steps and ranks, left on the device.
@@ -128,6 +139,11 @@ class Updater:
         self._streak: Optional[torch.Tensor] = None  # consecutive skipped updates (device)
         self._skipped: Optional[torch.Tensor] = None  # skipped updates in all (device)
         self._reported = 0  # of those, how many the log has told
+        self.overflows = 0  # fp16: consecutive gradient overflows (skipped, scale lowered)
+        if self.tc.precision == "fp16" and not self.tc.min_loss_scale > 0:
+            raise ValueError(
+                f"train.min_loss_scale must be > 0 with fp16, got {self.tc.min_loss_scale}"
+            )
         # train.master_weights: the passes run on a 16-bit working copy of ``params``
         self.master = getattr(distributed.unwrap(model), "master", None)
 
@@ -188,6 +204,7 @@ class Updater:
         self.scaler.update()
         self.scheduler.step()
         state.nonfinite = 0
+        self.overflows = 0
         return UpdateResult(figures)
 
     def _changed(self) -> None:
@@ -241,13 +258,21 @@ class Updater:
             raise NonFiniteError(_too_many(streak, self.tc.max_nonfinite))
 
     def _skip(self, state: TrainState, loss_finite: bool) -> None:
-        """Drop a non-finite update (fp16: lower the loss scale); stop after too many."""
+        """Drop a non-finite update (fp16: lower the loss scale); stop after too many.
+
+        An fp16 gradient overflow with a finite loss is how the loss scale calibrates itself
+        (as in fairseq): it does not count towards ``train.max_nonfinite``, whose 10 would
+        otherwise stop a run before its scale had come down from 2^16 to 2^6. A streak of them
+        is bounded by the scale's floor instead, ``train.min_loss_scale`` (30 in a row from
+        2^16 to the default 1e-4), which ends a run whose gradients overflow at every scale.
+        A non-finite loss counts, in fp16 too."""
         fp16 = self.tc.precision == "fp16"
         if fp16:
             self.scaler.update()  # the dynamic loss scale backs off
         self.optimizer.zero_grad(set_to_none=True)
+        if fp16:
+            self._check_loss_scale(state, loss_finite)
         if fp16 and loss_finite:
-            log.info("fp16 gradient overflow: update skipped, loss scale lowered")
             return None
         state.nonfinite += 1
         log.warning(
@@ -259,6 +284,29 @@ class Updater:
         if state.nonfinite >= self.tc.max_nonfinite:
             raise NonFiniteError(_too_many(state.nonfinite, self.tc.max_nonfinite))
         return None
+
+    def _check_loss_scale(self, state: TrainState, loss_finite: bool) -> None:
+        """fp16, after a skipped update lowered the loss scale: count the overflow streak, log
+        it (a WARNING from :data:`OVERFLOW_WARNING` in a row), and stop once the scale is below
+        ``train.min_loss_scale``."""
+        self.overflows += 1
+        scale = float(self.scaler.get_scale())
+        floor = self.tc.min_loss_scale
+        if scale < floor:
+            raise LossScaleError(
+                f"fp16: the loss scale fell to {scale:.3g}, below train.min_loss_scale={floor:g}, "
+                f"after {self.overflows} consecutive updates with an overflowing gradient (update "
+                f"{state.step + 1}); stopping. The loss is probably exploding: try "
+                "train.precision=bf16 (or fp32), a lower learning rate (train.lr / train.factor), "
+                "or gradient clipping (train.clip_norm)."
+            )
+        level = logging.WARNING if self.overflows >= OVERFLOW_WARNING else logging.INFO
+        log.log(
+            level, "fp16 %s at update %d: update skipped, loss scale lowered to %g (%d "
+            "consecutive overflow(s); train.min_loss_scale=%g stops the run)",
+            "gradient overflow" if loss_finite else "non-finite loss", state.step + 1, scale,
+            self.overflows, floor,
+        )  # fmt: skip
 
 
 def _too_many(streak: int, limit: int) -> str:
