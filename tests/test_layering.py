@@ -3,7 +3,8 @@
 The tiers, bottom to top (a unit is a folder of ``mt/`` or one shared top-level module):
 
     vocab, schema, files,     pure pieces: ids, the typed settings, crash-safe files, the
-    allocator                 process's malloc (jemalloc where installed)
+    allocator, device         process's malloc (jemalloc where installed), autocast and SDPA's
+                              CUDA kernels
     config, distributed       Hydra composition; DDP set-up and collectives
     model                     the paper's Transformer: math only (no I/O, no Hydra, no speed code)
     data                      corpus -> cleaning -> SentencePiece -> prepared store -> batches
@@ -26,7 +27,7 @@ import pytest
 MT = Path(__file__).resolve().parents[1] / "mt"
 
 TIERS = [
-    ["mt.vocab", "mt.schema", "mt.files", "mt.allocator"],
+    ["mt.vocab", "mt.schema", "mt.files", "mt.allocator", "mt.device"],
     ["mt.config", "mt.distributed"],
     ["mt.model"],
     ["mt.data"],
