@@ -31,7 +31,6 @@ from typing import Any, Optional
 
 import torch
 
-import mt.fast.probe as probe
 from mt import distributed
 from mt.allocator import describe_allocator
 from mt.checkpoint import (
@@ -41,10 +40,17 @@ from mt.checkpoint import (
 from mt.data.batches import batch_plan, iterate_batches
 from mt.data.build import prepare
 from mt.data.prefetch import Prefetcher
-from mt.fast import for_training
-from mt.fast.compile import compile_model, compiled_graphs, pad_multiple
-from mt.fast.memory import resident_fields
-from mt.fast.precision import machine, resolve_precision, set_fp32_precision
+from mt.fast import (  # the one import of mt.fast in mt.train: what training takes of it
+    adopt_probes,
+    compile_model,
+    compiled_graphs,
+    for_training,
+    machine,
+    pad_multiple,
+    probe_decisions,
+    resolve_precision,
+    set_fp32_precision,
+)
 from mt.files import remove_stale_temps, write_json
 from mt.model.transformer import build_model
 from mt.schema import Config
@@ -75,7 +81,7 @@ from mt.train.state import (
     seed_everything,
     set_rng_state,
 )
-from mt.train.tracking import MetricsLog
+from mt.train.tracking import MetricsLog, resident_fields
 from mt.train.update import Updater, UpdateResult, build_optimizer
 from mt.train.validation import validate
 
@@ -385,7 +391,7 @@ def _prepared(cfg: Config, info: distributed.DistInfo):
 def _training_forward(raw: torch.nn.Module, cfg: Config, info: distributed.DistInfo):
     """``mt.fast.for_training``'s module for ``raw``. In a distributed run rank 0 builds it
     first, probing the kernels it chooses by (``train.products``, ``train.projection``), and
-    the other ranks take rank 0's choices (``mt.fast.probe.adopt``), as they take its
+    the other ranks take rank 0's choices (``mt.fast.adopt_probes``), as they take its
     precision: one probe instead of one per rank at once, and every rank on the same kernels."""
     tc = cfg.train
 
@@ -398,16 +404,16 @@ def _training_forward(raw: torch.nn.Module, cfg: Config, info: distributed.DistI
     if not info.distributed:
         return build()
     forward = build() if info.is_main else None
-    decisions = distributed.broadcast_object(probe.decided() if info.is_main else None)
+    decisions = distributed.broadcast_object(probe_decisions() if info.is_main else None)
     if forward is None:
-        probe.adopt(decisions)
+        adopt_probes(decisions)
         forward = build()
     return forward
 
 
 def _precision(cfg: Config, info: distributed.DistInfo) -> str:
     """``train.precision`` resolved (``auto``: measured at the run's shapes and cached beside
-    the prepared data, ``mt.fast.precision``); rank 0 decides for every rank."""
+    the prepared data, ``mt.fast.resolve_precision``); rank 0 decides for every rank."""
     tc, choice = cfg.train, None
     if info.is_main:
         shape = (tc.max_tokens, cfg.model.d_model, cfg.model.d_ff)
