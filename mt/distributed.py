@@ -26,12 +26,16 @@ import datetime
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -196,6 +200,32 @@ def check_all(error: BaseException | None, what: str) -> None:
     failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
     if failed:
         raise RankError(f"{what} failed on another rank: " + " | ".join(failed))
+
+
+def decide_on_rank0(decide: Callable[[], T], what: str = "rank 0's decision") -> T:
+    """``decide()`` run on rank 0 alone, and its result (picklable) on every rank: one choice
+    (a lock taken, a precision measured, kernels probed, the checkpoint to resume) that every
+    rank then follows. In a single process, ``decide()`` itself.
+
+    Every other rank waits for rank 0 in one host-side broadcast on the control group. Where
+    ``decide`` raises on rank 0, rank 0 raises that error and every other rank a
+    :class:`RankError` quoting it (``what`` names the decision), instead of waiting at the next
+    collective until the timeout.
+    """
+    if not is_initialized():
+        return decide()
+    error, outcome = None, None
+    if dist.get_rank() == 0:
+        try:
+            outcome = ("ok", decide())
+        except Exception as err:  # every rank stops, not only rank 0
+            error, outcome = err, ("error", f"{type(err).__name__}: {err}")
+    status, value = broadcast_object(outcome)
+    if error is not None:
+        raise error
+    if status == "error":
+        raise RankError(f"{what} failed on rank 0: {value}")
+    return value
 
 
 def broadcast_float(value: float | None) -> float | None:

@@ -199,12 +199,8 @@ class DecodeConfig:
     batch_size: int = 64  # sentences per decoding batch
     max_tokens: int = 0  # source tokens per decoding batch (0 = use batch_size)
     too_long: str = "error"  # error | truncate: inputs longer than model.max_positions
-    precision: str = "fp32"  # fp32 | bf16 | auto (whichever is faster here: measured, cached)
-    quantize: str = "none"  # none | int8: dynamic int8 Linear layers (CPU decoding speed)
-    # CPU float32 products: oneDNN's (true), torch's own (false: the model as written), or the
-    # fastest measured here of oneDNN's, mt's own AVX2 kernel and torch's (null: auto,
-    # mt.fast.decoding.fp32_products)
-    onednn: Optional[bool] = None
+    # fp32 | bf16 | fp16 (autocast) | auto (bf16 on a CUDA GPU with native bfloat16, else fp32)
+    precision: str = "fp32"
     # CPU: batches decoded side by side by this many workers, torch's intra-op threads shared
     # among them (CTranslate2's inter_threads, Marian's CPU workers): forked processes of one
     # thread each where this process may fork (mt.decode.driver.forks_workers), else threads;

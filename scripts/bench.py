@@ -152,23 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--checkpoint", help="a trained model (real output lengths)")
     decode.add_argument("--input", help="with --checkpoint: source sentences, one per line")
     decode.add_argument(
-        "--quantize", choices=("none", "int8"), default="none",
-        help="int8: dynamic int8 Linear layers (decode.quantize)",
-    )  # fmt: skip
-    decode.add_argument(
-        "--kernels", choices=("auto", "onednn", "mt", "torch"), default="auto",
-        help="CPU float32 products: the fastest measured here (decode.onednn=null, what "
-        "mt-translate does), oneDNN's (decode.onednn=true), mt's own (AVX2) or torch's default",
-    )  # fmt: skip
-    decode.add_argument(
         "--profile", action="store_true",
         help="also profile one batch of each search: ms in products, attention, the vocabulary "
         "softmax, beam bookkeeping, other ops and Python",
-    )  # fmt: skip
-    decode.add_argument(
-        "--baseline", choices=("torch",),
-        help="also time torch's default kernels (BLAS Linear, SDPA, autocast), batch by batch "
-        "in turn with mt's",
     )  # fmt: skip
 
     real = sub.add_parser(

@@ -27,9 +27,9 @@ from bench_common import (
 )
 
 from mt.data.batches import make_src
-from mt.decode.driver import autocast
+from mt.decode.driver import resolve_decode
 from mt.decode.search import beam_search, greedy_search
-from mt.fast.decoding import for_decoding, needs_autocast
+from mt.device import autocast
 from mt.model.transformer import build_model
 from mt.schema import DecodeConfig
 
@@ -65,43 +65,27 @@ def _load(args, device):
     return model, src_ids, shape_fields(cfg, args.vocab), True
 
 
-def _searcher(model, args, device, k: int, a: float, b: float, min_len: int, plain: bool):
-    """One search over a batch with ``model``: mt's kernels, or (``plain``) torch's defaults
-    (``nn.Linear`` on the default BLAS, SDPA for every attention, autocast for bf16)."""
-    quantize = getattr(args, "quantize", "none")
-    onednn = False if plain else {"auto": None, "onednn": True, "mt": "mt", "torch": False}[
-        args.kernels]
-    rows = args.batch_size * k  # as mt.decode.driver sizes the copy's products
-    autocast_to = (
-        args.precision if needs_autocast(model, quantize, args.precision, onednn, rows) else "fp32"
-    )
-    model = for_decoding(model, quantize, args.precision, onednn, fast_attention=not plain,
-                         rows=rows)  # fmt: skip
+def _searcher(model, args, device, k: int, a: float, b: float, min_len: int):
+    """One search over a batch with ``model`` as written (``mt.decode.search``), under the
+    autocast ``--precision`` asks for (``decode.precision``, ``auto`` resolved as decoding
+    resolves it)."""
+    precision = resolve_decode(DecodeConfig(precision=args.precision), model, device).precision
 
     def run(src):
-        with autocast(device, autocast_to):
+        with autocast(device, precision):
             if k == 1:
                 return [[h] for h in greedy_search(model, src, a, b, min_len, alpha=0.0)]
             return beam_search(model, src, k, DecodeConfig().alpha, a, b, 1, min_len)
 
-    # the products the copy runs (auto resolved): the fused step's kind, else its head's
-    fused = getattr(model, "fused", None)
-    head = getattr(model, "head", None)
-    run.products = "torch" if plain else (fused.products if fused is not None else (
-        type(head).__name__ if head is not None else "modules"))  # fmt: skip
+    run.precision = precision
     return run
 
 
 # Where a decoder step's time goes: top-level torch ops (called from Python) by kind.
-PRODUCTS = {"aten::linear", "aten::addmm", "aten::mm", "mkldnn::_linear_pointwise",
-            "quantized::linear_dynamic", "onednn::qlinear_pointwise", "aten::_int_mm",
-            "aten::_weight_int8pack_mm", "mt::int8_linear", "mt::int8_linear_avx2",
-            "mt::f32_linear"}  # fmt: skip
+PRODUCTS = {"aten::linear", "aten::addmm", "aten::mm"}
 ATTENTION = {"aten::matmul", "aten::bmm", "aten::softmax", "aten::_softmax",
-             "aten::scaled_dot_product_attention", "aten::masked_fill_",
-             "mt::short_attention"}  # fmt: skip
-VOCAB = {"aten::log_softmax", "aten::_log_softmax", "mt::best_token", "mt::top_tokens"}
-FUSED = {"mt::decoder_step", "mt::greedy_search", "mt::beam_search"}  # products etc. inside
+             "aten::scaled_dot_product_attention", "aten::masked_fill_"}  # fmt: skip
+VOCAB = {"aten::log_softmax", "aten::_log_softmax"}
 BEAM = {"aten::topk", "aten::sort", "aten::argsort", "aten::gather", "aten::nonzero",
         "aten::repeat_interleave", "aten::index", "aten::index_select", "aten::cat",
         "aten::index_copy_", "aten::index_put_", "aten::isfinite", "aten::any", "aten::eq",
@@ -130,25 +114,14 @@ def profile_breakdown(run, src) -> dict[str, float]:
     for event in prof.events():
         if event.cpu_parent is not None:
             continue
-        ms = event.cpu_time_total / 1e3
-        if event.name in FUSED:  # the ops it calls by kind; its own loops (norms, adds) other
-            for child in event.cpu_children:
-                kinds[kind_of(child.name)] += child.cpu_time_total / 1e3
-                ms -= child.cpu_time_total / 1e3
-            kinds["other_ops"] += ms
-            continue
-        kinds[kind_of(event.name)] += ms
+        kinds[kind_of(event.name)] += event.cpu_time_total / 1e3
     # the profiler's own cost inflates the Python share a little; the op times are its own
     kinds["python"] = max(0.0, wall - sum(kinds.values()))
     return {k: round(v, 3) for k, v in kinds.items()} | {"wall_ms": round(wall, 3)}
 
 
 def run_decode(args, rec: Recorder) -> list[dict[str, Any]]:
-    """Benchmark greedy and beam search; emits one record per search (and per baseline).
-
-    With ``--baseline torch`` the same searches also run with torch's default kernels, batch
-    by batch in turn with mt's, so both see the same machine load.
-    """
+    """Benchmark greedy and beam search with the model as written; one record per search."""
     device = args.device_obj
     model, src_ids, shape, forced = _load(args, device)
     model.eval()
@@ -161,63 +134,49 @@ def run_decode(args, rec: Recorder) -> list[dict[str, Any]]:
         make_src(src_ids[i : i + args.batch_size]).to(device)
         for i in range(0, len(src_ids), args.batch_size)
     ]
-    impls = ["mt"] + (["torch"] if getattr(args, "baseline", None) == "torch" else [])
     searches = [("greedy", 1)] + ([("beam", args.beam)] if args.beam > 1 else [])
     records = []
     for name, k in searches:
-        runs = {
-            impl: _searcher(model, args, device, k, a, b, min_len, impl == "torch")
-            for impl in impls
-        }
-        for run in runs.values():
-            for _ in range(args.warmup_steps):
-                run(batches[0])
+        run = _searcher(model, args, device, k, a, b, min_len)
+        for _ in range(args.warmup_steps):
+            run(batches[0])
         reset_peak_memory(device)
-        stats = {impl: {"per_batch": [], "sents": 0, "tokens": 0, "total": 0.0} for impl in impls}
+        per_batch, sents, tokens, total = [], 0, 0, 0.0
         for src in batches:
-            for impl, run in runs.items():
-                sync(device)
-                start = time.perf_counter()
-                hyps = run(src)
-                sync(device)
-                seconds = time.perf_counter() - start
-                st = stats[impl]
-                st["total"] += seconds
-                st["per_batch"].append(src.size(0) / seconds)
-                st["sents"] += src.size(0)
-                st["tokens"] += sum(len(h[0].tokens) for h in hyps)
-        profiles = {}
-        if getattr(args, "profile", False):
-            profiles = {impl: profile_breakdown(run, batches[0]) for impl, run in runs.items()}
-        for impl, st in stats.items():
-            sents, tokens, total = st["sents"], st["tokens"], st["total"]
-            if forced and tokens != sents * args.gen_len:
-                raise RuntimeError(f"{name}: {tokens} tokens, expected {sents} x {args.gen_len}")
-            record = {
-                "bench": "decode",
-                "impl": name if impl == "mt" else f"{name}/{impl}",
-                "search": name,
-                "beam": k,
-                "kernels": "torch" if impl == "torch" else args.kernels,
-                "products": runs[impl].products,
-                **shape,
-                "checkpoint": args.checkpoint,
-                "precision": args.precision,
-                "quantize": getattr(args, "quantize", "none"),
-                "batch_size": args.batch_size,
-                "batches": len(batches),
-                "src_len": args.src_len if not args.input else None,
-                "gen_len": args.gen_len if forced else None,
-                "forced_length": forced,
-                "sent_per_s": sents / total,
-                "sent_per_s_median_batch": median(st["per_batch"]),
-                "tok_per_s": tokens / total,
-                "mean_out_len": tokens / sents,
-                "peak_mem_mb": peak_memory_mb(device)[0],
-                "peak_mem_kind": peak_memory_mb(device)[1],
-                **({"profile_ms": profiles[impl]} if impl in profiles else {}),
-                **environment(device),
-            }
-            rec.emit(record)
-            records.append(record)
+            sync(device)
+            start = time.perf_counter()
+            hyps = run(src)
+            sync(device)
+            seconds = time.perf_counter() - start
+            total += seconds
+            per_batch.append(src.size(0) / seconds)
+            sents += src.size(0)
+            tokens += sum(len(h[0].tokens) for h in hyps)
+        profile = profile_breakdown(run, batches[0]) if getattr(args, "profile", False) else None
+        if forced and tokens != sents * args.gen_len:
+            raise RuntimeError(f"{name}: {tokens} tokens, expected {sents} x {args.gen_len}")
+        record = {
+            "bench": "decode",
+            "impl": name,
+            "search": name,
+            "beam": k,
+            **shape,
+            "checkpoint": args.checkpoint,
+            "precision": run.precision,
+            "batch_size": args.batch_size,
+            "batches": len(batches),
+            "src_len": args.src_len if not args.input else None,
+            "gen_len": args.gen_len if forced else None,
+            "forced_length": forced,
+            "sent_per_s": sents / total,
+            "sent_per_s_median_batch": median(per_batch),
+            "tok_per_s": tokens / total,
+            "mean_out_len": tokens / sents,
+            "peak_mem_mb": peak_memory_mb(device)[0],
+            "peak_mem_kind": peak_memory_mb(device)[1],
+            **({"profile_ms": profile} if profile is not None else {}),
+            **environment(device),
+        }
+        rec.emit(record)
+        records.append(record)
     return records

@@ -62,25 +62,6 @@ def sharp_random_model(vocab_size: int = 40):
     return model
 
 
-def count_whole_searches(fused) -> list:
-    """Wraps a ``FusedStep``'s ``greedy`` and ``beam`` (the whole searches in one C++ call) so
-    that each call appends to the returned list."""
-    calls: list = []
-    for name in ("greedy", "beam"):
-        whole = getattr(fused, name)
-        setattr(fused, name, lambda *a, f=whole: calls.append(1) or f(*a))
-    return calls
-
-
-def small_searches(src):
-    """Greedy (as 1-best lists) and beam 4 (3-best) over ``src``, b 5, min_len 1: each a
-    function of the model searched."""
-    from mt.decode.search import beam_search, greedy_search
-
-    return (lambda m: [[h] for h in greedy_search(m, src, 1.0, 5, 1, alpha=0.0)],
-            lambda m: beam_search(m, src, 4, 1.0, 1.0, 5, 3, 1))  # fmt: skip
-
-
 def assert_same_nbest(expected, actual, abs_tol: float = 1e-4) -> None:
     """Two searches' n-best lists agree: the same scores (to ``abs_tol``) and tokens, and the
     sentences end at different steps (so the comparison covers finished and live rows)."""

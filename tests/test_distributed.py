@@ -55,6 +55,11 @@ def test_single_process_helpers_are_noops(monkeypatch):
     assert distributed.all_reduce_sum(t) is t and t.tolist() == [1.5, 2.0]
     assert distributed.all_gather_object({"a": 1}) == [{"a": 1}]
     assert distributed.broadcast_float(None) is None
+    calls = []
+    assert distributed.decide_on_rank0(lambda: calls.append(1) or {"k": "v"}) == {"k": "v"}
+    assert calls == [1]  # once, here: a single process is rank 0
+    with pytest.raises(KeyError, match="its own error"):  # raised as it is, not as a RankError
+        distributed.decide_on_rank0(lambda: {}["its own error"], "a choice")
     model = torch.nn.Linear(2, 2)
     assert distributed.wrap(model, info) is model
     distributed.barrier()
@@ -166,6 +171,62 @@ except Exception as err:
     out["cache"] = [type(err).__name__, str(err)]
 print("RESULT " + json.dumps(out))
 """
+
+
+DECIDE_SCRIPT = r"""
+import json, sys
+from pathlib import Path
+from mt import distributed
+from mt.train.recipe import _lock_run_dir
+
+root = Path(sys.argv[1])
+info = distributed.setup("cpu", timeout_minutes=2)
+calls, out = [], {}
+out["value"] = distributed.decide_on_rank0(lambda: calls.append(1) or [info.rank, "seen"])
+out["calls"] = len(calls)
+
+def fail():
+    raise ValueError(f"rank {info.rank} cannot decide")
+
+for case, decide, what in (("error", fail, "the test's choice"),
+                           ("locked", lambda: _lock_run_dir(root / "locked"), None),
+                           ("free", lambda: _lock_run_dir(root / "free"), None)):
+    try:
+        got = decide() if what is None else distributed.decide_on_rank0(decide, what)
+        out[case] = ["ok", None if got is None else type(got).__name__]
+        if got is not None:
+            got.release()
+    except Exception as err:
+        out[case] = [type(err).__name__, str(err)]
+distributed.cleanup()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_rank_0_decides_and_every_rank_takes_its_answer_or_its_error(tmp_path):
+    """decide_on_rank0 under 2 gloo ranks: only rank 0 runs the decision and both return its
+    value; an error on rank 0 is rank 0's own there and a RankError quoting it on rank 1 (no
+    rank waits for a collective that never comes). The run directory's lock goes through it:
+    held by another run, rank 0 says whose and rank 1 stops too; free, rank 0 alone holds it."""
+    from mt.train.lock import RunLock
+
+    for name in ("locked", "free"):
+        (tmp_path / name).mkdir()
+    held = RunLock(tmp_path / "locked").acquire()  # another run, alive: this process
+    try:
+        rank0, rank1 = _two_ranks(tmp_path, DECIDE_SCRIPT)
+    finally:
+        held.release()
+    assert rank0["value"] == rank1["value"] == [0, "seen"]
+    assert (rank0["calls"], rank1["calls"]) == (1, 0)
+    assert rank0["error"] == ["ValueError", "rank 0 cannot decide"]
+    assert rank1["error"][0] == "RankError"
+    assert rank1["error"][1] == ("the test's choice failed on rank 0: ValueError: rank 0 "
+                                 "cannot decide")
+    assert rank0["locked"][0] == "LockError" and f"pid {os.getpid()}" in rank0["locked"][1]
+    assert rank1["locked"][0] == "RankError" and "locking run_dir" in rank1["locked"][1]
+    assert f"pid {os.getpid()}" in rank1["locked"][1]  # rank 0's reason, quoted
+    assert rank0["free"] == ["ok", "RunLock"] and rank1["free"] == ["ok", None]
 
 
 def _fake_checkpoint(path: Path, step: int) -> None:
@@ -312,11 +373,11 @@ def test_the_other_ranks_take_rank_0s_kernel_choices(tmp_path, monkeypatch):
     monkeypatch.setattr(mt.fast.probe.ProbeCache, "put", lambda self, key, entry: None)
     sent = []
 
-    def broadcast(obj):
-        sent.append(obj)
-        return obj
+    def on_rank0(decide, what=""):  # rank 0: decides, and its answer goes to every rank
+        sent.append(decide())
+        return sent[-1]
 
-    monkeypatch.setattr(distributed, "broadcast_object", broadcast)
+    monkeypatch.setattr(distributed, "decide_on_rank0", on_rank0)
     monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})
     monkeypatch.setattr(
         mt.fast.probe, "measure", lambda *a, **k: {"torch": 2.0, "onednn": 1.0}
@@ -327,7 +388,7 @@ def test_the_other_ranks_take_rank_0s_kernel_choices(tmp_path, monkeypatch):
 
     monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})  # rank 1: a process of its own
     monkeypatch.setattr(mt.fast.probe, "measure", lambda *a, **k: pytest.fail("rank 1 probed"))
-    monkeypatch.setattr(distributed, "broadcast_object", lambda obj: decisions)
+    monkeypatch.setattr(distributed, "decide_on_rank0", lambda decide, what="": decisions)
     rank1 = recipe._training_forward(raw, cfg, distributed.DistInfo(rank=1, world_size=2))
     for forward in (rank0, rank1):
         assert forward.product is linear

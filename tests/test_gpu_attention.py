@@ -87,15 +87,21 @@ def cudnn_sdp_restored():
 def test_gpu_attention_turns_cudnn_attention_off_on_cuda_only(cudnn_sdp_restored):
     """cuDNN's SDPA builds a plan per new shape (8x slower training on an H200 with batches by
     tokens): the training and decoding seams turn it off on CUDA, and nowhere else."""
+    from mt.decode.driver import translate_nbest
+    from mt.device import gpu_attention
     from mt.fast import for_training
-    from mt.fast.attention import gpu_attention
+    from mt.schema import DecodeConfig
 
     torch.backends.cuda.enable_cudnn_sdp(True)
     gpu_attention(torch.device("cpu"))
     assert torch.backends.cuda.cudnn_sdp_enabled()
     for_training(_model(), torch.device("cpu"), cpu_kernels=False)
+    assert translate_nbest(_model(), [], DecodeConfig(), "cpu") == []
     assert torch.backends.cuda.cudnn_sdp_enabled()
     for_training(_model(), torch.device("cuda"))  # nothing moves: the flag is process-wide
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    assert translate_nbest(_model(), [], DecodeConfig(), "cuda") == []  # decoding's seam
     assert not torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(True)
     gpu_attention(torch.device("cuda", 0))

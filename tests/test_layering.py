@@ -3,12 +3,13 @@
 The tiers, bottom to top (a unit is a folder of ``mt/`` or one shared top-level module):
 
     vocab, schema, files,     pure pieces: ids, the typed settings, crash-safe files, the
-    allocator                 process's malloc (jemalloc where installed)
+    allocator, device         process's malloc (jemalloc where installed), autocast and SDPA's
+                              CUDA kernels
     config, distributed       Hydra composition; DDP set-up and collectives
     model                     the paper's Transformer: math only (no I/O, no Hydra, no speed code)
     data                      corpus -> cleaning -> SentencePiece -> prepared store -> batches
     checkpoint                the checkpoint file format (builds a model and its tokenizer)
-    fast                      everything that exists for speed, applied to a model from outside
+    fast                      training's speed code, applied to a model from outside
     decode                    search, the decoding driver, translate, alignment, rescoring
     evaluation                sacreBLEU metrics, mt-evaluate, the run report
     train                     the training recipe, update step, validation, run state
@@ -26,7 +27,7 @@ import pytest
 MT = Path(__file__).resolve().parents[1] / "mt"
 
 TIERS = [
-    ["mt.vocab", "mt.schema", "mt.files", "mt.allocator"],
+    ["mt.vocab", "mt.schema", "mt.files", "mt.allocator", "mt.device"],
     ["mt.config", "mt.distributed"],
     ["mt.model"],
     ["mt.data"],
@@ -123,6 +124,18 @@ def test_model_has_no_io_and_no_speed_code(module):
     roots = {name.split(".")[0] for name in _all_imports(module)}
     assert not roots & MODEL_FORBIDDEN, f"{module} imports {roots & MODEL_FORBIDDEN}"
     assert not any(_unit(n) == "mt.fast" for n in _imports(module)), f"{module} imports mt.fast"
+
+
+def test_only_the_training_recipe_imports_mt_fast():
+    """mt.fast is training's: outside it, one module imports it (mt.train.recipe, through the
+    package's own names); decoding, serving, evaluation and export run the model as written."""
+    importers = {m for m in _modules() if _unit(m) != "mt.fast"
+                 and any(_unit(n) == "mt.fast" for n in _imports(m))}  # fmt: skip
+    assert importers == {"mt.train.recipe"}
+    import mt.fast
+
+    public = {"mt.fast", *(f"mt.fast.{name}" for name in mt.fast.__all__)}
+    assert {n for n in _imports("mt.train.recipe") if _unit(n) == "mt.fast"} <= public
 
 
 def test_no_two_modules_told_apart_by_a_suffix():

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mt.fast.attention import CPUTrainingAttention, ShortQueryAttention
+from mt.fast.attention import CPUTrainingAttention
 from mt.model.attention import ScaledDotProduct, SelfAttention
 from mt.model.transformer import build_model
 from mt.schema import ModelConfig
@@ -267,13 +267,12 @@ def test_need_attn_is_a_distribution_over_real_source_tokens():
     assert torch.allclose(logits, model.decode(tgt, enc), atol=1e-5)  # explicit path == SDPA
 
 
-@pytest.mark.parametrize("core", ["sdpa", "cpu_training", "short_query"])
+@pytest.mark.parametrize("core", ["sdpa", "cpu_training"])
 def test_sdpa_equals_plain_softmax_attention(core):
-    """The model's core (SDPA) and mt.fast's (written out; short queries) give the formula."""
+    """The model's core (SDPA) and mt.fast's training core (written out) give the formula."""
     attention = {
         "sdpa": ScaledDotProduct(),
         "cpu_training": CPUTrainingAttention(),
-        "short_query": ShortQueryAttention(),
     }[core]
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 5, 8, generator=g) for _ in range(3))

@@ -1,5 +1,5 @@
-"""mt's C++ attention kernel (mt.fast.native) against the written-out formula, its build and
-its fallback, and decoding with it against decoding without it."""
+"""mt's C++ training kernels (mt.fast.native: the loss block smoothed_ce, dropout) against the
+formulas written out, their build, its lock and the fallback where they cannot be built."""
 
 from __future__ import annotations
 
@@ -11,15 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import count_whole_searches, small_searches
 
 import mt.fast.native as native
-from mt.data.batches import make_src
-from mt.fast.decoding import for_decoding
-from mt.model.attention import attention
-from mt.model.transformer import build_model
-from mt.schema import ModelConfig
-from mt.vocab import EOS
 
 CAN_BUILD = shutil.which("c++") is not None and (
     shutil.which("ninja") is not None or (Path(sys.executable).parent / "ninja").exists()
@@ -30,100 +23,10 @@ def built(kernel):
     """A kernel of mt.fast.native, built here (a compiler and ninja), or the reason it cannot
     be (a failure where it should have been built, a skip elsewhere)."""
     if kernel is None:
-        if native.enabled() and CAN_BUILD:
+        if CAN_BUILD:
             pytest.fail(f"a compiler and ninja, yet no kernel: {native.unavailable_reason()}")
         pytest.skip(f"no kernel here: {native.unavailable_reason()}")
     return kernel
-
-
-@pytest.fixture(scope="module")
-def op():
-    return built(native.short_attention())
-
-
-def reference(q, k, v, bias, scale_d):
-    """The formula (mt.model.attention.attention) on the kernel's layouts: q (N, H, G, d),
-    k/v (N, H, T, d), bias (N, T) or None -> (N, G, H, d)."""
-    mask = None if bias is None else bias[:, None, None, :]
-    out, _ = attention(q, k, v, mask)
-    assert math.isclose(1 / math.sqrt(q.size(-1)), scale_d)
-    return out.transpose(1, 2)
-
-
-def inputs(N, H, G, T, d, seed=0, capacity=None):
-    """Queries as a transposed view (as the step makes them) and keys/values as views of
-    larger caches (capacity positions)."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(N, G, H, d, generator=g).transpose(1, 2)  # (N, H, G, d), not contiguous
-    C = capacity or T
-    k = torch.randn(N, H, C, d, generator=g)[:, :, :T]
-    v = torch.randn(N, H, C, d, generator=g)[:, :, :T]
-    return q, k, v
-
-
-@pytest.mark.parametrize(
-    "N,H,G,T,d",
-    [(6, 4, 1, 9, 16), (3, 2, 5, 7, 40), (2, 8, 4, 30, 64), (1, 1, 1, 1, 8), (300, 4, 1, 3, 32),
-     (5, 2, 3, 17, 128), (4, 2, 1, 8, 64)],  # head sizes compiled for (32, 64, 128) and any other
-)
-@pytest.mark.parametrize("masked", [False, True])
-def test_the_kernel_computes_the_formula(op, N, H, G, T, d, masked):
-    q, k, v = inputs(N, H, G, T, d, seed=N + T, capacity=T + 5)
-    bias = None
-    if masked:  # each sentence's padding at its end, the first keeps every key
-        lengths = [T - (i % T) for i in range(N)]
-        keep = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
-        bias = torch.zeros(N, T).masked_fill_(~keep, float("-inf"))
-    scale = 1 / math.sqrt(d)
-    got = op(q, k, v, bias, scale)
-    assert got.shape == (N, G, H, d) and got.is_contiguous()
-    torch.testing.assert_close(got, reference(q, k, v, bias, scale), atol=2e-6, rtol=1e-5)
-
-
-def test_the_kernel_takes_a_mask_broadcast_over_rows(op):
-    """A zero-stride bias (one mask row for every sentence) reads as its expansion."""
-    q, k, v = inputs(4, 2, 3, 6, 16, seed=1)
-    row = torch.tensor([0.0, 0.0, float("-inf"), 0.0, float("-inf"), 0.0])
-    bias = row.expand(4, 6)
-    got = op(q, k, v, bias, 0.25)
-    torch.testing.assert_close(got, reference(q, k, v, bias.contiguous(), 0.25))
-
-
-def test_a_row_with_every_key_masked_is_nan_as_softmax_gives(op):
-    q, k, v = inputs(2, 2, 1, 4, 8)
-    bias = torch.zeros(2, 4)
-    bias[1] = float("-inf")
-    got = op(q, k, v, bias, 1 / math.sqrt(8))
-    ref = reference(q, k, v, bias, 1 / math.sqrt(8))
-    assert torch.isnan(got[1]).all() and torch.isnan(ref[1]).all()
-    torch.testing.assert_close(got[0], ref[0])
-
-
-def test_the_threads_split_the_rows_without_changing_a_bit(op):
-    q, k, v = inputs(64, 8, 4, 25, 64, seed=5)
-    bias = torch.zeros(64, 25)
-    bias[::3, 20:] = float("-inf")
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = op(q, k, v, bias, 0.125)
-        torch.set_num_threads(2)
-        two = op(q, k, v, bias, 0.125)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(one, two)
-
-
-def test_the_kernel_names_what_it_cannot_take(op):
-    q, k, v = inputs(2, 2, 1, 3, 8)
-    with pytest.raises(RuntimeError, match="float32 only"):
-        op(q.double(), k.double(), v.double(), None, 0.5)
-    with pytest.raises(RuntimeError, match="do not match"):
-        op(q, k[:, :1], v, None, 0.5)
-    with pytest.raises(RuntimeError, match="last dimension must be contiguous"):
-        op(q, torch.randn(2, 2, 8, 3).transpose(2, 3), v, None, 0.5)  # (2, 2, 3, 8), stride 3
-    with pytest.raises(RuntimeError, match=r"bias must be float32 \(N, T\)"):
-        op(q, k, v, torch.zeros(2, 4), 0.5)
 
 
 def test_the_build_name_follows_the_cpu_the_sources_and_torch(monkeypatch, tmp_path):
@@ -151,21 +54,9 @@ def test_the_build_name_follows_the_cpu_the_sources_and_torch(monkeypatch, tmp_p
     assert len(names) == 3 + len(native.SOURCES) + len(native.HEADERS)  # a name each
 
 
-def test_switched_off_or_unbuildable_decoding_takes_torchs_path(monkeypatch, caplog):
-    from mt.fast.quantize import Int8Linear
-
-    monkeypatch.setenv("MT_NATIVE_KERNELS", "0")
-    assert native.short_attention() is None and native.int8_linear() is None
-    assert native.int8_linear("avx2") is None
-    assert native.smoothed_ce() is None  # the training loss through torch's operators
-    assert native.unavailable_reason() == "MT_NATIVE_KERNELS=0"
-    w = torch.randn(8, 4)
-    assert Int8Linear(w).kernel == "fbgemm"  # int8 through fbgemm's products
-    for kernel in ("vnni", "avx2"):
-        with pytest.raises(RuntimeError, match=rf"\({kernel}\) is not available here "
-                                               r"\(MT_NATIVE_KERNELS=0\)"):
-            Int8Linear(w, kernel=kernel)
-    monkeypatch.setenv("MT_NATIVE_KERNELS", "1")
+def test_unbuildable_kernels_leave_training_on_torchs_operators(monkeypatch, caplog):
+    """Where the kernels cannot be built, each asks once, says why once, and gives None: the
+    loss and dropout then run on torch's operators (mt.fast.loss, mt.fast.dropout)."""
 
     def no_compiler():
         raise RuntimeError("Ninja is required to load C++ extensions")
@@ -173,44 +64,11 @@ def test_switched_off_or_unbuildable_decoding_takes_torchs_path(monkeypatch, cap
     monkeypatch.setattr(native, "_STATE", {})
     monkeypatch.setattr(native, "_load", no_compiler)
     with caplog.at_level(logging.WARNING, logger="mt.fast.native"):
-        assert native.short_attention() is None
-        assert native.short_attention() is None  # asked again: no second try, no second line
-        assert native.int8_linear() is None
+        assert native.smoothed_ce() is None
+        assert native.smoothed_ce() is None  # asked again: no second try, no second line
+        assert native.dropout() is None
     assert native.unavailable_reason() == "RuntimeError: Ninja is required to load C++ extensions"
     assert sum("could not be built" in r.getMessage() for r in caplog.records) == 1
-    model = build_model(ModelConfig(N=1, d_model=16, d_ff=32, h=2), vocab_size=20).eval()
-    assert for_decoding(model, native=True).kernel is None  # decodes through torch
-
-
-def small_model():
-    torch.manual_seed(7)
-    cfg = ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.1)
-    model = build_model(cfg, vocab_size=50).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))  # far from the initialisation: peaked outputs
-    return model
-
-
-@pytest.mark.parametrize("quantize", ["none", "int8"])
-def test_decoding_with_the_kernel_finds_what_torchs_path_finds(op, quantize):
-    model = small_model()
-    g = torch.Generator().manual_seed(2)
-    src = make_src([torch.randint(4, 50, (n,), generator=g).tolist() for n in (9, 4, 7, 2, 6)])
-    with_kernel = for_decoding(model, quantize, native=True)
-    without = for_decoding(model, quantize, native=False)
-    assert with_kernel.kernel is op and without.kernel is None
-    fused = with_kernel.fused  # each search in one C++ call, fp32 and int8 on mt's kernels,
-    assert fused is not None and without.fused is None  # its attention the kernel's
-    calls = count_whole_searches(fused)
-    with torch.inference_mode():
-        for search in small_searches(src):
-            got, expected = search(with_kernel), search(without)
-            for a, b in zip(got, expected):
-                assert [h.tokens for h in a] == [h.tokens for h in b]
-                for x, y in zip(a, b):
-                    assert math.isclose(x.score, y.score, rel_tol=1e-4, abs_tol=1e-4)
-    assert len(calls) == 2  # the kernel did the searches' attention (in C++)
 
 
 def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_waited_for(tmp_path, caplog):
@@ -285,27 +143,10 @@ def test_without_flock_the_build_lock_falls_back_to_the_lock_files_age(tmp_path,
         assert not lock.exists()
 
 
-def test_the_kernel_is_built_under_its_own_name_and_directory(op):
+def test_the_kernel_is_built_under_its_own_name_and_directory(ce):
     directory = native.build_directory()
     assert directory.name == native.build_name()
     assert any(directory.glob("*.so")) and not (directory / "lock").exists()
-
-
-def test_int8_kernel_from_the_environment(monkeypatch):
-    from mt.fast.quantize import Int8Linear
-
-    w = torch.randn(8, 4)
-    monkeypatch.setenv("MT_INT8_KERNEL", "fbgemm")
-    assert Int8Linear(w).kernel == "fbgemm"
-    monkeypatch.setenv("MT_INT8_KERNEL", "int4")
-    with pytest.raises(ValueError, match=r"'int4' \(or \$MT_INT8_KERNEL\)"):
-        Int8Linear(w)
-    monkeypatch.delenv("MT_INT8_KERNEL")
-    # auto: mt's VNNI kernel where this CPU has VNNI, else its AVX2 kernel, else fbgemm's
-    expected = next((k for k in ("vnni", "avx2") if native.int8_linear(k)), "fbgemm")
-    assert Int8Linear(w).kernel == expected
-    with pytest.raises(ValueError, match="kind 'int4'"):
-        native.int8_linear("int4")
 
 
 # mt::smoothed_ce: a block of the training loss (mt.fast.loss) and its gradient, in place.
@@ -414,222 +255,6 @@ def test_the_training_loss_with_the_kernel_is_torchs(ce, precision, monkeypatch)
         else:
             torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
     assert torch.all(kernel[3][990:] == 0)
-
-
-# mt::best_token: a greedy step's token and log-probability straight from the logits.
-
-
-@pytest.fixture(scope="module")
-def pick():
-    return built(native.best_token())
-
-
-def pick_reference(z, bias, forbid):
-    """Greedy's way through torch, in float64: log-softmax of the (restricted) logits, -inf at
-    the forbidden columns, the first largest column and its value."""
-    lp = torch.log_softmax((z if bias is None else z + bias).double(), dim=-1)
-    for col in range(4):
-        if forbid >> col & 1:
-            lp[:, col] = float("-inf")
-    best = lp.max(dim=-1)
-    return best.indices, best.values
-
-
-@pytest.mark.parametrize("V", [5, 8, 77, 8000])
-@pytest.mark.parametrize("forbid", [0, 0b0101, 0b1101])
-@pytest.mark.parametrize("biased", [False, True])
-def test_best_token_is_greedys_choice_through_the_log_softmax(pick, V, forbid, biased):
-    g = torch.Generator().manual_seed(V + forbid)
-    z = torch.randn(9, V, generator=g) * 4
-    z[:, :4] += 3.0  # the special columns often the largest: the forbidding matters
-    bias = None
-    if biased:  # a shortlist's rows: some columns -inf, the specials never
-        bias = torch.zeros(9, V).masked_fill_(torch.rand(9, V, generator=g) < 0.4, float("-inf"))
-        bias[:, :4] = 0.0
-    token, lprob = pick(z, bias, forbid)
-    ref_token, ref_lprob = pick_reference(z, bias, forbid)
-    assert token.dtype == torch.int64 and lprob.dtype == torch.float32
-    assert token.tolist() == ref_token.tolist()
-    torch.testing.assert_close(lprob.double(), ref_lprob, rtol=1e-6, atol=2e-6)  # torch: ~2e-6
-
-
-def test_best_token_takes_the_first_of_equal_largest_and_says_nan_as_torch_does(pick):
-    z = torch.zeros(4, 40)
-    z[0, [13, 5, 29]] = 2.0  # ties in different lanes and blocks: the first column
-    z[1, [9, 1]] = 2.0  # the first is forbidden (BOS... column 1): the next
-    z[2, 6] = float("nan")  # NaN: the first allowed column, NaN (as log-softmax + argmax)
-    z[3, :] = float("-inf")
-    z[3, 37] = 0.5  # the tail after the last whole block of 8
-    token, lprob = pick(z, None, 0b0011)
-    assert token.tolist()[:2] == [5, 9] and token[3] == 37
-    assert token[2] == 2 and math.isnan(lprob[2])
-    assert lprob[3] == 0.0  # the only finite column: probability 1
-    expected = 2.0 - math.log(3 * math.exp(2.0) + 37)
-    assert math.isclose(lprob[0], expected, rel_tol=1e-6)
-
-
-def test_best_token_names_what_it_cannot_take(pick):
-    z = torch.randn(3, 10)
-    with pytest.raises(RuntimeError, match="float32"):
-        pick(z.double(), None, 0)
-    with pytest.raises(RuntimeError, match="forbid"):
-        pick(z, None, 16)
-    with pytest.raises(RuntimeError, match="bias"):
-        pick(z, torch.zeros(3, 9), 0)
-
-
-def counted_kernel(monkeypatch, name: str, op) -> list[int]:
-    """``native.<name>()`` gives ``op`` counting its calls into the list returned, or None
-    (``op`` None: the search takes torch's way)."""
-    calls: list[int] = []
-    counted = None if op is None else (lambda *a: calls.append(1) or op(*a))
-    monkeypatch.setattr(native, name, lambda: counted)
-    return calls
-
-
-def search_case(quantize: str, eos_boost: float, seed: int):
-    """A decoding copy of :func:`small_model` whose EOS is made likelier (some sentences end at
-    once, so that min_len matters), five sources and a shortlist of 30 pieces for them."""
-    from mt.decode.shortlist import Shortlist
-
-    model = for_decoding(small_model(), quantize, native=True)
-    decode = model.decode
-
-    def eos_likelier(*args, **kw):
-        logits = decode(*args, **kw)
-        logits[..., EOS] += eos_boost
-        return logits
-
-    model.decode = eos_likelier
-    # the whole searches in one call do not ask decode
-    model.greedy_search = model.beam_search = lambda *a: None
-    g = torch.Generator().manual_seed(seed)
-    src = make_src([torch.randint(4, 50, (n,), generator=g).tolist() for n in (9, 4, 7, 2, 6)])
-    allowed = torch.rand(5, 30, generator=g) < 0.7
-    allowed[:, :4] = True
-    ids = torch.cat([torch.arange(4), torch.randperm(46, generator=g)[:26].sort().values + 4])
-    return model, src, Shortlist(ids, allowed)
-
-
-@pytest.mark.parametrize("quantize", ["none", "int8"])
-def test_greedy_search_with_best_token_finds_what_torchs_path_finds(pick, quantize, monkeypatch):
-    """The same tokens and scores with the kernel and without, min_len, a forced prefix and a
-    shortlist's restriction included."""
-    from mt.decode.search import generate
-    from mt.decode.strategies import Greedy
-
-    model, src, shortlist = search_case(quantize, eos_boost=4.0, seed=3)
-
-    def run(use, **kw):
-        calls = counted_kernel(monkeypatch, "best_token", pick if use else None)
-        with torch.inference_mode():
-            out = generate(model, src, Greedy(), 1.0, 5, 1, **kw)
-        return [h[0] for h in out], calls
-
-    lengths = []
-    for kw in ({}, {"min_len": 3}, {"prefix": [[7, 8], [], [9], [], [5, 6, 7]]},
-               {"shortlist": shortlist}):
-        got, calls = run(True, **kw)
-        expected, none = run(False, **kw)
-        assert calls and not none
-        assert [h.tokens for h in got] == [h.tokens for h in expected]
-        lengths.append([len(h.tokens) for h in got])
-        for a, b in zip(got, expected):
-            assert math.isclose(a.score, b.score, rel_tol=1e-5, abs_tol=1e-5)
-    assert 0 in lengths[0] and min(lengths[1]) >= 3  # EOS at once, and min_len kept it off
-
-
-# mt::top_tokens: a beam step's k best tokens per row and their log-probabilities.
-
-
-@pytest.fixture(scope="module")
-def top():
-    return built(native.top_tokens())
-
-
-@pytest.mark.parametrize("V", [6, 8, 77, 8000])
-@pytest.mark.parametrize("forbid", [0, 0b0110, 0b1110])
-@pytest.mark.parametrize("biased", [False, True])
-def test_top_tokens_are_beams_candidates_through_the_log_softmax(top, V, forbid, biased):
-    """Each row's k best columns and log-probabilities as torch's log-softmax (float64), -inf at
-    the forbidden columns and a top-k give them; a shortlist's bias row shared by `width` rows."""
-    g = torch.Generator().manual_seed(V + forbid)
-    width, n = 3, 4
-    z = torch.randn(n * width, V, generator=g) * 4
-    z[:, :4] += 3.0  # the special columns often among the best: the forbidding matters
-    bias = None
-    if biased:  # a sentence's shortlist: some columns -inf for all its rows, the specials never
-        bias = torch.zeros(n, V).masked_fill_(torch.rand(n, V, generator=g) < 0.4, float("-inf"))
-        bias[:, :4] = 0.0
-    k = min(6, V - bin(forbid).count("1"))
-    lprob, token = top(z, bias, width, forbid, k)
-    assert lprob.shape == token.shape == (n * width, k) and token.dtype == torch.int64
-    full = z if bias is None else z + bias.repeat_interleave(width, dim=0)
-    lp = torch.log_softmax(full.double(), dim=-1)
-    for col in range(4):
-        if forbid >> col & 1:
-            lp[:, col] = float("-inf")
-    ref = lp.topk(k, dim=1)
-    finite = torch.isfinite(ref.values)
-    assert torch.equal(torch.isfinite(lprob), finite)
-    assert token[finite].tolist() == ref.indices[finite].tolist()  # no ties in random values
-    torch.testing.assert_close(lprob[finite].double(), ref.values[finite], rtol=1e-6, atol=2e-6)
-    taken = token.gather(1, torch.arange(k).expand(n * width, k))
-    assert all(len(set(row)) == k for row in taken.tolist())  # k different columns
-    assert not any(forbid >> int(c) & 1 for c in token.flatten() if c < 4)
-
-
-def test_top_tokens_order_equal_values_by_column_and_fill_with_allowed_columns(top):
-    z = torch.full((3, 40), float("-inf"))
-    z[0, [13, 5, 29, 38]] = 2.0  # ties in different lanes, blocks and the tail: by column
-    z[1, :] = 0.0  # all equal: the first allowed columns, in order
-    z[2, 20] = 1.0  # one finite allowed column: the rest -inf, the first allowed columns
-    lprob, token = top(z, None, 1, 0b0011, 5)
-    assert token[0].tolist()[:4] == [5, 13, 29, 38] and token[1].tolist() == [2, 3, 4, 5, 6]
-    assert token[2].tolist() == [20, 2, 3, 4, 5] and lprob[2, 0] == 0.0
-    assert torch.isinf(lprob[2, 1:]).all()
-    assert math.isclose(lprob[0, 0], 2.0 - math.log(4 * math.exp(2.0)), rel_tol=1e-6)
-    nan = torch.zeros(1, 16)
-    nan[0, 7] = float("nan")
-    assert torch.isnan(top(nan, None, 1, 0, 3)[0]).all()  # NaN, as the log-softmax gives
-
-
-def test_top_tokens_names_what_it_cannot_take(top):
-    z = torch.randn(4, 10)
-    with pytest.raises(RuntimeError, match="float32"):
-        top(z.double(), None, 1, 0, 2)
-    with pytest.raises(RuntimeError, match="k 9 of 8 allowed"):
-        top(z, None, 1, 0b0011, 9)
-    with pytest.raises(RuntimeError, match="4 rows in groups of 3"):
-        top(z, None, 3, 0, 2)
-    with pytest.raises(RuntimeError, match="bias"):
-        top(z, torch.zeros(4, 10), 2, 0, 2)
-
-
-@pytest.mark.parametrize("quantize", ["none", "int8"])
-@pytest.mark.parametrize("K", [1, 2, 4])
-def test_beam_search_with_top_tokens_finds_what_torchs_path_finds(top, quantize, K, monkeypatch):
-    """The same hypotheses, scores to float rounding, with the kernel and without: min_len, a
-    forced prefix (torch's path for its steps), a shortlist and n-best lists included."""
-    from mt.decode.search import generate
-    from mt.decode.strategies import Beam
-
-    model, src, shortlist = search_case(quantize, eos_boost=3.0, seed=5)
-
-    def run(use, **kw):
-        calls = counted_kernel(monkeypatch, "top_tokens", top if use else None)
-        with torch.inference_mode():
-            return generate(model, src, Beam(K), 1.0, 6, K, alpha=1.0, **kw), calls
-
-    for kw in ({}, {"min_len": 3}, {"prefix": [[7, 8], [], [9], [], [5, 6, 7]]},
-               {"shortlist": shortlist}):
-        got, calls = run(True, **kw)
-        expected, none = run(False, **kw)
-        assert calls and not none
-        for a, b in zip(got, expected):
-            assert [h.tokens for h in a] == [h.tokens for h in b]
-            for x, y in zip(a, b):
-                assert math.isclose(x.score, y.score, rel_tol=1e-5, abs_tol=1e-5)
 
 
 # mt::dropout and mt::masked_scale: the CPU training copy's dropout (mt.fast.dropout) in one pass.

@@ -23,8 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 import mt.train.update
 from mt.config import load_config
-from mt.data.batches import collate, make_src
-from mt.fast.decoding import for_decoding, onednn_available
+from mt.data.batches import collate
 from mt.model.transformer import build_model
 from mt.train.state import TrainState
 from mt.train.update import Updater, batch_loss, build_optimizer
@@ -233,28 +232,6 @@ def test_update_on_a_gpu_makes_no_synchronising_call():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert result is not None and result.ntokens == 15
-
-
-@pytest.mark.skipif(not onednn_available(), reason="no oneDNN linear kernel")
-@pytest.mark.parametrize("defer_check", [False, True])  # the CPU's step, and the GPU's one
-def test_an_update_rebuilds_the_decoding_copy(defer_check):
-    """Validation decodes through a cached copy with packed weights, rebuilt when a parameter's
-    version changes; the fused Adam does not bump versions, so the Updater must (without it,
-    validation decoded with the weights of its first call for the whole run)."""
-    update = _update(defer_check=defer_check)
-    model = update.model
-    assert update.optimizer.defaults["fused"]  # the kernel that writes without a version bump
-    stale = for_decoding(model.eval(), "none", "fp32", onednn=True)
-    assert update(_batches(), TrainState()) is not None
-    fresh = for_decoding(model.eval(), "none", "fp32", onednn=True)
-    assert fresh is not stale
-    src, tgt = make_src([[5, 9, 7, 4], [6, 8]]), torch.tensor([[2, 5, 6], [2, 7, 7]])
-    with torch.inference_mode():
-        ref = model.decode(tgt, model.encode(src))
-        out = fresh.decode(tgt, fresh.encode(src))
-        old = stale.decode(tgt, stale.encode(src))
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(old, ref, atol=1e-5, rtol=1e-5)  # the update did change them
 
 
 def _adam_by_hand(p, grads, lrs, tc, decoupled):

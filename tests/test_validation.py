@@ -109,23 +109,6 @@ def test_valid_bleu_uses_the_configured_bleu_tokenizer(real_data, tmp_path, monk
     assert got != pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score)
 
 
-def test_validation_lets_go_of_the_decoding_copy(real_data, tmp_path, monkeypatch):
-    """The decoding copy validation builds (a second set of weights) is not kept through the
-    training that follows: it would be rebuilt at the next validation anyway, and kept it grew
-    the heap that training's temporaries then had to find room in."""
-    import mt.fast.decoding as decoding
-
-    monkeypatch.setenv("MT_DATA_DIR", str(real_data))
-    cfg = load_config([*OVERRIDES, f"run_dir={tmp_path / 'run'}"])
-    prepared = prepare(cfg)
-    model = model_for(cfg, prepared.vocab_size)
-    decoding.for_decoding(model)  # what translating outside training keeps for the next call
-    assert model in decoding._CACHE
-    first = valid_hypotheses(model, prepared, cfg, torch.device("cpu"))
-    assert model not in decoding._CACHE
-    assert valid_hypotheses(model, prepared, cfg, torch.device("cpu")) == first
-
-
 def test_validation_decodes_in_the_training_thread(real_data, tmp_path, monkeypatch):
     """Validation decodes one batch at a time in the calling thread whatever decode.workers
     says: worker threads would hold freed memory of their own in a training process."""
@@ -151,69 +134,53 @@ def test_validation_decodes_in_the_training_thread(real_data, tmp_path, monkeypa
 
 def test_validation_leaves_the_training_random_stream_alone(real_data, tmp_path, monkeypatch):
     """Validating draws nothing from torch's global generator, also the first time in a process
-    (when the decoding path's one-off checks run): the dropout masks after a validation are the
-    same whether those checks ran earlier (an empty probe cache runs them before training) or
-    here, so a run's result does not depend on what its machine had cached."""
+    (when oneDNN's one-off check runs): the dropout masks after a validation are the same
+    whether that check ran earlier or here, so a run's result does not depend on what its
+    machine had cached."""
     from mt.fast import onednn, probe
-    from mt.fast.quantize import quantize_int8
 
     monkeypatch.setenv("MT_DATA_DIR", str(real_data))
-    # decode.onednn=true: validation on the fast decoding copy (by default it decodes the model
-    # as written, which has no one-off checks), so that oneDNN's checks run here
-    cfg = load_config([*OVERRIDES, f"run_dir={tmp_path / 'run'}", "decode.onednn=true"])
+    cfg = load_config([*OVERRIDES, f"run_dir={tmp_path / 'run'}"])
     prepared = prepare(cfg)
     model = model_for(cfg, prepared.vocab_size)
     monkeypatch.setenv("MT_CACHE_DIR", str(tmp_path / "probes"))  # the probes run here
     monkeypatch.setattr(probe, "_DECIDED", {})
     onednn.onednn_available.cache_clear()
-    onednn.onednn_bf16_available.cache_clear()
     torch.manual_seed(123)
     before = torch.get_rng_state()
     validate(model, prepared, cfg, torch.device("cpu"))
     assert torch.equal(torch.get_rng_state(), before)
-    quantize_int8(model)  # the int8 decoding copy (mt-translate precision=int8)
-    assert torch.equal(torch.get_rng_state(), before)
 
 
-def test_validation_decodes_the_model_as_written(real_data, tmp_path, monkeypatch):
-    """With the decoding settings as they come (decode.onednn null, float32), validation on a
-    CPU decodes the model as written and measures nothing: no decoding copy, no oneDNN product
-    (whose kernels would push training's own out of oneDNN's bounded cache), no speed probe.
-    Its translations are those of the model as written; a decode.onednn or decode.precision the
-    user chose is kept."""
-    import dataclasses
-
-    import mt.fast.decoding as decoding
-    from mt.decode.driver import translate_ids
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_validation_decodes_the_model_as_written(real_data, tmp_path, monkeypatch, precision):
+    """Validation on a CPU greedily decodes the model as written, in decode.precision, and
+    measures nothing (no speed probe): its translations are those of greedy search on the
+    model itself, batch by batch as the driver forms them."""
+    from mt.data.batches import make_src
+    from mt.decode.driver import make_batches
+    from mt.decode.search import greedy_search
     from mt.fast import probe
-    from mt.train.validation import plain_decoding
 
     monkeypatch.setenv("MT_DATA_DIR", str(real_data))
-    cfg = load_config([*OVERRIDES, f"run_dir={tmp_path / 'run'}"])
+    cfg = load_config([*OVERRIDES, f"run_dir={tmp_path / 'run'}", "train.eval_max_sentences=25",
+                       f"decode.precision={precision}"])  # fmt: skip
     prepared = prepare(cfg)
     model = model_for(cfg, prepared.vocab_size).eval()
     split = prepared.split("valid")
     src = [split.src[i].tolist() for i in range(25)]
-    plain = translate_ids(model, src, dataclasses.replace(cfg.decode, beam_size=1, onednn=False))
-    plain = prepared.tokenizer.decode(plain, side="tgt")
+    want: list = [None] * len(src)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    for batch in make_batches([len(s) for s in src], cfg.decode.batch_size, cfg.decode.max_tokens):
+        with torch.autocast("cpu", dtype=dtype, enabled=precision == "bf16"):
+            hyps = greedy_search(model, make_src([src[i] for i in batch]), cfg.decode.max_len_a,
+                                 cfg.decode.max_len_b)  # fmt: skip
+        for i, h in zip(batch, hyps):
+            want[i] = h.tokens
 
     def refuse(*args, **kwargs):
-        raise AssertionError("a oneDNN product, a decoding copy or a speed probe in validation")
+        raise AssertionError("a speed probe in validation")
 
-    for name in ("OneDNNLinear", "FusedFeedForward", "shared_copy"):
-        monkeypatch.setattr(decoding, name, refuse)
     monkeypatch.setattr(probe, "choose", refuse)
-    assert valid_hypotheses(model, prepared, cfg, torch.device("cpu")) == plain
-    for setting in ("decode.onednn=true", "decode.precision=bf16"):
-        chosen = load_config([*OVERRIDES, f"run_dir={tmp_path / 'run'}", setting])
-        if setting.endswith("bf16") and not decoding.onednn_bf16_available():
-            continue  # no bfloat16 kernels in oneDNN here: the model decodes as written
-        with pytest.raises(AssertionError, match="a decoding copy"):  # the user's choice kept
-            valid_hypotheses(model, prepared, chosen, torch.device("cpu"))
-
-    decode = cfg.decode
-    assert plain_decoding(decode, "cpu")
-    assert plain_decoding(dataclasses.replace(decode, precision="auto"), "cpu")
-    assert not plain_decoding(decode, "cuda")
-    assert not plain_decoding(dataclasses.replace(decode, quantize="int8"), "cpu")
-    assert not plain_decoding(dataclasses.replace(decode, onednn=False), "cpu")
+    got = valid_hypotheses(model, prepared, cfg, torch.device("cpu"))
+    assert got == prepared.tokenizer.decode(want, side="tgt")

@@ -4,7 +4,7 @@
 needs of a model (``IncrementalDecoder``); ``strategies`` decide which candidates survive a
 step; ``rows`` keeps the live hypotheses and their model-state rows; ``ensemble`` averages
 several models. ``driver`` is how every caller decodes many sentences (length checks, batches,
-the fast decoding copy of ``mt.fast``); ``translate`` is the ``Translator`` API and
+precision); ``translate`` is the ``Translator`` API and
 ``mt-translate``; ``alignment`` draws attention and word alignments; ``rescore`` is
 ``mt-score`` (the model's log-probability of given translations).
 """

@@ -3,9 +3,8 @@
 ``mt-translate``, ``mt-evaluate``, validation during training and the benchmark all come here:
 the sources are checked against the model's length limit (:func:`fit_to_model`: one policy,
 "count long inputs, warn, truncate" or "stop naming the line"), grouped into length-sorted
-batches (:func:`make_batches`), and searched with the decoding copy of the model that the
-``decode.*`` settings ask for (``mt.fast.for_decoding``), under the right precision
-(``mt.fast.precision.autocast``).
+batches (:func:`make_batches`), and searched with the model as written (``mt.decode.search``)
+under the precision ``decode.precision`` asks for (``mt.device.autocast``).
 """
 
 from __future__ import annotations
@@ -25,11 +24,9 @@ import torch
 
 from mt.data.batches import make_src
 from mt.decode.ensemble import Ensemble
-from mt.decode.search import Hypothesis, IncrementalDecoder, prefix_tensor, search
+from mt.decode.search import Hypothesis, prefix_tensor, search
 from mt.decode.shortlist import check_settings, load_lexicon
-from mt.fast import for_decoding
-from mt.fast.decoding import DecodingModel, needs_autocast, resolve_precision
-from mt.fast.precision import autocast
+from mt.device import autocast, gpu_attention
 from mt.schema import DecodeConfig
 from mt.vocab import BOS, EOS
 
@@ -103,47 +100,32 @@ def make_batches(lengths: list[int], batch_size: int, max_tokens: int = 0) -> li
     return batches
 
 
-def decoding_model(model: Any, cfg: DecodeConfig) -> tuple[IncrementalDecoder, str]:
-    """The model search should run for ``cfg`` and the precision to autocast to.
+DECODE_PRECISIONS = ("fp32", "bf16", "fp16", "auto")
 
-    ``model`` is an ``mt.model.Transformer`` (made into its decoding copy by
-    ``mt.fast.for_decoding``), an :class:`mt.decode.ensemble.Ensemble` of them (each member
-    made into its copy), or anything else that already follows the search contract (used as it
-    is, e.g. the tests' stub models).
+
+def resolve_decode(cfg: DecodeConfig, model: Any, device: torch.device | str | None = None
+                   ) -> DecodeConfig:  # fmt: skip
+    """``cfg`` with ``decode.precision=auto`` resolved: bf16 on a CUDA GPU with native
+    bfloat16 (Ampere and later), fp32 elsewhere. On a CPU the model as written decodes fastest
+    in float32: under bf16 autocast every step casts each weight again, and attention over the
+    caches runs in bfloat16, which CPUs compute no faster. ``device``: where ``model`` runs
+    (default: where its first parameter is; a model without parameters decodes in fp32).
+
+    Raises:
+        ValueError: a precision other than fp32, bf16, fp16 or auto.
     """
-    from mt.model.transformer import Transformer
-
-    cfg = resolve_decode(cfg, model)
-    rows = max(1, cfg.batch_size) * (1 if cfg.sample else max(1, cfg.beam_size))
-    settings = (cfg.quantize, cfg.precision, cfg.onednn, rows)
-
-    def one(member: Any) -> tuple[Any, str]:
-        if not isinstance(member, Transformer):
-            return member, cfg.precision
-        precision = cfg.precision if needs_autocast(member, *settings) else "fp32"
-        return for_decoding(member, *settings[:3], rows=rows), precision
-
-    if isinstance(model, Ensemble):
-        return model.map(lambda m: one(m)[0]), one(model.members[0])[1]
-    return one(model)
-
-
-def resolve_decode(cfg: DecodeConfig, model: Any) -> DecodeConfig:
-    """``cfg`` with ``decode.precision=auto`` resolved for ``model`` (an mt Transformer, or an
-    ensemble: its first member decides) by measuring (``mt.fast.decoding.resolve_precision``);
-    anything else is returned as it is."""
+    if cfg.precision not in DECODE_PRECISIONS:
+        raise ValueError(f"decode.precision must be one of {DECODE_PRECISIONS}, got "
+                         f"{cfg.precision!r}")  # fmt: skip
     if cfg.precision != "auto":
         return cfg
-    from mt.model.transformer import Transformer
-
-    member = model.members[0] if isinstance(model, Ensemble) else model
-    if isinstance(member, DecodingModel):
-        member = member.module
-    if not isinstance(member, Transformer):
-        return dataclasses.replace(cfg, precision="fp32")
-    rows = max(1, cfg.batch_size) * (1 if cfg.sample else max(1, cfg.beam_size))
-    precision = resolve_precision(member, "auto", cfg.quantize, cfg.onednn, rows)
-    return dataclasses.replace(cfg, precision=precision)
+    if device is None:
+        member = model.members[0] if isinstance(model, Ensemble) else model
+        first = next(iter(member.parameters()), None) if hasattr(member, "parameters") else None
+        device = "cpu" if first is None else first.device
+    device = torch.device(device)
+    native = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    return dataclasses.replace(cfg, precision="bf16" if native else "fp32")
 
 
 def decode_workers(workers: int, device: torch.device | str, batches: int) -> int:
@@ -260,8 +242,7 @@ def translate_nbest(
             longer than the model's ``max_positions`` are truncated with a warning (callers
             with a stricter policy check first with :func:`fit_to_model`).
         decode_cfg: beam size, alpha, lengths, sampling, batch size / max tokens, the
-            kernels (precision, quantize, onednn: see mt.fast.decoding) and the shortlist
-            (a lexicon file: see mt.decode.shortlist).
+            precision and the shortlist (a lexicon file: see mt.decode.shortlist).
         device: where the batches go.
         min_len: EOS is forbidden until this many tokens are out.
         prefix: per sentence, target ids forced at the start of the output.
@@ -272,7 +253,8 @@ def translate_nbest(
         ``decode_cfg.nbest`` (at most ``beam_size``) hypotheses per sentence, best first.
     """
     src_ids = fit_to_model(src_ids, model.max_positions, "truncate")
-    searcher, precision = decoding_model(model, decode_cfg)
+    precision = resolve_decode(decode_cfg, model, device).precision
+    gpu_attention(torch.device(device))
     lexicon = None
     if decode_cfg.shortlist:
         check_settings(decode_cfg.shortlist_k, decode_cfg.shortlist_frequent)
@@ -290,7 +272,7 @@ def translate_nbest(
             k, frequent = decode_cfg.shortlist_k, decode_cfg.shortlist_frequent
             shortlist = lexicon.shortlist(src, k, frequent, prefix_tensor(forced, device))
         with autocast(device, precision):
-            return search(searcher, src, decode_cfg, min_len, forced, seeds, shortlist)
+            return search(model, src, decode_cfg, min_len, forced, seeds, shortlist)
 
     batches = make_batches(lengths, decode_cfg.batch_size, decode_cfg.max_tokens)
     workers = decode_workers(decode_cfg.workers, device, len(batches))
@@ -361,9 +343,9 @@ def score_ids(
 
 __all__ = [
     "decode_workers",
-    "decoding_model",
     "fit_to_model",
     "make_batches",
+    "resolve_decode",
     "sample_seed",
     "score_ids",
     "side_by_side",

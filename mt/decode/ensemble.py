@@ -47,7 +47,7 @@ class Ensemble(nn.Module):
 
     Args:
         members: models with ``encode``, ``new_cache`` and ``decode`` over the same vocabulary
-            (``mt.model.transformer.Transformer`` or ``mt.fast.decoding.DecodingModel``).
+            (``mt.model.transformer.Transformer``).
 
     Raises:
         ValueError: no member, or members with different vocabulary sizes.

@@ -7,15 +7,9 @@ models with hand-set probabilities can test it.
 
 The loop (:func:`generate`) is shared; a *strategy* (``mt.decode.strategies``: ``Greedy``, ``Beam``,
 ``Sampling``) decides which candidates survive a step, and ``mt.decode.rows.Rows`` keeps the
-hypotheses' tokens, scores and model state rows. Greedy search on a CPU takes each step's token
-and its log-probability straight from the logits (``mt.fast.native.best_token``, where mt's
-kernels are built): the same choice and score without writing the log-softmax out; beam search
-takes each row's 2K best tokens the same way (``mt.fast.native.top_tokens``), a sentence's 2K
-best candidates being among them (``Beam.step_top``). A model that offers a whole search in one
-call (``greedy_search``, ``beam_search``: ``mt.fast.decoding.DecodingModel`` where mt's kernels
-run its products, ``mt/fast/csrc/greedy_search.cpp`` and ``beam_search.cpp``) runs this loop
-in C++ for greedy and beam search without a prefix (with or without a shortlist), to the same
-hypotheses bit for bit; this loop stays the reference, and the path of everything else.
+hypotheses' tokens, scores and model state rows. All sentences of a batch and all their beams
+go through one decoder call per step, over the typed KV cache (``mt.model.kv_cache``). This is
+the readable reference that every other engine is held to, and the path on a GPU.
 
 Conventions (the paper's, made exact):
 
@@ -51,14 +45,12 @@ import torch.nn.functional as F
 from mt.decode.rows import Rows
 from mt.decode.shortlist import Shortlist
 from mt.decode.strategies import NEG_INF, Beam, Greedy, Sampling
-from mt.fast import native
 from mt.schema import DecodeConfig
 from mt.vocab import BOS, EOS, PAD
 
 
 class IncrementalDecoder(Protocol):
     """What search needs of a model (``mt.model.transformer.Transformer``,
-    ``mt.fast.decoding.DecodingModel``,
     ``mt.decode.ensemble.Ensemble`` and the tests' stub models provide it).
 
     ``encode(src)`` returns the encoder state, whose ``select(sents)`` keeps some sentences;
@@ -167,50 +159,6 @@ def _next_lprobs(
     return lprobs.view(len(rows.sents), rows.width, -1)
 
 
-def _next_best(
-    model: IncrementalDecoder,
-    rows: Rows,
-    step: int,
-    min_len: int,
-    shortlist: Shortlist | None,
-    pick: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy search's next token of each model row and its log-probability, (n,) and (n,):
-    what :func:`_next_lprobs` and :meth:`Greedy.step` give, from the (CPU) logits by ``pick``
-    (``mt.fast.native.best_token``) without writing their log-softmax."""
-    return pick(*_kernel_inputs(model, rows, step, min_len, shortlist))
-
-
-def _kernel_inputs(
-    model: IncrementalDecoder, rows: Rows, step: int, min_len: int, shortlist: Shortlist | None
-) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-    """What mt's kernels take a step's choice from: the logits of each model row (N, V)
-    float32 contiguous, the shortlist's per-sentence bias or None, and the forbidden special
-    columns as a bit mask (PAD, BOS; EOS before ``min_len``)."""
-    logits = _logits(model, rows, shortlist)[:, -1].float().contiguous()
-    bias = None if shortlist is None else shortlist.bias_rows(rows.sents)
-    forbid = (1 << PAD) | (1 << BOS) | ((1 << EOS) if step < min_len else 0)
-    return logits, bias, forbid
-
-
-def _next_top(
-    model: IncrementalDecoder,
-    rows: Rows,
-    step: int,
-    min_len: int,
-    shortlist: Shortlist | None,
-    top: Any,
-    k: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Beam search's k best next tokens of each model row and their log-probabilities,
-    (n, width, k) each: the best of :func:`_next_lprobs`'s rows, from the (CPU) logits by
-    ``top`` (``mt.fast.native.top_tokens``) without writing their log-softmax."""
-    logits, bias, forbid = _kernel_inputs(model, rows, step, min_len, shortlist)
-    k = min(k, logits.size(1) - bin(forbid).count("1"))  # a vocabulary narrower than 2K
-    lprob, token = top(logits, bias, rows.width, forbid, k)
-    return lprob.view(len(rows.sents), rows.width, k), token.view(len(rows.sents), rows.width, k)
-
-
 def prefix_tensor(prefixes: list[list[int]] | None, device: Any = "cpu") -> torch.Tensor | None:
     """(B, P) forced tokens per sentence, -1 where the search is free; None without prefixes."""
     if not prefixes or not any(prefixes):
@@ -262,22 +210,7 @@ def generate(
     forced = prefix_tensor(prefix, src.device)
     if forced is not None and shortlist is not None:
         forced = shortlist.columns(forced)
-    if type(strategy) in (Greedy, Beam) and forced is None:
-        # the whole search in one C++ call, where the model has it
-        if type(strategy) is Greedy:
-            whole = getattr(model, "greedy_search", None)
-            args = (src, limits, min_len, alpha, shortlist)
-        else:
-            whole = getattr(model, "beam_search", None)
-            args = (src, K, limits, min_len, alpha, nbest, settle, shortlist)
-        found = None if whole is None else whole(*args)
-        if found is not None:
-            return _hypotheses(*found)
     rows = Rows(model, src, K)
-    # greedy search on a CPU: each step's choice straight from the logits (mt's kernel)
-    pick = native.best_token() if type(strategy) is Greedy and src.device.type == "cpu" else None
-    # beam search on a CPU: each row's 2K best tokens straight from the logits (mt's kernel)
-    top = native.top_tokens() if type(strategy) is Beam and src.device.type == "cpu" else None
     finished: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
     out: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
 
@@ -302,15 +235,8 @@ def generate(
                 break
         if isinstance(strategy, Sampling):
             strategy.sents = rows.sents
-        if pick is not None and (forced is None or step >= forced.size(1)):
-            token, lprob = _next_best(model, rows, step, min_len, shortlist, pick)
-            chosen = Greedy.chosen(rows.scores, lprob, token)
-        elif top is not None and (forced is None or step >= forced.size(1)):
-            lprob, token = _next_top(model, rows, step, min_len, shortlist, top, 2 * K)
-            chosen = strategy.step_top(rows.scores, lprob, token)
-        else:
-            lprobs = _next_lprobs(model, rows, step, min_len, forced, shortlist)
-            chosen = strategy.step(rows.scores, lprobs)
+        lprobs = _next_lprobs(model, rows, step, min_len, forced, shortlist)
+        chosen = strategy.step(rows.scores, lprobs)
         step += 1
         for i, k, logprob in chosen.done:
             finished[rows.sents[i]].append(_hyp(rows.hyp(i, k), logprob, step, alpha))
@@ -324,21 +250,6 @@ def generate(
         rows.advance(chosen.beam, token, chosen.score)
         if ended:
             finish(ended)
-    return out
-
-
-def _hypotheses(
-    tokens: torch.Tensor, count: torch.Tensor, logprob: torch.Tensor, score: torch.Tensor,
-    per: torch.Tensor,
-) -> list[list[Hypothesis]]:
-    """Each sentence's hypotheses from a whole search's results (see
-    ``mt.fast.step.FusedStep.greedy``): ``per[i]`` of them for sentence i, in turn."""
-    hyps = [Hypothesis(row[:n], s, lp) for row, n, s, lp in
-            zip(tokens.tolist(), count.tolist(), score.tolist(), logprob.tolist())]  # fmt: skip
-    out, at = [], 0
-    for n in per.tolist():
-        out.append(hyps[at : at + n])
-        at += n
     return out
 
 

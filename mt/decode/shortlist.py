@@ -181,23 +181,17 @@ class Shortlist:
     def __len__(self) -> int:
         return self.ids.numel()
 
-    def project(self, h: torch.Tensor, weight: torch.Tensor, head: Any = None) -> torch.Tensor:
+    def project(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Logits (..., C) of decoder outputs ``h`` (..., D) over this batch's pieces.
 
         Args:
             weight: the tied output weight (V', D); its rows of these pieces are gathered once
-                per batch and multiplied with ``F.linear`` (in their dtype) ...
-            head: ... unless a decoding copy's projection is given (int8 or oneDNN): then its
-                ``subset(ids)``, a product of its kind over these pieces' rows, made once per
-                batch (the full head's columns).
+                per batch and multiplied with ``F.linear`` (in their dtype).
         """
-        key = id(head) if head is not None else (weight.data_ptr(), weight.dtype)
+        key = (weight.data_ptr(), weight.dtype)
         product = self._products.get(key)
         if product is None:
-            if head is not None:
-                product = head.subset(self.ids)
-            else:
-                product = partial(_linear, weight.index_select(0, self.ids).contiguous())
+            product = partial(_linear, weight.index_select(0, self.ids).contiguous())
             self._products[key] = product
         return product(h)
 

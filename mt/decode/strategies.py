@@ -58,17 +58,6 @@ class Beam:
         top_score, top_index = row_topk(cand, min(2 * K, K * V))  # (n, 2K), best first
         return self._choose(top_score, top_index // V, top_index % V)
 
-    def step_top(self, scores: torch.Tensor, lprob: torch.Tensor, token: torch.Tensor) -> Step:
-        """:meth:`step` from each row's k best next tokens only (``mt.fast.native.top_tokens``):
-        ``lprob`` and ``token`` (n, K or 1, k), best first, k >= min(2K, V). Every one of a
-        sentence's 2K best candidates is among them (a candidate below k others of its own row
-        is below k of the sentence's), so the choice is :meth:`step`'s."""
-        n, K, k = scores.size(0), self.K, lprob.size(-1)
-        cand = (scores[:, :, None] + lprob).view(n, K * k)  # the first step: broadcast
-        top_score, top_index = cand.topk(min(2 * K, K * k), dim=1)  # (n, 2K), best first
-        tokens = token.expand(n, K, k).reshape(n, K * k)
-        return self._choose(top_score, top_index // k, tokens.gather(1, top_index))
-
     def _choose(self, top_score: torch.Tensor, top_beam: torch.Tensor,
                 top_tok: torch.Tensor) -> Step:  # fmt: skip
         """The Step of a sentence's 2K best candidates (n, 2K), best first: parent, token."""
@@ -95,12 +84,6 @@ class Greedy:
         """scores (n, 1); lprobs (n, 1, V)."""
         best, token = row_max(lprobs[:, 0])  # (n,), (n,)
         return _one_token_step(scores, best, token)
-
-    @staticmethod
-    def chosen(scores: torch.Tensor, lprob: torch.Tensor, token: torch.Tensor) -> Step:
-        """The Step of the tokens (n,) already chosen, with their log-probabilities (n,)
-        (``mt.fast.native.best_token``'s, from the logits)."""
-        return _one_token_step(scores, lprob, token)
 
 
 BLOCK = 64  # row_topk's block: 64 floats, one cache line's worth four times over

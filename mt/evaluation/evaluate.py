@@ -147,7 +147,7 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
     model, tokenizer, ckpt = load_model(ckpt_path, device)
     prepared = prepare(cfg)
     cfg = resolve_shortlist(cfg, tokenizer, prepared)  # decode.shortlist=train: its lexicon
-    decode = resolve_decode(cfg.decode, model)  # decode.precision=auto: measured here
+    decode = resolve_decode(cfg.decode, model, device)  # decode.precision=auto: chosen here
     refs = prepared.references(args.split)
     if tokenizer.to_bytes() == prepared.tokenizer.to_bytes():
         split = prepared.split(args.split)

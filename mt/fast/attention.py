@@ -18,20 +18,12 @@ of a model holds its core as ``core``; :func:`install` swaps the cores of a mode
   again. Each build allocates anew, and the heap fragments around them. These products are small
   beside the linear layers' (queries x keys per head, against d_model x d_ff per token), so float32
   costs no speed.
-* :class:`ShortQueryAttention` (CPU decoding): short queries (one per row in incremental
-  self-attention, one per beam in encoder-decoder attention, short sources in the encoder)
-  through the written-out formula with batched matrix products, faster there than SDPA's CPU
-  kernel, which is built for long queries. Against a float32 cache under bf16 autocast
-  (``DecoderCache(dtype=float32)``) the attention runs in float32 with autocast off: CPU
-  attention with one query per row is several times slower in bfloat16, and the cache is small.
 * On CUDA the model's own core (SDPA) runs, over flash and memory-efficient kernels:
-  :func:`gpu_attention` turns cuDNN's off.
+  ``mt.device.gpu_attention`` turns cuDNN's off.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
 
 import torch
@@ -40,27 +32,6 @@ from torch import nn
 from mt.fast.dropout import apply_mask, drop, dropout
 from mt.fast.modules import replace_modules
 from mt.model.attention import ScaledDotProduct, attention, attention_weights
-
-log = logging.getLogger(__name__)
-
-
-def gpu_attention(device: torch.device) -> None:
-    """On CUDA, SDPA without cuDNN's kernel (flash and memory-efficient attention stay).
-
-    cuDNN's attention builds an execution plan for each new shape (batch, lengths), and
-    batches by tokens bring a new shape nearly every step, in training and in decoding, so
-    with cuDNN's kernel a step spends most of its time planning (the figures:
-    docs/performance.md). Process-wide, as TF32 is; a no-op elsewhere and when already off.
-    """
-    if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
-        return
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    log.info("attention on %s: flash / memory-efficient SDPA (cuDNN's builds a plan per shape)",
-             device)  # fmt: skip
-
-
-# Query lengths up to this go through explicit matrix products on CPU (ShortQueryAttention).
-EXPLICIT_MAX_QUERIES = 16
 
 
 class _WrittenOutAttention(torch.autograd.Function):
@@ -124,24 +95,6 @@ class CPUTrainingAttention(ScaledDotProduct):
             # under autocast the next product casts as it needs; a 16-bit model wants 16 bits
             return (out if torch.is_autocast_enabled("cpu") else out.to(q.dtype)), None
         return _WrittenOutAttention.apply(q, k, v, mask, is_causal, dropout_p), None
-
-
-class ShortQueryAttention(ScaledDotProduct):
-    """Short queries written out, long ones (and anything with gradients) through SDPA."""
-
-    def __init__(self, max_queries: int = EXPLICIT_MAX_QUERIES) -> None:
-        super().__init__()
-        self.max_queries = max_queries
-
-    def forward(self, q, k, v, mask=None, is_causal=False, dropout_p=0.0, need_weights=False):
-        scope = contextlib.nullcontext()
-        if q.dtype != k.dtype:  # bf16 queries (autocast) against a float32 cache
-            q, scope = q.to(k.dtype), torch.autocast(q.device.type, enabled=False)
-        with scope:
-            if q.size(-2) > self.max_queries or torch.is_grad_enabled():
-                return super().forward(q, k, v, mask, is_causal, dropout_p, need_weights)
-            out, weights = attention(q, k, v, mask, is_causal, dropout_p)
-        return out, weights if need_weights else None
 
 
 def install(model: nn.Module, make_core) -> nn.Module:

@@ -1,7 +1,7 @@
 """Memory: what a CPU training step frees, kept in the process for the next step (glibc; the
 allocator itself is chosen in :mod:`mt.allocator`, which also bounds the kernels oneDNN keeps:
-:func:`mt.allocator.bound_onednn_kernels`), and the process's resident memory and heap in use
-for the log (:func:`resident_fields`)."""
+:func:`mt.allocator.bound_onednn_kernels`). The process's resident memory for the log is
+``mt.train.tracking.resident_fields``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import ctypes.util
 import logging
 import sys
 
-from mt.allocator import active_allocator, heap_in_use
+from mt.allocator import active_allocator
 
 log = logging.getLogger(__name__)
 
@@ -21,8 +21,7 @@ _held = False
 
 
 def hold_freed_memory() -> bool:
-    """Keep memory that training (or decoding, ``mt.fast.decoding.for_decoding``) frees inside
-    the process, for its next step or batch (glibc only).
+    """Keep memory that training frees inside the process, for its next step (glibc only).
 
     A training step allocates and frees the same large temporaries every time (activations,
     the loss's float blocks). glibc returns freed blocks above its mmap threshold, and the top
@@ -50,31 +49,3 @@ def hold_freed_memory() -> bool:
     if _held:
         log.info("glibc malloc: freed memory kept for reuse (mmap threshold 32 MB, no trim)")
     return _held
-
-
-def resident_mb() -> tuple[float, float]:
-    """This process's resident memory now and at its peak, in MB (Linux; (0, peak) elsewhere)."""
-    import resource
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KB on Linux
-    try:
-        with open("/proc/self/statm") as f:
-            pages = int(f.read().split()[1])
-        import os
-
-        rss = pages * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
-        return 0.0, peak
-    return rss, max(peak, rss)  # the kernel updates its peak lazily
-
-
-def resident_fields() -> dict[str, float]:
-    """:func:`resident_mb` as a metrics record's ``rss_mb`` and ``peak_rss_mb``, and the part
-    of it the program holds from malloc (``heap_mb``, where the allocator tells: resident
-    memory that grows while it stays level is freed memory kept, not a leak)."""
-    rss, peak = resident_mb()
-    fields = {"rss_mb": round(rss, 1), "peak_rss_mb": round(peak, 1)}
-    held = heap_in_use()
-    if held is not None:
-        fields["heap_mb"] = round(held / 2**20, 1)
-    return fields

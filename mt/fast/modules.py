@@ -8,8 +8,6 @@ from collections.abc import Callable
 
 from torch import nn
 
-from mt.model.transformer import FeedForward
-
 
 def shared_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers ARE the model's (not copied): its
@@ -29,23 +27,3 @@ def replace_modules(model: nn.Module, rule: Callable[[nn.Module], nn.Module | No
                 setattr(parent, name, new)
                 replaced += 1
     return replaced
-
-
-def products_copy(
-    model: nn.Module,
-    feed_forward: Callable[[nn.Module], nn.Module],
-    linear: Callable[[nn.Linear], nn.Module],
-) -> nn.Module:
-    """A decoding copy of ``model`` (``shared_copy``, eval mode) whose products are replaced:
-    each feed-forward block (``mt.model.transformer.FeedForward``) by ``feed_forward(block)``,
-    each other ``nn.Linear`` by ``linear(layer)``. The int8, oneDNN and mt float32 copies of
-    ``mt.fast`` are made so."""
-
-    def rule(child: nn.Module) -> nn.Module | None:
-        if isinstance(child, FeedForward):
-            return feed_forward(child)
-        return linear(child) if type(child) is nn.Linear else None
-
-    clone = shared_copy(model).eval()
-    replace_modules(clone, rule)
-    return clone

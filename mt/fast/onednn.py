@@ -5,9 +5,6 @@ picks on a CPU) for float32 and bfloat16 products on a CPU.
 oneDNN reaches far more of it there (docs/performance.md). Every product here accumulates in
 float32; only the order of the sums differs from ``F.linear``.
 
-- :class:`OneDNNLinear`: ``y = act(x W^T + b)`` for decoding (no autograd), float32 or with a
-  bfloat16 copy of the weight, ReLU optionally fused into the kernel, the float32 weight
-  optionally in oneDNN's own layout (:func:`pack`: faster at a decoder step's few rows).
 - :func:`linear` / :class:`Linear`: ``F.linear`` for training, with the forward product and the
   input gradient ``dx = dy W`` on oneDNN (the weight gradient ``dW = dy^T x`` stays on
   ``torch.mm``, as fast there).
@@ -47,24 +44,6 @@ def onednn_available() -> bool:
         return False
 
 
-@cache
-def onednn_bf16_available() -> bool:
-    """Whether oneDNN has bfloat16 linear kernels on this CPU: AVX-512 and newer. On AVX2 CPUs
-    (e.g. AMD Zen 3) it has none, and ``precision=bf16`` decodes under plain autocast instead."""
-    if not onednn_available():
-        return False
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    if check is not None and not check():
-        return False
-    try:
-        g = _own_generator()
-        x, w = (torch.randn(*s, generator=g).bfloat16() for s in ((2, 16), (8, 16)))
-        torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-        return True
-    except RuntimeError:  # "could not create a primitive descriptor"
-        return False
-
-
 def bucket_rows(rows: int) -> int:
     """``rows`` rounded up to one of few sizes: a multiple of 8, or of 1/16 of the row count's
     power of two (at most 6.25% added rows, 16 sizes per doubling).
@@ -97,92 +76,8 @@ def _pointwise(x: torch.Tensor, weight: torch.Tensor, bias, attr: str) -> torch.
     )
 
 
-def pack(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
-    """oneDNN's own (blocked) layout of a float32 or bfloat16 weight (out, in), for products of
-    about ``rows`` rows (any row count works), or None where this torch cannot make it.
-
-    A product with a weight in torch's layout re-lays the weight out at every call, which at the
-    few rows of a decoder step costs as much as the product itself; packed once, the weight is
-    re-laid out never, in float32 and in bfloat16, with the same outputs (the figures:
-    docs/performance.md). The packed weight is a copy.
-    """
-    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-    dtypes = (torch.float32, torch.bfloat16)
-    if reorder is None or weight.dtype not in dtypes or weight.device.type != "cpu":
-        return None
-    try:
-        return reorder(weight.detach().contiguous(), max(1, rows))
-    except RuntimeError:  # a build without the reorder's kernels
-        return None
-
-
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return _pointwise(x, weight, bias, "none")
-
-
-class OneDNNLinear(nn.Module):
-    """``y = act(x W^T + b)`` through oneDNN, for inference (no autograd).
-
-    Args:
-        weight: (out, in); kept as given (fp32: shared with the model) or as a bfloat16 copy.
-        bias: (out,) or None.
-        dtype: the dtype of the product (float32 or bfloat16); inputs are cast to it and the
-            output is cast back to the input's dtype.
-        relu: apply ReLU inside the kernel (the FFN's first layer).
-        rows: also keep the weight in oneDNN's own layout (:func:`pack`, a copy) for products
-            of about this many rows; None: use it as given.
-    """
-
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        dtype: torch.dtype = torch.float32,
-        relu: bool = False,
-        rows: int | None = None,
-    ) -> None:
-        super().__init__()
-        self.register_buffer("weight", weight.detach().to(dtype), persistent=False)
-        b = None if bias is None else bias.detach().to(dtype)
-        self.register_buffer("bias", b, persistent=False)
-        self.attr = "relu" if relu else "none"
-        self.rows = rows
-        self.packed = None if rows is None else pack(self.weight, rows)
-
-    def subset(self, ids: torch.Tensor) -> OneDNNLinear:
-        """The same kind of product (dtype, packing) over output rows ``ids`` only, without
-        activation: a vocabulary shortlist's columns of the projection."""
-        bias = None if self.bias is None else self.bias.index_select(0, ids)
-        return OneDNNLinear(self.weight.index_select(0, ids), bias, self.weight.dtype,
-                            rows=self.rows)  # fmt: skip
-
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., in) -> (..., out) in the weight's dtype."""
-        weight = self.weight if self.packed is None else self.packed
-        return _pointwise(x.to(self.weight.dtype), weight, self.bias, self.attr)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., in) -> (..., out), in ``x``'s dtype."""
-        return self.product(x).to(x.dtype)
-
-    def extra_repr(self) -> str:
-        out, inp = self.weight.shape
-        packed = ", packed" if self.packed is not None else ""
-        return f"in={inp}, out={out}, dtype={self.weight.dtype}, attr={self.attr}{packed}"
-
-
-class FusedFeedForward(nn.Module):
-    """FFN(x) = W2 relu(W1 x + b1) + b2 with the ReLU inside the first oneDNN product (for
-    decoding; ``ffn`` is an ``mt.model.transformer.FeedForward``)."""
-
-    def __init__(self, ffn: nn.Module, dtype: torch.dtype, rows: int | None = None) -> None:
-        super().__init__()
-        self.w1 = OneDNNLinear(ffn.w1.weight, ffn.w1.bias, dtype, relu=True, rows=rows)
-        self.w2 = OneDNNLinear(ffn.w2.weight, ffn.w2.bias, dtype, rows=rows)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., D) -> (..., D); the hidden layer stays in the product's dtype."""
-        return self.w2.product(self.w1.product(x)).to(x.dtype)
 
 
 class _OneDNNLinearFunction(torch.autograd.Function):

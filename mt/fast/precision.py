@@ -1,9 +1,9 @@
 """Precision: which one the hardware computes fastest (``train.precision=auto``), the autocast
-context of each (training and decoding alike), and TF32 for float32 products on CUDA."""
+context of each (``mt.device.autocast``, training and decoding alike), and TF32 for float32
+products on CUDA."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 from pathlib import Path
@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 import mt.fast.probe as probe
+from mt.device import autocast
 
 log = logging.getLogger(__name__)
 
@@ -148,16 +149,6 @@ def set_fp32_precision(device: torch.device, tf32: bool) -> None:
     # The documented switch; it keeps torch's legacy and new TF32 flags consistent.
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
     log.info("float32 matrix products on %s: %s", device, "TF32" if tf32 else "full float32")
-
-
-def autocast(device: torch.device | str, precision: str):
-    """The autocast context for ``precision``: fp32 none, bf16 bfloat16, fp16 float16."""
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    if precision not in ("bf16", "fp16"):
-        raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 
 
 def machine(device: torch.device) -> dict:

@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import mt.fast.probe as probe
-from mt.fast.attention import CPUTrainingAttention, gpu_attention, install
+from mt.device import gpu_attention
+from mt.fast.attention import CPUTrainingAttention, install
 from mt.fast.dropout import Dropout
 from mt.fast.loss import (
     label_smoothed_cross_entropy,

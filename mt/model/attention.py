@@ -4,8 +4,8 @@
 :class:`ScaledDotProduct` (the *core*), held by every attention layer as ``core``: it calls
 ``torch.nn.functional.scaled_dot_product_attention`` (fused kernels where the hardware has them)
 and writes the formula out (:func:`attention`) when the caller asks for the weights, which SDPA
-does not return. ``mt.fast`` replaces the cores of a model's copy with faster ones for a device;
-this file is the paper. Masks are boolean, True = may attend (see ``mt.model.masks``).
+does not return. ``mt.fast`` replaces the cores of a training copy with faster ones for a
+device; this file is the paper. Masks are boolean, True = may attend (see ``mt.model.masks``).
 
 Shape letters: B batch, H heads, T query length, S key length, D = d_model, d_k = D / H.
 """

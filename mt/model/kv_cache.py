@@ -63,7 +63,7 @@ class SelfAttentionCache:
         """Room for positions up to ``end`` (exclusive) in buffers of ``dtype``: where they are
         shorter (or none yet), new ones of (B, H, max(end, 2 * length, 16), d_k), the filled
         positions copied over. Returns the whole buffers; whoever writes positions into them
-        sets ``length`` (``mt.fast.step.FusedStep`` does both in C++ and Python)."""
+        sets ``length``."""
         if self.k is None or self.k.size(2) < end or self.k.dtype != dtype:
             past = self.length
             capacity = max(end, 2 * past, 16)
@@ -167,8 +167,7 @@ class DecoderCache:
     Args:
         n_layers: decoder layers.
         dtype: what the caches hold (None: the dtype of the keys/values, e.g. bfloat16 under
-            autocast; ``mt.fast`` keeps float32 caches under CPU autocast, where attention over
-            them is faster in float32).
+            autocast).
 
     Example:
         >>> cache = DecoderCache(2)

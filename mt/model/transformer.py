@@ -19,9 +19,9 @@
 target prefix are kept per layer, the encoder-decoder keys/values are computed once). Masks are
 boolean, True = may attend.
 
-This file is the paper and nothing else: speed (oneDNN or int8 products, other attention cores,
-the fused loss, 16-bit dropout masks) is applied to a copy of the model from outside, by
-``mt.fast.for_training`` and ``mt.fast.for_decoding``.
+This file is the paper and nothing else: training's speed (oneDNN products, other attention
+cores, the fused loss, 16-bit dropout masks) is applied to a copy of the model from outside, by
+``mt.fast.for_training``; decoding runs this model as written (``mt.decode``).
 
 Shape letters: B batch, S source length, T target length, D d_model, V vocab_size.
 """

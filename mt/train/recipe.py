@@ -31,7 +31,6 @@ from typing import Any, Optional
 
 import torch
 
-import mt.fast.probe as probe
 from mt import distributed
 from mt.allocator import describe_allocator
 from mt.checkpoint import (
@@ -41,16 +40,23 @@ from mt.checkpoint import (
 from mt.data.batches import batch_plan, iterate_batches
 from mt.data.build import prepare
 from mt.data.prefetch import Prefetcher
-from mt.fast import for_training
-from mt.fast.compile import compile_model, compiled_graphs, pad_multiple
-from mt.fast.memory import resident_fields
-from mt.fast.precision import machine, resolve_precision, set_fp32_precision
+from mt.fast import (  # the one import of mt.fast in mt.train: what training takes of it
+    adopt_probes,
+    compile_model,
+    compiled_graphs,
+    for_training,
+    machine,
+    pad_multiple,
+    probe_decisions,
+    resolve_precision,
+    set_fp32_precision,
+)
 from mt.files import remove_stale_temps, write_json
 from mt.model.transformer import build_model
 from mt.schema import Config
 from mt.train import preempt
 from mt.train.ema import WeightEMA
-from mt.train.lock import LockError, RunLock
+from mt.train.lock import RunLock
 from mt.train.progress import progress
 from mt.train.schedule import (
     STOPS,
@@ -75,7 +81,7 @@ from mt.train.state import (
     seed_everything,
     set_rng_state,
 )
-from mt.train.tracking import MetricsLog
+from mt.train.tracking import MetricsLog, resident_fields
 from mt.train.update import Updater, UpdateResult, build_optimizer
 from mt.train.validation import validate
 
@@ -138,7 +144,7 @@ def train(cfg: Config) -> dict[str, Any]:
     lock = None
     run = None
     try:
-        lock = _lock_run_dir(Path(cfg.run_dir), info)
+        lock = _lock_run_dir(Path(cfg.run_dir))
         if info.is_main:
             file_log = logging.FileHandler(Path(cfg.run_dir) / "train.log", encoding="utf-8")
             file_log.setFormatter(logging.Formatter("%(asctime)s | %(levelname)s | %(message)s"))
@@ -164,21 +170,14 @@ def train(cfg: Config) -> dict[str, Any]:
         distributed.cleanup()
 
 
-def _lock_run_dir(run_dir: Path, info: distributed.DistInfo) -> Optional[RunLock]:
+def _lock_run_dir(run_dir: Path) -> Optional[RunLock]:
     """Rank 0 (the only process that writes the run directory) takes its lock; every rank
-    learns whether it did, so all of them stop together when another run holds it."""
-    lock, error = None, None
-    if info.is_main:
-        try:
-            lock = RunLock(run_dir).acquire()
-        except LockError as err:
-            error = err
-    ok = distributed.broadcast_float(0.0 if error else 1.0)
-    if error is not None:
-        raise error
-    if not ok:
-        raise LockError(f"rank 0 could not lock run_dir {run_dir} (see its log)")
-    return lock
+    learns whether it did, so all of them stop together when another run holds it (rank 0
+    with its :class:`LockError`, the others with a ``RankError`` quoting it)."""
+    taken: list[RunLock] = []
+    distributed.decide_on_rank0(lambda: taken.append(RunLock(run_dir).acquire()),
+                                f"locking run_dir {run_dir}")  # fmt: skip
+    return taken[0] if taken else None
 
 
 def setup(cfg: Config, info: distributed.DistInfo) -> Run:
@@ -385,7 +384,7 @@ def _prepared(cfg: Config, info: distributed.DistInfo):
 def _training_forward(raw: torch.nn.Module, cfg: Config, info: distributed.DistInfo):
     """``mt.fast.for_training``'s module for ``raw``. In a distributed run rank 0 builds it
     first, probing the kernels it chooses by (``train.products``, ``train.projection``), and
-    the other ranks take rank 0's choices (``mt.fast.probe.adopt``), as they take its
+    the other ranks take rank 0's choices (``mt.fast.adopt_probes``), as they take its
     precision: one probe instead of one per rank at once, and every rank on the same kernels."""
     tc = cfg.train
 
@@ -395,24 +394,28 @@ def _training_forward(raw: torch.nn.Module, cfg: Config, info: distributed.DistI
             cfg.cache_dir, tc.master_weights,
         )  # fmt: skip
 
-    if not info.distributed:
-        return build()
-    forward = build() if info.is_main else None
-    decisions = distributed.broadcast_object(probe.decided() if info.is_main else None)
-    if forward is None:
-        probe.adopt(decisions)
-        forward = build()
-    return forward
+    built: list[torch.nn.Module] = []
+
+    def first() -> dict[str, str]:  # rank 0 (or the only process): build, and say what it chose
+        built.append(build())
+        return probe_decisions()
+
+    decisions = distributed.decide_on_rank0(first, "choosing the training kernels")
+    if built:
+        return built[0]
+    adopt_probes(decisions)
+    return build()
 
 
 def _precision(cfg: Config, info: distributed.DistInfo) -> str:
     """``train.precision`` resolved (``auto``: measured at the run's shapes and cached beside
-    the prepared data, ``mt.fast.precision``); rank 0 decides for every rank."""
-    tc, choice = cfg.train, None
-    if info.is_main:
-        shape = (tc.max_tokens, cfg.model.d_model, cfg.model.d_ff)
-        choice = resolve_precision(tc.precision, info.device, shape, tc.cpu_kernels, cfg.cache_dir)
-    return distributed.broadcast_object(choice)
+    the prepared data, ``mt.fast.resolve_precision``); rank 0 decides for every rank."""
+    tc = cfg.train
+    shape = (tc.max_tokens, cfg.model.d_model, cfg.model.d_ff)
+    return distributed.decide_on_rank0(
+        lambda: resolve_precision(tc.precision, info.device, shape, tc.cpu_kernels, cfg.cache_dir),
+        "resolving train.precision",
+    )
 
 
 def _resolve_batch(cfg: Config, world_size: int) -> Config:
@@ -436,7 +439,8 @@ def run_validation(run: Run) -> dict[str, float]:
         run.raw_model, run.prepared, run.cfg, info.device, info.rank, info.world_size,
         loss_model=run.training_model,
     )  # fmt: skip
-    value = distributed.broadcast_float(result.get(run.key))
+    # every rank computed the same figures (shared work, gathered); rank 0's value decides
+    value = distributed.decide_on_rank0(lambda: result.get(run.key), "the validation metric")
     state.last_eval_step = state.step
     improved = better(run.key, value, state.best)
     if improved:

@@ -16,7 +16,6 @@ from mt.checkpoint import (
     rotate_checkpoints,
     save_checkpoint,
 )
-from mt.fast.memory import resident_fields
 from mt.schema import Config
 from mt.train.state import (
     OPTIMIZER_KEYS,
@@ -26,6 +25,7 @@ from mt.train.state import (
     changed_settings,
     training_state,
 )
+from mt.train.tracking import resident_fields
 from mt.train.update import adam_settings
 from mt.train.validation import validate
 

@@ -295,13 +295,13 @@ def agree_on_resume(ckpt_dir: Path, is_main: bool) -> tuple[Optional[dict], Opti
         mt.distributed.RankError: on the other ranks, with that reason.
     """
     ckpt, path, error = None, None, None
-    if is_main:
-        try:
-            ckpt, path = resume_checkpoint(ckpt_dir)
-        except CheckpointError as err:
-            error = err
-    distributed.check_all(error, f"choosing the checkpoint to resume in {ckpt_dir}")
-    choice = distributed.broadcast_object(None if ckpt is None else (path.name, ckpt["step"]))
+
+    def choose():  # rank 0, as in a single process
+        nonlocal ckpt, path
+        ckpt, path = resume_checkpoint(ckpt_dir)
+        return None if ckpt is None else (path.name, ckpt["step"])
+
+    choice = distributed.decide_on_rank0(choose, f"choosing the checkpoint to resume in {ckpt_dir}")
     if not is_main:
         try:
             ckpt, path = _load_choice(ckpt_dir, choice)

@@ -1,4 +1,5 @@
-"""The run's metrics: ``metrics.jsonl`` and TensorBoard, written by rank 0."""
+"""The run's metrics: ``metrics.jsonl`` and TensorBoard, written by rank 0, and the process's
+resident memory for its records (:func:`resident_fields`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
+from mt.allocator import heap_in_use
 from mt.files import JsonlAppender
 
 log = logging.getLogger(__name__)
@@ -61,3 +63,31 @@ class MetricsLog:
             self.file.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def resident_mb() -> tuple[float, float]:
+    """This process's resident memory now and at its peak, in MB (Linux; (0, peak) elsewhere)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KB on Linux
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        import os
+
+        rss = pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0, peak
+    return rss, max(peak, rss)  # the kernel updates its peak lazily
+
+
+def resident_fields() -> dict[str, float]:
+    """:func:`resident_mb` as a metrics record's ``rss_mb`` and ``peak_rss_mb``, and the part
+    of it the program holds from malloc (``heap_mb``, where the allocator tells: resident
+    memory that grows while it stays level is freed memory kept, not a leak)."""
+    rss, peak = resident_mb()
+    fields = {"rss_mb": round(rss, 1), "peak_rss_mb": round(peak, 1)}
+    held = heap_in_use()
+    if held is not None:
+        fields["heap_mb"] = round(held / 2**20, 1)
+    return fields

@@ -15,7 +15,7 @@ import torch
 
 from mt import distributed
 from mt.data.batches import Batch
-from mt.fast.precision import autocast
+from mt.device import autocast
 from mt.schema import Config
 from mt.train.state import TrainState
 
@@ -200,19 +200,11 @@ class Updater:
         if not _all_finite(torch.isfinite(figures).all()):
             return self._skip(state, loss_finite=bool(torch.isfinite(figures[0])))
         self.scaler.step(self.optimizer)
-        self._changed()
         self.scaler.update()
         self.scheduler.step()
         state.nonfinite = 0
         self.overflows = 0
         return UpdateResult(figures)
-
-    def _changed(self) -> None:
-        """Mark the parameters as changed in place: the fused Adam writes them without bumping
-        their version counters, and the decoding copies of ``mt.fast.decoding`` (validation's
-        packed oneDNN weights) are rebuilt only when a version or storage changes. Without
-        this, validation decoded with the weights of its first call for the whole run."""
-        torch.autograd.graph.increment_version(self.params)
 
     def _deferred(self, device: torch.device) -> bool:
         if self.defer_check is None:
@@ -233,7 +225,6 @@ class Updater:
             self.optimizer.step()
         finally:
             del self.optimizer.found_inf
-        self._changed()  # (a skipped update changes nothing; a spurious rebuild costs little)
         self.scheduler.step()
         self._streak.add_(bad).mul_(bad)  # +1 on a skip, 0 after a step
         self._skipped.add_(bad)

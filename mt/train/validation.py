@@ -10,7 +10,6 @@ import torch
 
 from mt import distributed
 from mt.data.batches import BatchSampler, iterate_batches
-from mt.fast import release_decoding_copies
 from mt.schema import Config
 from mt.train.update import batch_loss
 
@@ -80,10 +79,7 @@ def valid_hypotheses(
     greedy = dataclasses.replace(cfg.decode, beam_size=1, nbest=1, workers=1)
     was_training = model.training
     model.eval()
-    if plain_decoding(greedy, device):
-        greedy = dataclasses.replace(greedy, onednn=False, precision="fp32")
     hyp_ids = translate_ids(model, src_ids, greedy, device) if src_ids else []
-    release_decoding_copies(model)  # (where one was built) the weights will change
     model.train(was_training)
     if world_size == 1:
         return prepared.tokenizer.decode(hyp_ids, side="tgt")
@@ -92,36 +88,13 @@ def valid_hypotheses(
     return prepared.tokenizer.decode(ordered, side="tgt")
 
 
-def plain_decoding(decode_cfg, device: torch.device | str) -> bool:
-    """Whether validation's greedy decoding runs the model as written (torch's float32
-    products and attention, no decoding copy) rather than the fast decoding copy: on a CPU,
-    with the decoding settings as they come (``decode.onednn`` null, float32 or ``auto``
-    precision, no int8); a setting chosen otherwise is kept.
-
-    Why: training's heap keeps its freed memory (``mt.fast.memory``), and its resident memory
-    rose in steps in the updates after a validation, the bytes in use level. The fast copy
-    allocates packed products and preallocated caches amid that heap, and its oneDNN products
-    push training's kernels out of oneDNN's bounded cache (``mt.allocator.
-    bound_onednn_kernels``); the model as written does neither. Validating with the model as
-    written, training's memory grows about half as much from the first validation to the
-    last, for a validation that takes somewhat longer (docs/performance.md: "Validation decodes
-    the model as written").
-    """
-    return (
-        torch.device(device).type == "cpu"
-        and decode_cfg.onednn is None
-        and decode_cfg.precision in ("fp32", "auto")
-        and decode_cfg.quantize == "none"
-    )
-
-
 def valid_bleu(
     model: torch.nn.Module, prepared, cfg: Config, device: torch.device, rank: int = 0,
     world_size: int = 1,
 ) -> float:  # fmt: skip
     """Greedy-decode the valid sources and score them: the search and scoring of final
-    evaluation, on the model as written where :func:`plain_decoding` says so (shared over ranks
-    as :func:`valid_hypotheses`; every rank scores the gathered set)."""
+    evaluation, on the model as written (shared over ranks as :func:`valid_hypotheses`; every
+    rank scores the gathered set)."""
     from mt.evaluation.metrics import score
 
     hyps = valid_hypotheses(model, prepared, cfg, device, rank, world_size)

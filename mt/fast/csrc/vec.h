@@ -1,7 +1,6 @@
-// Helpers shared by mt's kernels: rows in even chunks (the products: int8_linear.cpp,
-// f32_linear.cpp), and 8 floats as one value (short_attention.cpp, smoothed_ce.cpp, ...) through
-// GCC's and Clang's vector extensions, so the code vectorizes for whatever instruction set
-// -march=native gives (AVX-512 or AVX2 on x86, NEON elsewhere).
+// Helpers shared by mt's training kernels (dropout.cpp, smoothed_ce.cpp): 8 floats as one
+// value through GCC's and Clang's vector extensions, so the code vectorizes for whatever
+// instruction set -march=native gives (AVX-512 or AVX2 on x86, NEON elsewhere).
 
 #pragma once
 
@@ -10,18 +9,6 @@
 
 namespace mt_vec {
 
-// f(m, r) for M rows in chunks of at most `most`, as even as they go (8 rows by at most 6 as
-// 4 + 4, not 6 + 2: a short chunk reads the weights as often as a full one, for less work).
-template <typename F>
-inline void even_chunks(int64_t M, int64_t most, F&& f) {
-  const int64_t chunks = (M + most - 1) / most;
-  for (int64_t c = 0, m = 0; c < chunks; ++c) {
-    const int64_t r = M / chunks + (c < M % chunks);
-    f(m, r);
-    m += r;
-  }
-}
-
 // 8 floats as one value (GCC and Clang vector extensions): an AVX register. 8 lanes, not 16, even
 // with AVX-512: CPUs that execute AVX-512 in 256-bit halves gain nothing from 16, and pay for
 // the longer tails (docs/performance.md).
@@ -29,15 +16,6 @@ constexpr int kLanes = 8;
 typedef float fvec __attribute__((vector_size(kLanes * 4)));
 typedef int32_t ivec __attribute__((vector_size(kLanes * 4)));
 typedef float f4v __attribute__((vector_size(16)));
-
-#if defined(__has_builtin)
-#if __has_builtin(__builtin_shufflevector)
-#define MT_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#endif
-#endif
-#ifndef MT_SHUFFLE  // GCC before 12
-#define MT_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, ivec{__VA_ARGS__})
-#endif
 
 inline fvec load(const float* p) {
   fvec x;
