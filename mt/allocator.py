@@ -10,7 +10,8 @@ itself again with it preloaded (:func:`preload_allocator`), before importing tor
 imports nothing heavy for that reason.
 
 Every mt command also bounds the caches of built products that oneDNN and torch's front end to
-it keep (:func:`bound_onednn_kernels`), likewise before torch is imported.
+it keep (:func:`bound_onednn_kernels`), likewise before torch is imported; training sizes them
+again, by what its step needs, before its first product (:func:`size_onednn_kernels`).
 
 ``MT_ALLOCATOR`` (environment): ``auto`` (default: tcmalloc, else jemalloc, where installed),
 ``tcmalloc``, ``jemalloc`` or ``system``. Installing tcmalloc: ``apt install
@@ -226,14 +227,58 @@ def bound_onednn_kernels(capacity: int = ONEDNN_KERNELS) -> bool:
     hypotheses end): a process that decodes like mt-serve keeps a flat heap at 16 where the
     default caps let it grow with every new batch shape, in the same time. The figures that
     chose 16: docs/performance.md.
+
+    Training needs more than 16: one bfloat16 step alone uses ~36 kernels (a layer's products,
+    forward, input and weight gradient, at the source's and the target's row counts, and the
+    loss's projection), so under the cap it rebuilt them at every step; it sizes the caches
+    again for its step before its first product (:func:`size_onednn_kernels`).
     """
-    caps = (  # each setting under the names a user may have given it, the one set here first
-        ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"),
-        ("LRU_CACHE_CAPACITY",),
-    )
     set_here = False
-    for names in caps:
+    ours = _set_by_mt()
+    for names in _CAPS:
         if not any(n in os.environ for n in names):  # else the user's choice stands
             os.environ[names[0]] = str(capacity)
+            ours.add(names[0])
             set_here = True
+    os.environ[_SET_BY_MT] = ",".join(sorted(ours))
     return set_here
+
+
+# Each cache setting under the names a user may have given it, the one mt sets first.
+_CAPS = (("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"),
+         ("LRU_CACHE_CAPACITY",))  # fmt: skip
+# The settings mt itself gave (not the user), so that a later stage may size them again; in
+# the environment, so that a process that mt executes again or starts keeps knowing it.
+_SET_BY_MT = "MT_ONEDNN_CAPS_SET_BY_MT"
+
+
+def _set_by_mt() -> set[str]:
+    return {n for n in os.environ.get(_SET_BY_MT, "").split(",") if n}
+
+
+def size_onednn_kernels(capacity: int) -> int:
+    """Set both kernel caches of :func:`bound_onednn_kernels` to ``capacity`` for this process
+    (training sizes them by what its step needs, ``mt.fast.onednn.training_kernels``), where
+    mt set them or nothing did; a user's own setting stands. Returns oneDNN's capacity in
+    effect. Like the cap, it only counts when set before the process's first oneDNN product:
+    oneDNN and ideep read it as they create their caches."""
+    ours = _set_by_mt()
+    for names in _CAPS:
+        if names[0] in ours or not any(n in os.environ for n in names):
+            os.environ[names[0]] = str(int(capacity))
+            ours.add(names[0])
+    os.environ[_SET_BY_MT] = ",".join(sorted(ours))
+    return onednn_capacity()
+
+
+def onednn_capacity() -> int:
+    """oneDNN's kernel cache capacity for this process (its environment; oneDNN's default
+    1,024 where unset or unreadable)."""
+    for name in _CAPS[0]:
+        value = os.environ.get(name)
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                break
+    return 1024

@@ -12,11 +12,15 @@ float32; only the order of the sums differs from ``F.linear``.
 
 from __future__ import annotations
 
+import logging
+import math
 from functools import cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 def _own_generator() -> torch.Generator:
@@ -54,6 +58,77 @@ def bucket_rows(rows: int) -> int:
     """
     step = max(8, 1 << max(0, rows.bit_length() - 5))
     return -(-rows // step) * step
+
+
+def bucket_count(low: int, high: int) -> int:
+    """How many row counts :func:`bucket_rows` pads ``low..high`` rows to (both included)."""
+    count, rows = 0, bucket_rows(max(1, low))
+    while rows <= high:
+        count += 1
+        rows = bucket_rows(rows + 1)
+    return count
+
+
+PASSES = 3  # kernels per product shape and row count: forward, input gradient, weight gradient
+KERNEL_MARGIN = 1.25  # batches shorter than half of max_tokens (an epoch's last ones), decoding
+# A built bfloat16 kernel holds ~0.66 MB (docs/benchmarks/kernel-cache-cpu-zen4-2026-12.md):
+# 768 of them bound the caches to about half a gigabyte whatever the model.
+MAX_TRAINING_KERNELS = 768
+
+
+def layer_product_shapes(d_model: int, d_ff: int) -> int:
+    """The distinct weight shapes of a Transformer layer's products: the fused queries, keys
+    and values (3d x d), the cross-attention's keys and values (2d x d), queries and outputs
+    (d x d), the FFN's (f x d, d x f)."""
+    return len({(3 * d_model, d_model), (2 * d_model, d_model), (d_model, d_model),
+                (d_ff, d_model), (d_model, d_ff)})  # fmt: skip
+
+
+def training_kernels(layer_shapes: int, max_rows: int, block_rows: int) -> int:
+    """The kernel cache a training step on oneDNN needs so that no batch rebuilds a kernel:
+
+        PASSES x (layer_shapes x bucket_count(max_rows // 2 + 1, max_rows)
+                  + bucket_count(1, min(block_rows, max_rows))) x KERNEL_MARGIN
+
+    clamped to ``[16, MAX_TRAINING_KERNELS]``. Each product shape (``layer_shapes``: the
+    layers' distinct weight shapes, :func:`layer_product_shapes`) runs 3 kernels per row
+    count (forward, input gradient, weight gradient); a batch of up to ``max_rows`` tokens
+    fills more than half of them (token batching), so its rows (the source's and the
+    target's) land in one doubling's buckets: 16 (:func:`bucket_rows`). The loss's projection
+    runs in blocks of ``block_rows`` and a last block of any bucketed count below that. The
+    margin covers shorter batches and validation's products, which the caches' LRU order
+    evicts first.
+    """
+    layer_buckets = bucket_count(max_rows // 2 + 1, max_rows)
+    projection_buckets = bucket_count(1, min(block_rows, max_rows))
+    needed = PASSES * (layer_shapes * layer_buckets + projection_buckets)
+    return max(16, min(MAX_TRAINING_KERNELS, math.ceil(needed * KERNEL_MARGIN)))
+
+
+def size_kernel_cache(
+    max_rows: int, d_model: int, d_ff: int, vocab: int, device: torch.device | str = "cpu"
+) -> int | None:
+    """Size this process's oneDNN kernel caches for training (:func:`training_kernels`;
+    ``mt.allocator.size_onednn_kernels``: a user's own setting stands), before its first
+    product: both the precision probe and the run call it, so the probe times the kernels
+    under the cache the run has. Returns the capacity in effect (None off a CPU)."""
+    if torch.device(device).type != "cpu":
+        return None
+    from mt.allocator import size_onednn_kernels
+    from mt.fast.loss import projected_block_rows
+
+    block = projected_block_rows(vocab, "cpu", bucket_rows)
+    wanted = training_kernels(layer_product_shapes(d_model, d_ff), max_rows, block)
+    capacity = size_onednn_kernels(wanted)
+    if capacity not in _SIZED:
+        _SIZED.add(capacity)
+        log.info("oneDNN kernel cache: %d kernels%s (%d needed at %d rows, d_model %d, "
+                 "d_ff %d, V %d)", capacity, "" if capacity == wanted else " (the user's)",
+                 wanted, max_rows, d_model, d_ff, vocab)  # fmt: skip
+    return capacity
+
+
+_SIZED: set[int] = set()  # capacities logged already
 
 
 def _on_bucketed_rows(x: torch.Tensor, product) -> torch.Tensor:

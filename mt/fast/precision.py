@@ -4,6 +4,8 @@ products on CUDA."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import logging
 from pathlib import Path
@@ -12,6 +14,7 @@ import torch
 
 import mt.fast.probe as probe
 from mt.device import autocast
+from mt.fast.onednn import size_kernel_cache
 
 log = logging.getLogger(__name__)
 
@@ -45,32 +48,43 @@ def resolve_precision(
     shape: tuple[int, int, int] = (2048, 512, 2048),
     cpu_kernels: bool = True,
     cache_dir: str | Path | None = None,
+    vocab: int = 8000,
 ) -> str:
     """The training precision for ``train.precision`` on ``device``.
 
     ``auto`` measures (``mt.fast.probe``): fp32 and bf16 each run a layer's products forward
     and backward at the run's ``shape`` (tokens per batch, d_model, d_ff; :func:`layer_step`),
-    as the training step runs them (fp32 on oneDNN with ``cpu_kernels``, bf16 under autocast),
-    and the faster wins.
+    as the training step runs them (fp32 on oneDNN with ``cpu_kernels``, bf16 under autocast
+    over bucketed row counts), and the faster wins. On a CPU whose oneDNN computes float32
+    products in bfloat16 when asked (:func:`onednn_bf32_available`, checked by the numbers, not
+    by a flag), float32 training with that math (``bf32``, :func:`bf32_math`) is timed too.
+    On a CPU the kernel caches are first sized for the run (``shape``, ``vocab``:
+    ``mt.fast.onednn.size_kernel_cache``), so the probe's products keep their kernels as the
+    run's will.
     The only thing ruled out beforehand is what cannot run: bf16 on a GPU without it. An
     explicit choice is kept, with a warning when it is ``bf16`` on hardware that only emulates
-    it. Returns ``fp32``, ``bf16`` or ``fp16``.
+    it. Returns ``fp32``, ``bf16`` or ``fp16``; a ``bf32`` choice returns ``fp32`` and is
+    applied by :func:`apply_fp32_math` (``mt.fast.for_training`` calls it).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"train.precision must be one of {PRECISIONS}, got {precision!r}")
+    n, d, f = shape
+    size_kernel_cache(n, d, f, vocab, device)
     if precision == "auto":
         candidates = ["fp32", "bf16"]
         if device.type == "cuda" and not native_bf16(device):
             candidates = ["fp32"]
+        if device.type == "cpu" and onednn_bf32_available():
+            candidates.append("bf32")
         if len(candidates) == 1:
             log.info("train.precision=auto: fp32 (%s has no bfloat16)", device)
             return "fp32"
-        n, d, f = shape
-        return probe.choose(
+        choice = probe.choose(
             "train.precision", device, f"layer {n}x{d}x{f}",
-            lambda c, rows: layer_step(c, rows, d, f, device, _fp32_product(device, cpu_kernels)),
+            lambda c, rows: layer_step(c, rows, d, f, device, _product(c, device, cpu_kernels)),
             candidates, n, min(n, 128), cache_dir,
         )  # fmt: skip
+        return "fp32" if choice == "bf32" else choice
     if precision == "bf16" and not native_bf16(device):
         log.warning(
             "train.precision=bf16 on a %s without native bfloat16 arithmetic: it is emulated "
@@ -80,12 +94,73 @@ def resolve_precision(
     return precision
 
 
-def _fp32_product(device: torch.device, cpu_kernels: bool):
+def _product(precision: str, device: torch.device, cpu_kernels: bool):
+    """The product the training step runs a layer with in ``precision``
+    (``mt.fast.for_training``): on a CPU with ``cpu_kernels``, oneDNN's for float32 and
+    autocast's over bucketed row counts for 16-bit."""
     import torch.nn.functional as F
 
-    from mt.fast.onednn import linear
+    from mt.fast.onednn import bucketed_linear, linear
 
-    return linear if device.type == "cpu" and cpu_kernels else F.linear
+    if device.type != "cpu" or not cpu_kernels:
+        return F.linear
+    return bucketed_linear if precision in ("bf16", "fp16") else linear
+
+
+def _fp32_product(device: torch.device, cpu_kernels: bool):
+    return _product("fp32", device, cpu_kernels)
+
+
+@contextlib.contextmanager
+def bf32_math(enabled: bool = True):
+    """Within: oneDNN may compute float32 products with bfloat16 inputs and float32 sums
+    (torch's ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``; oneDNN's "bf32"), where
+    its kernels for the CPU have that math (AMX); elsewhere it keeps float32 math."""
+    flags = torch.backends.mkldnn.matmul
+    before = flags.fp32_precision
+    if enabled:
+        flags.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        flags.fp32_precision = before
+
+
+@functools.cache
+def onednn_bf32_available() -> bool:
+    """Whether oneDNN here computes float32 products in bfloat16 when asked (:func:`bf32_math`),
+    told by the numbers: a product of float32 values that bfloat16 cannot hold differs from
+    the float32 one by bfloat16's rounding (2^-8 relative), not by float32's. torch sets the
+    mode on every CPU, but oneDNN has such kernels on AMX only; elsewhere the result is float32
+    math and ``bf32`` would only repeat the fp32 candidate."""
+    from mt.fast.onednn import linear, onednn_available
+
+    if not onednn_available():
+        return False
+    x = torch.full((16, 64), 1.0 + 2.0**-12)  # exact in float32, 1.0 in bfloat16
+    w = torch.ones(8, 64)
+    try:
+        with bf32_math():
+            y = linear(x, w)
+    except RuntimeError:
+        return False
+    exact = 64 * (1.0 + 2.0**-12)
+    return bool((y - exact).abs().max() > 64 * 2.0**-14)
+
+
+def apply_fp32_math(device: torch.device) -> bool:
+    """Turn on oneDNN's bfloat16 math in float32 products (:func:`bf32_math`, for the rest of
+    the process) where this process's precision probe chose ``bf32`` (rank 0's choice, on the
+    other ranks of a distributed run: ``mt.fast.probe.adopt``). Returns whether it did."""
+    if device.type != "cpu":
+        return False
+    chose = any(k.startswith("train.precision|") and v == "bf32"
+                for k, v in probe.decided().items())  # fmt: skip
+    if chose:
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+        log.info("float32 products on %s: oneDNN's bfloat16 math (bf32, the probe's choice)",
+                 device)  # fmt: skip
+    return chose
 
 
 ROW_SHARES = (1.0, 0.85, 0.7)  # the row counts a probe's calls take in turn, as shares of n
@@ -93,7 +168,8 @@ ROW_SHARES = (1.0, 0.85, 0.7)  # the row counts a probe's calls take in turn, as
 
 def layer_step(precision: str, n: int, d: int, f: int, device: torch.device, product):
     """The products of one Transformer layer forward and backward (queries, keys and values
-    (3d x d), the attention's output (d x d), the FFN (f x d, d x f)) in ``precision`` with
+    (3d x d), the attention's output (d x d), the FFN (f x d, d x f)) in ``precision`` (fp32,
+    bf16, fp16, or bf32: float32 with :func:`bf32_math`) with
     ``product`` (a ``linear(x, weight)``), as training runs them: the work the training
     probes time.
 
@@ -113,10 +189,11 @@ def layer_step(precision: str, n: int, d: int, f: int, device: torch.device, pro
 
     def step() -> None:
         xi = next(turns)
-        with autocast(device, precision):
-            y = product(xi, wqkv).sum() + product(xi, wo).sum()
-            y = y + product(F.relu(product(xi, w1)), w2).sum()
-        y.float().backward()
+        with bf32_math(precision == "bf32"):  # the backward's products too
+            with autocast(device, "fp32" if precision == "bf32" else precision):
+                y = product(xi, wqkv).sum() + product(xi, wo).sum()
+                y = y + product(F.relu(product(xi, w1)), w2).sum()
+            y.float().backward()
 
     for _ in batches:
         step()

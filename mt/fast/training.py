@@ -12,7 +12,10 @@ validation see one model) and computes the model's math with these things done d
   vocabulary is probed on its own (:func:`onednn_projection`).
 * **Products over few row counts** in bfloat16 (autocast hands torch's products to oneDNN,
   which builds and keeps a kernel per shape): every ``nn.Linear`` and the projection's row
-  blocks pad their rows to one of 16 sizes per doubling (``mt.fast.onednn.bucketed_linear``).
+  blocks pad their rows to one of 16 sizes per doubling (``mt.fast.onednn.bucketed_linear``),
+  and oneDNN's kernel caches are sized to hold the kernels of those sizes that a step meets
+  (``mt.fast.onednn.size_kernel_cache``, before the first product; the precision probe runs
+  under the same).
 * **Dropout masks from 16 random bits** per element, kept for the backward pass as booleans,
   drawn, compared and applied in one pass by mt's kernel where it is built
   (``mt.fast.dropout``).
@@ -63,9 +66,10 @@ from mt.fast.onednn import (
     bucketed_linear,
     linear,
     onednn_available,
+    size_kernel_cache,
 )
 from mt.fast.packing import InFlight, pack
-from mt.fast.precision import layer_step, projection_step
+from mt.fast.precision import apply_fp32_math, layer_step, projection_step
 from mt.model.masks import RealPositions
 from mt.model.transformer import Transformer
 
@@ -212,6 +216,10 @@ def for_training(
                  "(not train.cpu_kernels' copy)")  # fmt: skip
         return TrainingModel(model, master=master)
     hold_freed_memory()
+    # Before the first product (the probes' below), unless the precision probe sized it already
+    size_kernel_cache(tokens, model.cfg.d_model, model.cfg.d_ff, model.vocab_size, device)
+    if precision == "fp32":
+        apply_fp32_math(device)  # bf32 where the precision probe chose it
     products = precision == "fp32" and onednn_products(model, device, tokens, cache_dir)
     bucketed = precision != "fp32"  # 16-bit products run on oneDNN: few row counts
     copy = training_copy(model, products=products, bucketed=bucketed)

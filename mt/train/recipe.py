@@ -195,7 +195,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
         record_config(run_dir, cfg, resuming=has_checkpoints(ckpt_dir))
     prepared = _prepared(cfg, info)
     cfg = _resolve_batch(cfg, info.world_size)
-    precision = _precision(cfg, info)
+    precision = _precision(cfg, info, prepared.vocab_size)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
     tc = cfg.train
 
@@ -407,13 +407,14 @@ def _training_forward(raw: torch.nn.Module, cfg: Config, info: distributed.DistI
     return build()
 
 
-def _precision(cfg: Config, info: distributed.DistInfo) -> str:
+def _precision(cfg: Config, info: distributed.DistInfo, vocab: int) -> str:
     """``train.precision`` resolved (``auto``: measured at the run's shapes and cached beside
     the prepared data, ``mt.fast.resolve_precision``); rank 0 decides for every rank."""
     tc = cfg.train
     shape = (tc.max_tokens, cfg.model.d_model, cfg.model.d_ff)
     return distributed.decide_on_rank0(
-        lambda: resolve_precision(tc.precision, info.device, shape, tc.cpu_kernels, cfg.cache_dir),
+        lambda: resolve_precision(tc.precision, info.device, shape, tc.cpu_kernels,
+                                   cfg.cache_dir, vocab),
         "resolving train.precision",
     )
 
