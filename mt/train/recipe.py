@@ -392,7 +392,7 @@ def _training_forward(raw: torch.nn.Module, cfg: Config, info: distributed.DistI
     def build():
         return for_training(
             raw, info.device, tc.cpu_kernels, tc.precision, tc.compile, tc.max_tokens,
-            cfg.cache_dir, tc.master_weights,
+            cfg.cache_dir, tc.master_weights, tc.activation_checkpointing,
         )  # fmt: skip
 
     if not info.distributed:
