@@ -158,14 +158,21 @@ class TrainConfig:
     tf32: bool = True  # CUDA: float32 matrix products on TF32 tensor cores
     # CPU training copy (mt.fast): products on oneDNN or torch (measured), 16-bit dropout masks
     cpu_kernels: bool = True
+    # Each encoder and decoder layer keeps only its input for the backward pass and runs its
+    # forward pass again there (fairseq's --checkpoint-activations): far less activation memory
+    # for about one more forward pass per step (mt.fast.checkpointing); the same gradients
+    activation_checkpointing: bool = False
     # Logging, validation, checkpoints.
     log_every: int = 50
     eval_every: int = 1000  # validate every N updates (0 = only at the end)
-    eval_bleu: bool = True  # decode the valid set at each validation (greedy) for valid BLEU
+    eval_bleu: bool = True  # decode the valid set at each validation (train.valid_beam) for BLEU
     eval_max_sentences: int = 0  # decode at most this many valid sentences (0 = all)
     save_every: int = 1000  # write checkpoints/last.pt every N updates (0 = at the end only)
     keep_last: int = 5  # keep the last N periodic checkpoints (checkpoint_<step>.pt)
-    best_metric: str = "bleu"  # bleu (higher is better) | loss (lower is better)
+    best_metric: str = "bleu"  # bleu (higher is better) | chrf (higher is better) | loss (lower)
+    # Validation's search: null = greedy; a beam size K = beam search with decode's settings
+    # (decode.alpha, max_len_a/b, batch_size, max_tokens, kernels) at beam_size K, nbest 1
+    valid_beam: Optional[int] = None
     patience: int = 0  # stop after N validations without improvement (0 = off)
     average_last: int = 0  # at the end, average the last N periodic checkpoints (0 = off)
     # An exponential moving average of the weights with this decay (0 = off; mt.train.ema):

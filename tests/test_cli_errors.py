@@ -130,7 +130,7 @@ def test_data_errors(tool, case, world, tmp_path, monkeypatch, capsys):
     ("tool", "setting", "expected"),
     [
         ("prepare", "data.format=xml", ["data.format='xml'"]),
-        ("train", "train.best_metric=accuracy", ["train.best_metric must be bleu or loss"]),
+        ("train", "train.best_metric=accuracy", ["train.best_metric must be bleu, chrf or loss"]),
         ("train", "train.init_from=/nonexistent/x.pt", ["no checkpoint at /nonexistent/x.pt"]),
     ],
 )

@@ -565,7 +565,7 @@ def test_the_command_check_fails_a_wrong_command(tmp_path, command, expected):
 def test_the_schema_lists_choices():
     choices = schema_choices()
     assert choices["model.norm"] == ("post", "pre")
-    assert choices["train.best_metric"] == ("bleu", "loss")
+    assert choices["train.best_metric"] == ("bleu", "chrf", "loss")
     assert choices["tokenizer.type"] == ("bpe", "unigram")
     assert choices["eval.split"] == ("valid", "test")
     assert choices["data.format"] == ("text", "tsv")

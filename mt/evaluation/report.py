@@ -4,8 +4,10 @@ A report is built from what a run leaves on disk, so it needs no model and no da
 
 - ``metrics.jsonl``: one JSON record per line. Training records carry ``step``, ``epoch``,
   ``loss``, ``nll``, ``lr``, ``tgt_tok_per_s``, ``wall`` (seconds of training so far);
-  validation records add ``valid_loss``, ``valid_nll``, ``valid_bleu`` (and ``wall``); records
-  with ``stage`` and ``seconds`` give the wall time of a pipeline stage.
+  validation records add ``valid_loss``, ``valid_nll``, ``valid_bleu`` (``valid_chrf`` where
+  chrF chose best.pt; and ``wall``); records with ``stage`` and ``seconds`` give the wall time
+  of a pipeline stage, the training one also ``selection`` (what chose best.pt, and the
+  search validation decoded with).
 - ``timings.json`` (optional): ``{stage: seconds}``, merged with the stage records above.
 - ``results.json`` (optional): the final scores (``bleu``, ``chrf``, ``signature``,
   ``chrf_signature``, ``split``, ``checkpoint``).
@@ -253,11 +255,12 @@ def _time_to_bleu(records: Sequence[Mapping[str, Any]]) -> list[str]:
     minutes, bleu = wall_series(records, "valid_bleu")
     if not len(bleu):
         return []
+    search = _selection(records).get("search") or "greedy"
     lines = [
         "### Time to BLEU",
         "",
-        "The first validation at or above each level (greedy BLEU on the validation set, as "
-        "logged during training; minutes of training, validation included).",
+        f"The first validation at or above each level ({search} BLEU on the validation set, "
+        "as logged during training; minutes of training, validation included).",
         "",
         "| valid BLEU | minutes |",
         "|---|---|",
@@ -349,6 +352,13 @@ def _training_summary(records: Sequence[Mapping[str, Any]]) -> list[str]:
     if len(bleu):
         i = int(np.argmax(bleu))
         facts.append(("best validation BLEU", f"{_fmt(bleu[i])} (step {int(bsteps[i])})"))
+    csteps, chrf = series(records, "valid_chrf")
+    if len(chrf):
+        i = int(np.argmax(chrf))
+        facts.append(("best validation chrF", f"{_fmt(chrf[i])} (step {int(csteps[i])})"))
+    chosen = _chosen_by(_selection(records))
+    if chosen:
+        facts.append(("best.pt chosen by", chosen))
     _, tps = series(records, "tgt_tok_per_s")
     if len(tps):
         facts.append(("median target tokens/s", f"{np.median(tps):,.0f}"))
@@ -362,6 +372,31 @@ def _training_summary(records: Sequence[Mapping[str, Any]]) -> list[str]:
         facts.append(("machine", f"{where}, {end.get('precision')}"))
     lines += ["| | |", "|---|---|"] + [f"| {k} | {_cell(v)} |" for k, v in facts]
     return lines + [""]
+
+
+def _selection(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """The training record's ``selection`` (what chose best.pt; ``{}`` when not logged)."""
+    end = next((r for r in reversed(records) if r.get("stage") == "train"), None)
+    selection = None if end is None else end.get("selection")
+    return selection if isinstance(selection, Mapping) else {}
+
+
+_METRIC_NAMES = {"valid_bleu": "validation BLEU", "valid_chrf": "validation chrF",
+                 "valid_loss": "validation loss"}  # fmt: skip
+
+
+def _chosen_by(selection: Mapping[str, Any]) -> str:
+    """``selection`` in words: ``validation chrF (higher is better) of beam 5 (...) search``;
+    empty when not logged."""
+    metric = selection.get("metric")
+    if not isinstance(metric, str):
+        return ""
+    text = _METRIC_NAMES.get(metric, metric)
+    if selection.get("better") in ("higher", "lower"):
+        text += f" ({selection['better']} is better)"
+    if metric != "valid_loss" and selection.get("search"):
+        text += f" of {selection['search']} search"
+    return text
 
 
 def _ended_by(end: Mapping[str, Any]) -> str:

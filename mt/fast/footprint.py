@@ -4,14 +4,17 @@ from __future__ import annotations
 
 
 def estimate_step_gb(
-    model_cfg, vocab_size: int, tokens: int, precision: str = "bf16", master_weights: bool = False
-) -> dict:
+    model_cfg, vocab_size: int, tokens: int, precision: str = "bf16", master_weights: bool = False,
+    activation_checkpointing: bool = False,
+) -> dict:  # fmt: skip
     """The peak memory of one training step (forward, the blockwise loss, backward, Adam) of
     a model at ``tokens`` padded tokens per batch, computed without running it: the step runs
     on fake tensors (no storage) under torch's memory tracker, which counts parameters,
     activations, gradients and optimizer state as they live and die. Returns GiB per kind
     (``total``: the peak). Sentences of 25 tokens; autocast's dtype for ``precision``, or with
-    ``master_weights`` a 16-bit working copy and float32 masters (``mt.fast.master``).
+    ``master_weights`` a 16-bit working copy and float32 masters (``mt.fast.master``);
+    ``activation_checkpointing``: each layer recomputes its activations in the backward pass
+    (``mt.fast.checkpointing``), as ``train.activation_checkpointing`` trains.
     """
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -19,13 +22,15 @@ def estimate_step_gb(
 
     from mt.fast.master import MasterWeights
     from mt.fast.precision import autocast
-    from mt.fast.training import TrainingModel
+    from mt.fast.training import TrainingModel, checkpointed
     from mt.model.transformer import build_model
 
     with FakeTensorMode():
         model = build_model(model_cfg, vocab_size)
         master = MasterWeights(model, precision) if master_weights else None
         step = TrainingModel(model if master is None else master.model, blockwise=True)
+        if activation_checkpointing:
+            step = checkpointed(step)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
         tracker = _peak_only(MemTracker)()
         tracker.track_external(model, opt, *([master.model] if master else []))

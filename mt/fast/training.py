@@ -180,6 +180,7 @@ def for_training(
     tokens: int = 2048,
     cache_dir: str | Path | None = None,
     master_weights: bool = False,
+    activation_checkpointing: bool = False,
 ) -> TrainingModel:
     """What the training step runs (``mt.train`` and ``make bench``).
 
@@ -196,8 +197,36 @@ def for_training(
     want frozen weights, the 16-bit dropout masks' in-place ``random_`` breaks the graph).
     With ``master_weights`` and a 16-bit ``precision`` all of that runs on a 16-bit working
     copy of ``model`` whose parameters follow ``model``'s (``mt.fast.master``), without
-    autocast. ``model`` is never modified.
+    autocast. ``activation_checkpointing``: every encoder and decoder layer of what the step
+    runs recomputes its activations in the backward pass (:func:`checkpointed`). ``model`` is
+    never modified.
     """
+    step = _for_training(model, device, cpu_kernels, precision, compiled, tokens, cache_dir,
+                         master_weights)  # fmt: skip
+    return checkpointed(step) if activation_checkpointing else step
+
+
+def checkpointed(step: TrainingModel) -> TrainingModel:
+    """``step`` with its model's layers under activation checkpointing
+    (``mt.fast.checkpointing``): the CPU training copy in place (it is the step's own), any
+    other model through a copy sharing its parameters, so the caller's model stays as it is."""
+    from mt.fast.checkpointing import checkpoint_layers
+
+    model = step.model
+    if step.in_flight is None:  # not the CPU training copy: the caller's model or master's copy
+        model = shared_copy(model)
+    layers = checkpoint_layers(model, step.in_flight)
+    log.info("train.activation_checkpointing: %d layers recompute their activations in the "
+             "backward pass", layers)  # fmt: skip
+    step.model = model
+    return step
+
+
+def _for_training(
+    model: Transformer, device: torch.device, cpu_kernels: bool, precision: str, compiled: bool,
+    tokens: int, cache_dir: str | Path | None, master_weights: bool,
+) -> TrainingModel:  # fmt: skip
+    """:func:`for_training` without activation checkpointing."""
     master = None
     if master_weights and precision != "fp32":
         master = MasterWeights(model, precision)

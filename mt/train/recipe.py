@@ -83,7 +83,7 @@ from mt.train.state import (
 )
 from mt.train.tracking import MetricsLog, resident_fields
 from mt.train.update import Updater, UpdateResult, build_optimizer
-from mt.train.validation import validate
+from mt.train.validation import describe_search, describe_selection, validate
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +255,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     else:
         seed_everything(tc.seed + info.rank)  # different dropout masks on each rank
     key = metric_key(cfg)
+    log.info("best.pt and patience: %s", describe_selection(cfg, key))
     run = Run(cfg, info, run_dir, prepared, raw, forward, update, data, state, metrics, key)
     run.ema = _moving_average(raw, tc.ema, resume, resume_path)
     return run
@@ -391,7 +392,7 @@ def _training_forward(raw: torch.nn.Module, cfg: Config, info: distributed.DistI
     def build():
         return for_training(
             raw, info.device, tc.cpu_kernels, tc.precision, tc.compile, tc.max_tokens,
-            cfg.cache_dir, tc.master_weights,
+            cfg.cache_dir, tc.master_weights, tc.activation_checkpointing,
         )  # fmt: skip
 
     built: list[torch.nn.Module] = []
@@ -480,6 +481,7 @@ def finish(run: Run, stop: str) -> dict[str, Any]:
     run.metrics.write({
         "stage": "train", "seconds": round(state.wall, 3), "step": state.step, "stop": stop,
         "budget": budget, "precision": tc.precision, "machine": machine(run.info.device),
+        "selection": selection_record(run),
     })  # fmt: skip
     return {
         "step": state.step,
@@ -489,6 +491,20 @@ def finish(run: Run, stop: str) -> dict[str, Any]:
         "best": state.best,
         "metric": run.key,
         "run_dir": str(run.run_dir),
+    }
+
+
+def selection_record(run: Run) -> dict[str, Any]:
+    """What chose ``best.pt``, for the run's record (``report.md`` states it): the validation
+    value (``metric``, ``better``: higher or lower) and the search that decoded the valid set
+    (``search``; None without ``train.eval_bleu``, which decodes nothing)."""
+    from mt.train.state import HIGHER_IS_BETTER
+
+    return {
+        "metric": run.key,
+        "better": "higher" if run.key in HIGHER_IS_BETTER else "lower",
+        "search": describe_search(run.cfg) if run.cfg.train.eval_bleu else None,
+        "valid_beam": run.cfg.train.valid_beam,
     }
 
 

@@ -197,20 +197,31 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+BEST_METRICS = ("bleu", "chrf", "loss")  # train.best_metric's values
+HIGHER_IS_BETTER = {"valid_bleu", "valid_chrf"}  # the others (the loss): lower is better
+
+
 def metric_key(cfg: Config) -> str:
-    """The validation record key that decides best.pt and patience."""
-    if cfg.train.best_metric not in ("bleu", "loss"):
-        raise ValueError(f"train.best_metric must be bleu or loss, got {cfg.train.best_metric!r}")
-    if cfg.train.best_metric == "bleu" and cfg.train.eval_bleu:
-        return "valid_bleu"
+    """The validation record key that decides best.pt and patience: ``valid_bleu``,
+    ``valid_chrf`` or ``valid_loss`` (``train.best_metric=bleu`` without ``train.eval_bleu``,
+    which decodes nothing: the loss)."""
+    tc = cfg.train
+    if tc.best_metric not in BEST_METRICS:
+        raise ValueError(f"train.best_metric must be bleu, chrf or loss, got {tc.best_metric!r}")
+    if tc.best_metric == "chrf" and not tc.eval_bleu:
+        raise ValueError(
+            "train.best_metric=chrf needs train.eval_bleu=true (validation decodes to score chrF)"
+        )
+    if tc.best_metric in ("bleu", "chrf") and tc.eval_bleu:
+        return f"valid_{tc.best_metric}"
     return "valid_loss"
 
 
 def better(key: str, new: float, old: Optional[float]) -> bool:
-    """Is ``new`` an improvement on ``old`` (higher BLEU or lower loss)?"""
+    """Is ``new`` an improvement on ``old`` (higher BLEU or chrF, lower loss)?"""
     if old is None:
         return True
-    return new > old if key == "valid_bleu" else new < old
+    return new > old if key in HIGHER_IS_BETTER else new < old
 
 
 def rng_state() -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""Validation of a model during training: loss and NLL per target token, greedy BLEU, and
-which of them decides ``best.pt`` and patience."""
+"""Validation of a model during training: loss and NLL per target token, BLEU (and chrF when it
+decides) of greedy or beam search (``train.valid_beam``), and which of them decides ``best.pt``
+and patience."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from mt import distributed
 from mt.data.batches import BatchSampler, iterate_batches
-from mt.schema import Config
+from mt.schema import Config, DecodeConfig
 from mt.train.update import batch_loss
 
 
@@ -61,9 +62,10 @@ def valid_hypotheses(
     model: torch.nn.Module, prepared, cfg: Config, device: torch.device, rank: int = 0,
     world_size: int = 1,
 ) -> list[str]:  # fmt: skip
-    """Greedy translations of the valid sources (the first ``train.eval_max_sentences``), in
-    order. With ``world_size`` > 1 every rank must call this: rank r decodes sentences r,
-    r + W, ... and the translations are gathered, so every rank returns all of them."""
+    """Translations of the valid sources (the first ``train.eval_max_sentences``) by
+    :func:`validation_search`'s search, in order. With ``world_size`` > 1 every rank must call
+    this: rank r decodes sentences r, r + W, ... and the translations are gathered, so every
+    rank returns all of them."""
     from mt.decode.driver import translate_ids
 
     split = prepared.split("valid")
@@ -76,10 +78,10 @@ def valid_hypotheses(
     # but each worker's thread holds its freed memory in an arena of its own (this process
     # keeps freed memory, mt.fast.memory), and a training run then ends with much more of it
     # resident (glibc; docs/performance.md).
-    greedy = dataclasses.replace(cfg.decode, beam_size=1, nbest=1, workers=1)
+    search = dataclasses.replace(validation_search(cfg), workers=1)
     was_training = model.training
     model.eval()
-    hyp_ids = translate_ids(model, src_ids, greedy, device) if src_ids else []
+    hyp_ids = translate_ids(model, src_ids, search, device) if src_ids else []
     model.train(was_training)
     if world_size == 1:
         return prepared.tokenizer.decode(hyp_ids, side="tgt")
@@ -88,25 +90,72 @@ def valid_hypotheses(
     return prepared.tokenizer.decode(ordered, side="tgt")
 
 
+def validation_search(cfg: Config) -> DecodeConfig:
+    """The search validation decodes with: greedy (``train.valid_beam`` null, the default), or
+    beam search of ``train.valid_beam`` beams with the test's settings (``decode.alpha``,
+    ``max_len_a``/``max_len_b``, ``batch_size``/``max_tokens``, the kernels and the shortlist
+    as ``decode.*`` gives them); one hypothesis per sentence, never sampled (the choice of a
+    checkpoint must not depend on a draw)."""
+    beam = cfg.train.valid_beam
+    if beam is not None and beam < 1:
+        raise ValueError(f"train.valid_beam must be a beam size >= 1 or null, got {beam}")
+    return dataclasses.replace(cfg.decode, beam_size=beam or 1, nbest=1, sample=False)
+
+
+def describe_search(cfg: Config) -> str:
+    """:func:`validation_search` in words, for the log and the report: ``greedy`` or
+    ``beam 5 (alpha 0.6, max length 1 x source + 50)``."""
+    search = validation_search(cfg)
+    if search.beam_size <= 1:
+        return "greedy"
+    return (f"beam {search.beam_size} (alpha {search.alpha:g}, max length "
+            f"{search.max_len_a:g} x source + {search.max_len_b})")  # fmt: skip
+
+
+def describe_selection(cfg: Config, key: str) -> str:
+    """Which validation value chooses ``best.pt`` and counts patience, and how it is made:
+    ``valid_chrf (higher is better) of beam 5 (...) search`` or ``valid_loss (lower is
+    better)``."""
+    from mt.train.state import HIGHER_IS_BETTER
+
+    order = "higher" if key in HIGHER_IS_BETTER else "lower"
+    if key == "valid_loss":
+        return f"{key} ({order} is better)"
+    return f"{key} ({order} is better) of {describe_search(cfg)} search"
+
+
 def valid_bleu(
     model: torch.nn.Module, prepared, cfg: Config, device: torch.device, rank: int = 0,
     world_size: int = 1,
 ) -> float:  # fmt: skip
-    """Greedy-decode the valid sources and score them: the search and scoring of final
-    evaluation, on the model as written (shared over ranks as :func:`valid_hypotheses`; every
-    rank scores the gathered set)."""
+    """Decode the valid sources (:func:`validation_search`) and score them: the scoring of
+    final evaluation, on the model as written (shared over
+    ranks as :func:`valid_hypotheses`; every rank scores the gathered set)."""
+    return valid_scores(model, prepared, cfg, device, rank, world_size, ["bleu"])["valid_bleu"]
+
+
+def valid_scores(
+    model: torch.nn.Module, prepared, cfg: Config, device: torch.device, rank: int = 0,
+    world_size: int = 1, metrics: list[str] | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """:func:`valid_bleu` for several metrics: ``{"valid_<metric>": score}``; default BLEU,
+    and chrF too where it chooses ``best.pt`` (``train.best_metric=chrf``)."""
     from mt.evaluation.metrics import score
 
+    if metrics is None:
+        metrics = ["bleu", "chrf"] if cfg.train.best_metric == "chrf" else ["bleu"]
     hyps = valid_hypotheses(model, prepared, cfg, device, rank, world_size)
     refs = prepared.references("valid")[: len(hyps)]
-    return float(score(hyps, refs, metrics=["bleu"], bleu_tokenize=cfg.eval.bleu_tokenize)["bleu"])
+    scores = score(hyps, refs, metrics=metrics, bleu_tokenize=cfg.eval.bleu_tokenize)
+    return {f"valid_{metric}": float(scores[metric]) for metric in metrics}
 
 
 def validate(
     model: torch.nn.Module, prepared, cfg: Config, device: torch.device, rank: int = 0,
     world_size: int = 1, loss_model: torch.nn.Module | None = None,
 ) -> dict:  # fmt: skip
-    """Valid loss, NLL and (with train.eval_bleu) greedy BLEU of ``model``.
+    """Valid loss, NLL and (with train.eval_bleu) BLEU of ``model`` (:func:`valid_scores`:
+    chrF too where it chooses ``best.pt``), decoded by :func:`validation_search`.
 
     ``loss_model``: what computes the loss (training passes the step's own
     ``mt.fast.TrainingModel`` over ``model``'s parameters, so the loss is computed the way
@@ -118,5 +167,5 @@ def validate(
     loss, nll = valid_loss(loss_model or model, split, cfg, device, rank, world_size)
     out = {"valid_loss": loss, "valid_nll": nll, "valid_ppl": math.exp(min(nll, 50.0))}
     if cfg.train.eval_bleu:
-        out["valid_bleu"] = valid_bleu(model, prepared, cfg, device, rank, world_size)
+        out.update(valid_scores(model, prepared, cfg, device, rank, world_size))
     return out
