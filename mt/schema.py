@@ -183,7 +183,7 @@ class DecodeConfig:
     """Search settings for validation BLEU, evaluation and mt-translate."""
 
     beam_size: int = 4  # 1 = greedy search
-    alpha: float = 0.6  # GNMT length penalty ((5 + |Y|) / 6) ^ alpha
+    alpha: float = 0.6  # length penalty: score = log p(Y) / |Y| ^ alpha (|Y| with EOS)
     max_len_a: float = 1.0  # maximum output length = a * src_len + b
     max_len_b: int = 50
     nbest: int = 1  # hypotheses written per sentence (mt-translate)

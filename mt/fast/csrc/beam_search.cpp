@@ -21,7 +21,7 @@
 //   K, nbest, alpha, settle, min_len, bos, eos, forbid   the search's settings
 //   vocab_bias, vocab_ids   a vocabulary shortlist, or none, as mt::greedy_search's
 // Returns mt_search::pack's tensors (search.h): each sentence's hypotheses, best first, at most
-// nbest, each with its summed log-probability and score, logprob / ((5 + length) / 6) ** alpha,
+// nbest, each with its summed log-probability and score, logprob / length ** alpha,
 // length counting EOS where the hypothesis ended with it.
 
 #include <torch/library.h>

@@ -40,9 +40,9 @@ struct Hyp {
   float logprob;
 };
 
-// mt.decode.search.length_penalty: ((5 + length) / 6) ** alpha, length counting EOS.
+// mt.decode.search.length_penalty: length ** alpha, length counting EOS.
 inline double length_penalty(int64_t length, double alpha) {
-  return std::pow((5.0 + static_cast<double>(length)) / 6.0, alpha);
+  return std::pow(static_cast<double>(length), alpha);
 }
 
 // Both searches' results: (tokens (h, T) int64, count (h) int64, logprob (h) float32, score
