@@ -182,6 +182,23 @@ def test_sampling_through_ctranslate2_follows_its_settings(both):
     assert len(set(many)) > 1
 
 
+def test_a_shortlist_becomes_the_vocabulary_map(both, ckpt, tmp_path):
+    """decode.shortlist through CTranslate2: the model converted again with the lexicon as its
+    vocabulary map (``use_vmap``); with every piece listed, torch's translations."""
+    from mt.decode.shortlist import Lexicon
+
+    torch_t, ct2_t = both
+    V = torch_t.tokenizer.vocab_size
+    every = Lexicon(torch.zeros(V + 1, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                    torch.zeros(0), torch.arange(V))  # fmt: skip
+    every.save(tmp_path / "lexicon.pt")
+    lines = sentences(10, seed=11)
+    settings = dict(shortlist=str(tmp_path / "lexicon.pt"), shortlist_frequent=V)
+    assert ct2_t.translate(lines, **settings) == torch_t.translate(lines)
+    (key,) = [k for k in ct2_t._ct2 if k[3] is not None]
+    assert (ct2_t._ct2[key].model_dir / "vmap.txt").is_file()
+
+
 def test_scores_of_given_translations_equal_torchs(both):
     torch_t, ct2_t = both
     src, tgt = sentences(10, seed=8), [" ".join(s.split()[::-1]) for s in sentences(10, seed=9)]
