@@ -29,7 +29,7 @@ def run_bench(args: list[str], tmp_path: Path) -> tuple[list[dict], str]:
         text=True,
         cwd=tmp_path,
         env=env,
-        timeout=120,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -225,7 +225,7 @@ def test_translate_compares_mt_and_ctranslate2_on_one_export(tmp_path):
         assert r["sent_per_s"] == pytest.approx(12 / median, rel=0.01)
         assert r["inter_threads"] == 2
         # a shortlist of every piece, and CTranslate2 and torch on one model: the same ids
-        assert r["identical_to_mt:torch"] == 12, r["impl"]
+        assert r["identical_to_mt:default"] == 12, r["impl"]
     assert (tmp_path / "m.pt.ct2").is_dir() and "sent/s" in out
 
 

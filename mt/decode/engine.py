@@ -31,9 +31,10 @@ log = logging.getLogger(__name__)
 ENGINES = ("auto", "torch", "ctranslate2")
 CPU_TYPES = ("float32", "int8", "int8_float32")
 GPU_TYPES = CPU_TYPES + ("int8_float16", "float16")
-# compute_type=auto: float32 on a CPU, where CTranslate2 then finds the torch search's
-# translations (docs/benchmarks/ct2-engine-cpu-zen4-2026-12.md: int8's speed-up there is small
-# beside the agreement it costs); float16 on a GPU, CTranslate2's own fast type there.
+# compute_type=auto: float32 on a CPU, where CTranslate2 finds the torch search's translations,
+# so what mt-translate writes is what mt-evaluate scored; int8 is about twice as fast there but
+# changes a translation in 16 and moves BLEU (docs/benchmarks/ct2-engine-cpu-zen4-2026-12.md),
+# a choice left to the user. float16 on a GPU, where its tensor cores pay for it.
 AUTO_TYPE = {"cpu": "float32", "cuda": "float16"}
 
 
