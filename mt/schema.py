@@ -199,7 +199,7 @@ class DecodeConfig:
     """Search settings for validation BLEU, evaluation and mt-translate."""
 
     beam_size: int = 4  # 1 = greedy search
-    alpha: float = 0.6  # GNMT length penalty ((5 + |Y|) / 6) ^ alpha
+    alpha: float = 0.6  # length penalty: score = log p(Y) / |Y| ^ alpha (|Y| with EOS)
     max_len_a: float = 1.0  # maximum output length = a * src_len + b
     max_len_b: int = 50
     nbest: int = 1  # hypotheses written per sentence (mt-translate)
@@ -229,7 +229,27 @@ class DecodeConfig:
 
 
 @dataclass
-class ServeConfig:
+class EngineConfig:
+    """Which engine decodes a command's requests (mt.decode.engine): mt's torch search, or
+    CTranslate2 on the checkpoint converted once (cached beside it, keyed by its bytes and the
+    compute type). The settings of mt-translate (``translate.*``), mt-serve (``serve.*``) and
+    mt-score (``score.*``)."""
+
+    # auto: CTranslate2 where it is installed and can run the request's settings, torch
+    # otherwise (one log line says which and why) | torch | ctranslate2 (an error naming what
+    # it cannot run)
+    engine: str = "auto"
+    # CTranslate2's compute type: auto (float32 on a CPU: the torch search's translations;
+    # float16 on a GPU) | float32 | int8 | int8_float32 | int8_float16, float16 (GPU only)
+    compute_type: str = "auto"
+    # CTranslate2's CPU threads: replicas decoding batches side by side (inter) and threads per
+    # replica (intra); 0 = auto (mt.decode.engine.threads)
+    inter_threads: int = 0
+    intra_threads: int = 0
+
+
+@dataclass
+class ServeConfig(EngineConfig):
     """mt-serve: what it serves and where, limits on a request (each a 4xx with a JSON error
     when exceeded) and batching."""
 
@@ -265,7 +285,7 @@ class EvalConfig:
 
 
 @dataclass
-class TranslateConfig:
+class TranslateConfig(EngineConfig):
     """mt-translate: the model, the input and output, and what else to write."""
 
     # A checkpoint file (default: <run_dir>/checkpoints/best.pt), or a list, [a.pt,b.pt]: an
@@ -281,7 +301,7 @@ class TranslateConfig:
 
 
 @dataclass
-class ScoreConfig:
+class ScoreConfig(EngineConfig):
     """mt-score: the model's log-probability of given translations."""
 
     checkpoint: Any = None  # a checkpoint (default: <run_dir>/checkpoints/best.pt) or a list

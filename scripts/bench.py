@@ -158,23 +158,27 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
 
     real = sub.add_parser(
-        "translate", help="a real test file with a trained checkpoint: mt against CTranslate2"
-    )
+        "translate", help="a real test file with a trained checkpoint: mt (its default engine) "
+        "against CTranslate2 called directly on the same converted model"
+    )  # fmt: skip
     _common(real)
     real.add_argument("--checkpoint", help="the trained model (required)")
     real.add_argument("--input", help="source sentences, one per line (required)")
     real.add_argument("--lines", type=int, default=1000, help="sentences decoded")
     real.add_argument("--beams", type=int, nargs="+", default=[1, 5], help="1: greedy")
+    real.add_argument("--alpha", type=float, default=0.0, help="the length penalty (both)")
     real.add_argument("--batch-size", type=int, default=32)
-    real.add_argument("--max-len", type=int, default=100, help="output tokens at most")
+    real.add_argument("--max-len", type=int, default=100, help="output tokens at most (b)")
+    real.add_argument("--max-len-a", type=float, default=0.0, help="+ a x source length (mt)")
     real.add_argument("--rounds", type=int, default=3, help="alternating rounds (medians)")
-    real.add_argument("--settings", nargs="*", help="e.g. mt:fp32 mt:int8 ct2:int8 (default all)")
-    real.add_argument("--workers", type=int, default=0, help="batches side by side, the threads "
-                      "shared among them: mt's decode.workers, CTranslate2's inter_threads "
-                      "(0: one per thread)")  # fmt: skip
-    real.add_argument("--workdir", help="where the CTranslate2 export goes (default: a temp dir)")
-    real.add_argument("--shortlist", help="a lexicon file (mt.decode.shortlist; mt-evaluate "
-                      "decode.shortlist=train makes one): mt's fp32 and int8 again with it")
+    real.add_argument("--settings", nargs="*", help="e.g. mt:default mt:torch ct2:int8 "
+                      "(default all but mt:torch)")  # fmt: skip
+    real.add_argument("--inter-threads", type=int, default=0, help="CTranslate2's replicas, "
+                      "mt's and the direct call's (0: auto, mt.decode.engine.threads)")
+    real.add_argument("--intra-threads", type=int, default=0, help="threads per replica (0: auto)")
+    real.add_argument("--workdir", help="where the conversion is timed (default: a temp dir)")
+    real.add_argument("--shortlist", help="a lexicon file (mt.decode.shortlist): mt:default+sl "
+                      "and ct2:float32+vmap too")  # fmt: skip
     real.add_argument("--shortlist-k", type=int, default=DecodeConfig.shortlist_k,
                       help="decode.shortlist_k")  # fmt: skip
     real.add_argument("--shortlist-frequent", type=int, default=DecodeConfig.shortlist_frequent,

@@ -228,6 +228,8 @@ class Recorder:
                     figure += f" {100 * r['mfu']:.1f}%"
             elif r["bench"] == "decode":
                 figure = f"{r['sent_per_s']:,.1f} sent/s"
+            elif r["bench"] == "translate" and "search" not in r:  # the first call's conversion
+                shape, figure = "first call", f"{r['seconds']:,.1f} s"
             elif r["bench"] == "translate":
                 shape = f"{r['search']}, {r['sentences']} sentences"
                 figure = f"{r['sent_per_s']:,.1f} sent/s"

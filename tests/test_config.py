@@ -136,9 +136,9 @@ def test_command_line_decode_choice_wins_over_every_experiment(experiment, choic
 
 
 def test_experiments_choose_their_decode_group():
-    assert load_config().decode.beam_size == 5  # Multi30k: beam 5, alpha 1.5 chosen on val
-    assert load_config().decode.alpha == 1.5
-    assert load_config(["experiment=multi30k_de_en_15min"]).decode.alpha == 1.5
+    assert load_config().decode.beam_size == 5  # Multi30k: beam 5, alpha 1.0 chosen on val
+    assert load_config().decode.alpha == 1.0
+    assert load_config(["experiment=multi30k_de_en_15min"]).decode.alpha == 1.0
     assert load_config(["experiment=smoke"]).decode.max_len_b == 20
     assert load_config(["experiment=wmt14_en_de_base"]).decode.beam_size == 4
     assert load_config(["decode=greedy", "decode.max_len_b=7"]).decode.max_len_b == 7

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from mt.checkpoint import CheckpointError
+from mt.decode.engine import EngineError
 from mt.decode.translate import Translator, chunks
 from mt.distributed import resolve_device
 from mt.files import TextError, atomic_text_output, read_lines
@@ -38,8 +39,13 @@ def score_main(cfg: Config) -> dict[str, float]:
         raise SystemExit("mt-score: set src=FILE and tgt=FILE (one sentence per line each)")
     path = args.checkpoint or Path(cfg.run_dir) / "checkpoints/best.pt"
     try:
-        translator = Translator.from_checkpoint(path, resolve_device(cfg.train.device), cfg.decode)
+        translator = Translator.from_checkpoint(path, resolve_device(cfg.train.device), cfg.decode,
+                                                args, node="score")  # fmt: skip
     except CheckpointError as err:
+        raise SystemExit(f"mt-score: {err}") from None
+    try:  # the engine's settings checked (and a conversion made) before any pair is read
+        translator.engine(cfg.decode)
+    except EngineError as err:
         raise SystemExit(f"mt-score: {err}") from None
     total, tokens, n = 0.0, 0, 0
     try:

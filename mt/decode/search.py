@@ -13,9 +13,12 @@ the readable reference that every other engine is held to, and the path on a GPU
 
 Conventions (the paper's, made exact):
 
-* Length penalty (GNMT): ``lp(Y) = ((5 + |Y|) / 6) ** alpha`` where ``|Y|`` counts the output
-  tokens *including* the final EOS when the hypothesis has one. A hypothesis' score is
-  ``sum(log p(y_t)) / lp(Y)``, the sum including the EOS log-probability.
+* Length penalty: ``lp(Y) = |Y| ** alpha`` where ``|Y|`` counts the output tokens *including*
+  the final EOS when the hypothesis has one. A hypothesis' score is ``sum(log p(y_t)) / lp(Y)``,
+  the sum including the EOS log-probability. This is CTranslate2's normalisation (its
+  ``length_penalty``, hypotheses counted with their EOS, no coverage penalty), which fairseq
+  and transformers compute too, so every engine ranks hypotheses alike (GNMT's
+  ``((5 + |Y|) / 6) ** alpha`` is computed by none of them).
 * Maximum length: ``max_len = int(a * src_len + b)`` where ``src_len`` is the number of source
   tokens *without* the EOS appended to every source (and without padding), capped at the model's
   ``max_positions``. Every hypothesis has ``|Y| <= max_len``: a hypothesis that reaches
@@ -87,8 +90,9 @@ class Hypothesis:
 
 
 def length_penalty(length: int, alpha: float) -> float:
-    """GNMT length penalty ``((5 + length) / 6) ** alpha`` (``length`` counts EOS when present)."""
-    return ((5.0 + length) / 6.0) ** alpha
+    """The length penalty ``length ** alpha`` (``length`` counts EOS when present), as
+    CTranslate2 divides a finished hypothesis' log-probability (see the module docstring)."""
+    return float(length) ** alpha
 
 
 def max_lengths(
@@ -192,7 +196,7 @@ def generate(
         max_len_a, max_len_b: maximum output length ``int(a * src_len + b)``.
         nbest: hypotheses returned per sentence (at most K).
         min_len: EOS is forbidden until this many tokens are out.
-        alpha: length penalty exponent (GNMT form; see the module docstring).
+        alpha: length penalty exponent (``|Y| ** alpha``; see the module docstring).
         prefix: per sentence, output tokens forced at the start (the rest is searched).
         settle: end a sentence once no live hypothesis can enter its n-best list (the same
             result, fewer steps; see the module docstring). False: only at ``K`` finished
@@ -325,7 +329,7 @@ def beam_search(
         model: see :class:`IncrementalDecoder`.
         src: (B, S) source ids (``ids + EOS``, PAD-padded).
         beam_size: K, hypotheses kept per sentence.
-        alpha: length penalty exponent (GNMT form; see the module docstring).
+        alpha: length penalty exponent (``|Y| ** alpha``; see the module docstring).
         max_len_a, max_len_b: maximum output length ``int(a * src_len + b)``.
         nbest: hypotheses returned per sentence (at most ``beam_size``).
         min_len: EOS is forbidden until this many tokens are out.

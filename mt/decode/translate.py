@@ -21,7 +21,8 @@ gives N lines ``<line index> ||| <translation> ||| <score>`` (Moses n-best forma
 ``alignment=FILE`` writes a word alignment (Pharaoh ``i-j``) of every sentence; ``prefix=FILE``
 forces the start of each translation (one target prefix per input line); ``checkpoint=[a,b]``
 decodes with an ensemble. From a terminal (or with ``interactive=true``) each line is
-translated as soon as it is read.
+translated as soon as it is read. ``engine=auto|torch|ctranslate2`` (``translate.engine``, and
+``compute_type``, ``inter_threads``, ``intra_threads``) picks who decodes: see mt.decode.engine.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch
 
 from mt.checkpoint import CheckpointError, load_model
 from mt.data.tokenizer import TokenizerError
+from mt.decode import engine as engines
 from mt.decode.alignment import alignments, attention_map
 from mt.decode.driver import fit_to_model, score_ids, translate_ids, translate_nbest
 from mt.decode.ensemble import Ensemble
@@ -47,7 +49,7 @@ from mt.decode.search import Hypothesis
 from mt.decode.shortlist import resolve_shortlist
 from mt.distributed import resolve_device
 from mt.files import TextError, atomic_text_output, read_lines
-from mt.schema import Config, DecodeConfig
+from mt.schema import Config, DecodeConfig, EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +66,23 @@ class Translator:
         tokenizer: its mt.data.tokenizer.Tokenizer.
         device: where decoding runs.
         decode_cfg: default search settings (beam 4, alpha 0.6, ... when None).
+        engine: which engine decodes (mt.decode.engine; None: torch, mt's own search).
+        checkpoint: the checkpoint file the model came from (CTranslate2 converts it).
+        node: the command's settings node, for messages (``translate``, ``serve``, ``score``).
     """
 
-    def __init__(self, model, tokenizer, device="cpu", decode_cfg: DecodeConfig | None = None):
+    def __init__(self, model, tokenizer, device="cpu", decode_cfg: DecodeConfig | None = None,
+                 engine: EngineConfig | None = None, checkpoint: str | Path | None = None,
+                 node: str = "translate"):  # fmt: skip
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.decode_cfg = decode_cfg or DecodeConfig()
         self.max_positions = model.max_positions
+        self.engine_cfg = engine or EngineConfig(engine="torch")
+        self.checkpoint = checkpoint
+        self.node = node
+        self._ct2: dict[tuple, Any] = {}  # CTranslate2 translators, by shortlist settings
 
     @property
     def single_model(self):
@@ -84,9 +95,12 @@ class Translator:
         path: str | Path | list[str | Path],
         device: str = "cpu",
         decode_cfg: DecodeConfig | None = None,
+        engine: EngineConfig | None = None,
+        node: str = "translate",
     ) -> Translator:
         """Load a checkpoint written by mt-train, or a list of them as an ensemble (their
-        log-probabilities averaged at each step; they must share one tokenizer).
+        log-probabilities averaged at each step; they must share one tokenizer). ``engine``:
+        who decodes (see mt.decode.engine; None: torch).
 
         Raises:
             CheckpointError: a file is missing, not a checkpoint, truncated, its model and
@@ -104,7 +118,7 @@ class Translator:
                         f"checkpoints trained with one tokenizer"
                     )
             ensemble = Ensemble([m.model for m in members])
-            return cls(ensemble, members[0].tokenizer, device, decode_cfg)
+            return cls(ensemble, members[0].tokenizer, device, decode_cfg, engine, None, node)
         try:
             model, tokenizer, ckpt = load_model(path, device)
         except TokenizerError as err:
@@ -115,7 +129,53 @@ class Translator:
                 f"built for a vocabulary of {ckpt['vocab_size']}: different vocabularies"
             )
         log.info("loaded %s (step %s) on %s", path, ckpt.get("step"), device)
-        return cls(model, tokenizer, device, decode_cfg)
+        return cls(model, tokenizer, device, decode_cfg, engine, path, node)
+
+    def _model_problem(self) -> str | None:
+        """Why CTranslate2 cannot take this model, or None."""
+        if self.checkpoint is None:
+            return "the model did not come from a checkpoint file"
+        from mt.export.hf import ExportError, check_exportable
+
+        try:
+            check_exportable(self.single_model.cfg, self.tokenizer.joint, "ctranslate2")
+        except ExportError as err:
+            return str(err)
+        return None
+
+    def engine(self, cfg: DecodeConfig, prefix: bool = False) -> Any:
+        """The engine of a request with settings ``cfg``: None for torch (mt's search), or the
+        CTranslate2 engine (mt.decode.ct2_engine), made on first use (the checkpoint converted
+        once). The choice is logged once per engine and reason.
+
+        Raises:
+            mt.decode.engine.EngineError: ``engine=ctranslate2`` with what it cannot run.
+        """
+        e = self.engine_cfg
+        choice = engines.choose(
+            e.engine, e.compute_type, self.device, engines.ct2_available(),
+            beam_size=cfg.beam_size, sample=cfg.sample, prefix=prefix,
+            ensemble=isinstance(self.model, Ensemble),
+            model_problem=None if e.engine == "torch" else self._model_problem(),
+            node=self.node,
+        )  # fmt: skip
+        engines.tell(choice.engine, choice.reason)
+        if choice.engine == "torch":
+            return None
+        shortlist = None
+        if cfg.shortlist:
+            shortlist = (str(cfg.shortlist), cfg.shortlist_k, cfg.shortlist_frequent)
+        key = (choice.device, choice.index, choice.compute_type, shortlist)
+        if key not in self._ct2:
+            from mt.decode.ct2_engine import CTranslate2Engine
+
+            inter, intra = (1, 1) if choice.device == "cuda" else engines.threads(
+                e.inter_threads, e.intra_threads, torch.get_num_threads())  # fmt: skip
+            self._ct2[key] = CTranslate2Engine(
+                self.checkpoint, self.tokenizer, self.max_positions, choice.device,
+                choice.index, choice.compute_type, inter, intra, shortlist,
+            )  # fmt: skip
+        return self._ct2[key]
 
     def settings(self, **overrides: Any) -> DecodeConfig:
         """The decode settings with keyword overrides (None values are ignored)."""
@@ -160,9 +220,13 @@ class Translator:
             raise ValueError(_renumber(str(err), keep, first_line)) from None
         indices = [first_line - 1 + i for i in keep]  # sampling seeds follow the line number
         forced = self.prefixes(prefix, keep)
-        results: list[list[Hypothesis]] = translate_nbest(
-            self.model, ids, cfg, self.device, prefix=forced, indices=indices
-        )
+        ct2 = self.engine(cfg, bool(forced and any(forced)))
+        if ct2 is not None:
+            results: list[list[Hypothesis]] = ct2.translate_nbest(ids, cfg, forced)
+        else:
+            results = translate_nbest(
+                self.model, ids, cfg, self.device, prefix=forced, indices=indices
+            )
         for i, hyps in zip(keep, results):
             texts = self.tokenizer.decode([h.tokens for h in hyps], side="tgt")
             out[i] = [(text, h.score) for text, h in zip(texts, hyps)]
@@ -206,9 +270,13 @@ class Translator:
                 raise ValueError(_renumber(str(err), keep, first_line)) from None
             indices = [first_line - 1 + i for i in keep]
             forced = self.prefixes(prefix, keep)
-            out_ids = translate_ids(
-                self.model, ids, cfg, self.device, prefix=forced, indices=indices
-            )
+            ct2 = self.engine(cfg, bool(forced and any(forced)))
+            if ct2 is not None:
+                out_ids = [h[0].tokens for h in ct2.translate_nbest(ids, cfg, forced)]
+            else:
+                out_ids = translate_ids(
+                    self.model, ids, cfg, self.device, prefix=forced, indices=indices
+                )
             texts = self.tokenizer.decode(out_ids)
             for i, text in zip(keep, texts):
                 out[i] = text
@@ -250,7 +318,13 @@ class Translator:
         """
         src = self.tokenizer.encode([self.tokenizer.normalize(s) for s in sentences], side="src")
         tgt = self.tokenizer.encode([self.tokenizer.normalize(t) for t in translations], "tgt")
-        per_token = score_ids(self.model, src, tgt, self.device, self.decode_cfg.batch_size)
+        ct2 = self.engine(self.decode_cfg)
+        if ct2 is not None:
+            src = fit_to_model(src, self.max_positions, "truncate")
+            tgt = fit_to_model(tgt, self.max_positions, "truncate", what="target")
+            per_token = ct2.score(src, tgt, self.decode_cfg)
+        else:
+            per_token = score_ids(self.model, src, tgt, self.device, self.decode_cfg.batch_size)
         return [(sum(lp), len(lp)) for lp in per_token]
 
 
@@ -338,11 +412,15 @@ def translate_main(cfg: Config) -> None:
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
     try:
-        translator = Translator.from_checkpoint(path, device, cfg.decode)
+        translator = Translator.from_checkpoint(path, device, cfg.decode, args)
     except CheckpointError as err:
         raise SystemExit(f"mt-translate: {err}") from None
     cfg = resolve_shortlist(cfg, translator.tokenizer)  # decode.shortlist=train: its file
     translator.decode_cfg = cfg.decode
+    try:  # the engine's settings checked (and a conversion made) before any input is read
+        translator.engine(cfg.decode, bool(args.prefix))
+    except engines.EngineError as err:
+        raise SystemExit(f"mt-translate: {err}") from None
     name = args.input or "stdin"
     try:
         with contextlib.ExitStack() as stack:

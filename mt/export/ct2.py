@@ -101,10 +101,12 @@ def export_ct2(
     sp_blobs: list[bytes],
     out: Path,
     vmap: Callable[[list[str]], str] | None = None,
+    quantization: str | None = None,
 ) -> Path:
     """Write a CTranslate2 model directory (float32 weights) plus ``spm.model``; with ``vmap``
     (the pieces -> the text of a vocabulary map: ``mt.decode.shortlist.vocabulary_map``) also
-    CTranslate2's ``vmap.txt``, used by ``translate_batch(..., use_vmap=True)``.
+    CTranslate2's ``vmap.txt``, used by ``translate_batch(..., use_vmap=True)``;
+    ``quantization`` (a CTranslate2 compute type) stores the weights in that type instead.
 
     Returns:
         ``out``.
@@ -130,6 +132,6 @@ def export_ct2(
             vmap_path = Path(tmp) / "vmap.txt"
             vmap_path.write_text(vmap(pieces), encoding="utf-8")
         _MtConverter().convert(str(out), vmap=None if vmap_path is None else str(vmap_path),
-                               force=True)  # fmt: skip
+                               quantization=quantization, force=True)  # fmt: skip
     (Path(out) / "spm.model").write_bytes(sp_blobs[0])
     return Path(out)

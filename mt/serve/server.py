@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException
 
+from mt.decode.engine import EngineError
 from mt.decode.shortlist import resolve_shortlist
 from mt.decode.translate import Translator
 from mt.schema import Config, ServeConfig
@@ -307,11 +308,15 @@ def serve_main(cfg: Config) -> None:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        translator = Translator.from_checkpoint(path, device, cfg.decode)
+        translator = Translator.from_checkpoint(path, device, cfg.decode, args, node="serve")
     except CheckpointError as err:
         raise SystemExit(f"mt-serve: {err}") from None
     cfg = resolve_shortlist(cfg, translator.tokenizer)  # decode.shortlist=train: its file
     translator.decode_cfg = cfg.decode
+    try:  # the engine's settings checked (and a conversion made) before serving
+        translator.engine(cfg.decode)
+    except EngineError as err:
+        raise SystemExit(f"mt-serve: {err}") from None
     app = create_app(translator, cfg.serve, run_info(path, translator))
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("mt-serve listens on %s: reachable from other machines", args.host)
