@@ -41,7 +41,7 @@ COMMON = ["train.max_steps=16", "train.save_every=4", "model.dropout=0.0", "trai
 
 def _torchrun(tmp_path: Path, run: Path, restarts: int) -> subprocess.CompletedProcess:
     script = tmp_path / "entry.py"
-    script.write_text(ENTRY if restarts else 'from mt.cli import train_main\ntrain_main()\n')
+    script.write_text(ENTRY if restarts else "from mt.cli import train_main\ntrain_main()\n")
     args = [str(run)] if restarts else []
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     launch = ["--standalone", "--nproc_per_node=2", f"--max-restarts={restarts}"]
