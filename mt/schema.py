@@ -64,6 +64,9 @@ class DataConfig:
     corpus_temperature: float = 1.0
     max_train_pairs: Optional[int] = None  # keep the first N pairs of each training corpus
     errors: str = "strict"  # strict: non-UTF-8 bytes are an error | replace: warn and replace
+    # Prepared data checked at each start: quick (sizes, the meta's digest, a CRC of files whose
+    # time changed) | full (a CRC of every file)
+    verify: str = "quick"
     clean: CleanConfig = field(default_factory=CleanConfig)
 
 

@@ -50,7 +50,7 @@ from mt.data.corpus import (
     split_names,
 )
 from mt.data.encode import Sampling, encode_files
-from mt.data.store import FORMAT_VERSION, CacheError, Prepared
+from mt.data.store import FORMAT_VERSION, CacheError, Prepared, meta_digest
 from mt.data.tokenizer import SIDES, Tokenizer, TokenizerError, num_threads
 from mt.files import file_crc, write_json
 from mt.schema import Config
@@ -64,6 +64,7 @@ def cache_key(cfg: Config) -> str:
     # The prepared data is the same whatever the corpora's weights: only names count.
     data["splits"]["train"] = split_names(cfg.data.splits.train)
     data.pop("corpus_temperature")
+    data.pop("verify")  # how a cache is checked, not what it holds
     tok = dataclasses.asdict(cfg.tokenizer)
     tok.pop("threads")  # changes speed, not the result
     sampling = {name: tok.pop(name) for name in ("sampling_alpha", "sampled_copies")}
@@ -101,7 +102,7 @@ def prepare(cfg: Config, build: bool = True) -> Prepared:
     final = root / f"{cfg.data.name}-{key[:16]}"
     if _valid(final, key):
         try:
-            prepared = Prepared(final)
+            prepared = Prepared(final, verify=cfg.data.verify)
         except (CacheError, TokenizerError) as err:
             if not build:
                 raise CacheError(f"{err}: run `mt-prepare` with the same settings first") from err
@@ -351,7 +352,10 @@ def write_meta(
     tokenizer_files = [p.name for p in tokenizer.save(out)]  # before the checksums (reuse)
     meta = {
         "key": key,
-        "files": {p.name: [p.stat().st_size, file_crc(p)] for p in sorted(out.iterdir())},
+        "files": {
+            p.name: [p.stat().st_size, file_crc(p), p.stat().st_mtime_ns]
+            for p in sorted(out.iterdir())
+        },  # fmt: skip
         "format": FORMAT_VERSION,
         "name": cfg.data.name,
         "data": dataclasses.asdict(cfg.data),
@@ -366,6 +370,7 @@ def write_meta(
     for p in out.iterdir():  # durable before the directory is renamed into place
         with open(p, "rb") as f:
             os.fsync(f.fileno())
+    meta["digest"] = meta_digest(json.loads(json.dumps(meta, default=str)))  # as read back
     write_json(out / "meta.json", meta)
 
 
