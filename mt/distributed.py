@@ -26,6 +26,8 @@ import datetime
 import logging
 import math
 import os
+import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -94,12 +96,72 @@ def setup(device: str = "auto", timeout_minutes: float = 30.0) -> DistInfo:
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
         timeout = datetime.timedelta(minutes=timeout_minutes)
+        store = round_store(os.environ, rank, world_size, timeout)
+        extra = {} if store is None else {"store": store, "rank": rank, "world_size": world_size}
         dist.init_process_group(
-            backend=backend, timeout=timeout, device_id=dev if dev.type == "cuda" else None
-        )
+            backend=backend, timeout=timeout, device_id=dev if dev.type == "cuda" else None,
+            **extra,
+        )  # fmt: skip
         init_control_group(timeout)
         log.info("DDP: rank %d/%d (local %d) on %s, %s", rank, world_size, local_rank, dev, backend)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+
+
+_ROUND_STORE = None  # rank 0's store server of this round (kept alive with the group)
+STORE_KEY = "mt/round_store"  # where rank 0 publishes that server's address in torchrun's store
+CONNECT_SECONDS = 5.0  # one try at a published address (a dead one is refused at once)
+
+
+def round_store(env, rank: int, world_size: int, timeout: datetime.timedelta):
+    """A store of this rendezvous round only, or None where torch's own ``env://`` one is safe.
+
+    With torch's default c10d rendezvous, torchrun's agent keeps one TCP store for the whole job
+    (``TORCHELASTIC_USE_AGENT_STORE=True``) and each restart's workers meet in it under the same
+    keys as the round before, with no per-round prefix. A restarted rank can then read the
+    address a dead worker of the last round published there (gloo's full-mesh connect, NCCL's
+    unique id) and fail with "Connection refused" when the other ranks come up a moment later
+    than it does: ``--max-restarts`` never recovers. (torchrun's
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` avoids it too; ``TORCHELASTIC_RESTART_COUNT`` cannot
+    serve as a prefix: each node counts its own restarts.) So rank 0 starts a fresh store server
+    on a free port and publishes its address under :data:`STORE_KEY` in the agent's store; the
+    other ranks read it and connect. A stale address left by the last round belongs to a worker
+    that the agent has stopped: it is refused, and they read the key again until rank 0 of this
+    round has written it.
+    """
+    global _ROUND_STORE
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    agent = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    if rank == 0:
+        _ROUND_STORE = dist.TCPStore(
+            host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        agent.set(STORE_KEY, f"{host}:{_ROUND_STORE.port}")
+        return _ROUND_STORE
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        address = agent.get(STORE_KEY).decode()  # waits until some round has written it
+        where, _, num = address.rpartition(":")
+        try:
+            # A plain connect first: a dead address is refused at once, without the C++
+            # client's retries and the stack trace it logs for each.
+            socket.create_connection((where, int(num)), timeout=CONNECT_SECONDS).close()
+            store = dist.TCPStore(where, int(num), world_size, is_master=False,
+                                  timeout=datetime.timedelta(seconds=CONNECT_SECONDS))  # fmt: skip
+        except (OSError, RuntimeError, ValueError) as err:  # DistNetworkError: RuntimeError
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"rank {rank}: no store of this restart round at {address} (published by "
+                    f"rank 0 under {STORE_KEY!r} in torchrun's store {host}:{port}) within "
+                    f"train.dist_timeout_minutes={timeout.total_seconds() / 60:g}: {err}"
+                ) from err
+            log.debug("rank %d: %s is not this round's store (%s); reading it again", rank,
+                      address, err)  # fmt: skip
+            time.sleep(0.2)
+            continue
+        store.set_timeout(timeout)  # the short one was for connecting only
+        return store
 
 
 # Variables by which a launcher other than torchrun says "you are one of N tasks".

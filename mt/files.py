@@ -299,13 +299,23 @@ def file_crc(path: Path) -> int:
     return crc
 
 
-def damaged_file(directory: Path, record: dict | None) -> Path | None:
+def damaged_file(directory: Path, record: dict | None, full: bool = True) -> Path | None:
     """The first file of ``directory`` whose size or CRC-32 differs from ``record``
-    (``{name: [size, crc]}``, as written when the files were made), or None."""
-    for name, (size, crc) in (record or {}).items():
+    (``{name: [size, crc]}`` or ``[size, crc, mtime_ns]``, as written when the files were made),
+    or None.
+
+    ``full=False`` reads a file only when its modification time differs from the recorded one
+    (a copy, an edit, a file written again) or none was recorded; a size that differs is damage
+    at once. So a check at every start costs a ``stat`` a file, not a read of gigabytes; damage
+    that keeps size and time (a failing disk) needs ``full=True``.
+    """
+    for name, (size, crc, *mtime) in (record or {}).items():
         path = directory / name
         try:
-            if path.stat().st_size == size and file_crc(path) == crc:
+            st = path.stat()
+            if st.st_size == size and (
+                (not full and mtime and st.st_mtime_ns == mtime[0]) or file_crc(path) == crc
+            ):
                 continue
         except OSError:
             pass

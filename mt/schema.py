@@ -56,6 +56,10 @@ class DataConfig:
     hf_schema: str = "translation"  # translation: {lang: text} column | columns: one per lang
     hf_splits: Optional[SplitsConfig] = None  # HF split names when they differ from `splits`
     hf_data_files: Optional[Any] = None  # local files for hf_path=parquet|json: {split: path(s)}
+    hf_data_dir: Optional[str] = None  # a folder of the dataset repository (datasets' data_dir)
+    # The hub dataset's revision (a branch, tag or commit; null: main). The commit it resolves
+    # to is part of the prepared data's cache key and recorded in its meta.json.
+    revision: Optional[str] = None
     src_lang: str = "de"
     tgt_lang: str = "en"
     splits: SplitsConfig = field(default_factory=SplitsConfig)
@@ -64,6 +68,9 @@ class DataConfig:
     corpus_temperature: float = 1.0
     max_train_pairs: Optional[int] = None  # keep the first N pairs of each training corpus
     errors: str = "strict"  # strict: non-UTF-8 bytes are an error | replace: warn and replace
+    # Prepared data checked at each start: quick (sizes, the meta's digest, a CRC of files whose
+    # time changed) | full (a CRC of every file)
+    verify: str = "quick"
     clean: CleanConfig = field(default_factory=CleanConfig)
 
 

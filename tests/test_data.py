@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from mt.config import load_config
-from mt.data.cleaning import Cleaner
+from mt.data import cleaning
+from mt.data.cleaning import Cleaner, DigestSet
 from mt.data.corpus import DataError, count_lines, open_corpus, read_lines
 from mt.schema import CleanConfig
 
@@ -214,6 +215,64 @@ def test_cleaning_rules_counted_and_joint():
         "read": 8, "empty": 2, "min_len": 0, "max_len": 1, "max_ratio": 1, "duplicate": 1,
         "kept": 3,
     }  # fmt: skip
+
+
+def test_dedup_in_blocks_keeps_the_first_of_each_pair_in_order(monkeypatch):
+    """Blocks of 7 pairs (so duplicates cross blocks and the digest runs merge many times)
+    keep what a pair-by-pair pass over the exact text keeps, in the same order."""
+    import random
+
+    rng = random.Random(3)
+    words = "a b c d e f".split()
+    pairs = [(" ".join(rng.choices(words, k=rng.randint(1, 3))), rng.choice(words), i % 3)
+             for i in range(3000)]  # fmt: skip
+    pairs += [("x " * 60, "y", 0)] * 5  # max_ratio drops: never seen, never duplicates
+    rng.shuffle(pairs)
+    seen, expected = set(), []
+    for src, tgt, part in pairs:
+        if max(len(src.split()), 1) <= 3 * max(len(tgt.split()), 1) and (src, tgt) not in seen:
+            seen.add((src, tgt))
+            expected.append((src, tgt, part))
+    monkeypatch.setattr(cleaning, "DEDUP_BLOCK", 7)
+    cleaner = Cleaner(CleanConfig(max_len=0, max_ratio=3.0, dedup=True))
+    assert list(cleaner(iter(pairs))) == expected
+    assert 150 < len(expected) < 1000  # duplicates were there to drop
+    c = cleaner.counts
+    assert c["kept"] == len(expected) and c["max_ratio"] == 5
+    assert c["duplicate"] == len(pairs) - 5 - len(expected) and c["read"] == len(pairs)
+    assert len(cleaner._seen) == len(expected) and len(cleaner._seen._runs) <= 12
+
+
+def test_dedup_memory_is_8_bytes_a_kept_pair_not_a_python_object():
+    import tracemalloc
+
+    n = 100_000
+    cleaner = Cleaner(CleanConfig(max_len=0, max_ratio=0.0, dedup=True))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        kept = sum(1 for _ in cleaner((f"s{i}", f"t{i}", 0) for i in range(n)))
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept == n
+    assert held < 10 * n + (1 << 16), f"{held / n:.1f} bytes a pair held after cleaning"
+
+
+def test_digest_set_matches_a_python_set_across_merges():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    digests, reference = DigestSet(), set()
+    for size in rng.integers(0, 50, size=200):
+        keys = rng.integers(0, 400, size=size).astype(np.uint64)
+        want = []
+        for k in keys.tolist():
+            want.append(k not in reference)
+            reference.add(k)
+        assert digests.first_seen(keys).tolist() == want
+    assert len(digests) == len(reference)
+    assert all(np.all(r[:-1] < r[1:]) for r in digests._runs)  # sorted, no repeats
 
 
 def test_cleaning_min_len_no_dedup_no_ratio():

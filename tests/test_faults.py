@@ -155,6 +155,50 @@ def test_damaged_prepared_data_is_detected_and_rebuilt(corpus, tmp_path, caplog)
     shutil.rmtree(tmp_path / "cache")
 
 
+def test_a_cache_hit_reads_no_prepared_file_unless_asked_or_changed(tmp_path, monkeypatch):
+    """At start a cache hit checks sizes, times and the meta's digest; it reads (CRC) a file only
+    when its time changed, or every file with data.verify=full."""
+    import json
+    import os
+
+    from mt import files
+    from mt.data.build import prepare
+    from mt.data.store import CacheError, Prepared
+
+    data = make_corpus(tmp_path / "data")
+    cfg = load_config(overrides(data, tmp_path / "cache", tmp_path / "run", 1))
+    good = prepare(cfg)
+    read = []
+    crc = files.file_crc
+    monkeypatch.setattr(files, "file_crc", lambda p: read.append(p.name) or crc(p))
+    assert prepare(cfg).dir == good.dir and read == []  # stat only
+    full = load_config(
+        [*overrides(data, tmp_path / "cache", tmp_path / "run", 1), "data.verify=full"]
+    )
+    assert prepare(full).dir == good.dir  # the same cache: data.verify is not in the key
+    assert sorted(read) == sorted(json.loads((good.dir / "meta.json").read_text())["files"])
+    read.clear()
+    ids = good.dir / "train.src.ids"
+    os.utime(ids, ns=(ids.stat().st_atime_ns, ids.stat().st_mtime_ns + 1))  # a copy's new time
+    Prepared(good.dir)
+    assert read == ["train.src.ids"]
+    recorded = json.loads((good.dir / "meta.json").read_text())["files"][ids.name][2]
+    _flip(ids)  # damage that keeps size and the recorded time: only a full check can see it
+    os.utime(ids, ns=(recorded, recorded))
+    Prepared(good.dir)
+    with pytest.raises(CacheError, match="train.src.ids is damaged"):
+        Prepared(good.dir, verify="full")
+    _flip(ids)  # back as it was
+    meta = good.dir / "meta.json"
+    text = meta.read_text()
+    meta.write_text(text.replace('"vocab_size": 120', '"vocab_size": 121'))
+    with pytest.raises(CacheError, match="meta.json is damaged"):
+        Prepared(good.dir)
+    meta.write_text(text)
+    with pytest.raises(ValueError, match="data.verify='some'"):
+        Prepared(good.dir, verify="some")
+
+
 def test_damaged_sentencepiece_model_is_an_error_naming_the_file(tmp_path):
     from mt.data.tokenizer import Tokenizer, TokenizerError
 

@@ -45,12 +45,14 @@ from mt.data.corpus import (
     ROLES,
     Corpus,
     DataError,
+    builder_revision,
     corpus_identity,
     open_corpus,
+    resolve_hf,
     split_names,
 )
 from mt.data.encode import Sampling, encode_files
-from mt.data.store import FORMAT_VERSION, CacheError, Prepared
+from mt.data.store import FORMAT_VERSION, CacheError, Prepared, meta_digest
 from mt.data.tokenizer import SIDES, Tokenizer, TokenizerError, num_threads
 from mt.files import file_crc, write_json
 from mt.schema import Config
@@ -58,12 +60,17 @@ from mt.schema import Config
 log = logging.getLogger(__name__)
 
 
-def cache_key(cfg: Config) -> str:
-    """sha256 over the format version, data and tokenizer settings and the input files' identity."""
+def cache_key(cfg: Config, revision: str | None = None) -> str:
+    """sha256 over the format version, data and tokenizer settings and the input files' identity
+    (``revision``: the commit a hub dataset resolved to, ``corpus.builder_revision``)."""
     data = dataclasses.asdict(cfg.data)
     # The prepared data is the same whatever the corpora's weights: only names count.
     data["splits"]["train"] = split_names(cfg.data.splits.train)
     data.pop("corpus_temperature")
+    data.pop("verify")  # how a cache is checked, not what it holds
+    for name in ("hf_data_dir", "revision"):  # absent when unset: the keys of data before them
+        if data[name] is None:
+            data.pop(name)
     tok = dataclasses.asdict(cfg.tokenizer)
     tok.pop("threads")  # changes speed, not the result
     sampling = {name: tok.pop(name) for name in ("sampling_alpha", "sampled_copies")}
@@ -75,7 +82,7 @@ def cache_key(cfg: Config) -> str:
         "format": FORMAT_VERSION,
         "data": data,
         "tokenizer": tok,
-        "input": corpus_identity(cfg.data),
+        "input": corpus_identity(cfg.data, revision),
     }
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -96,12 +103,14 @@ def prepare(cfg: Config, build: bool = True) -> Prepared:
         mt.data.corpus.DataError: missing or malformed input (nothing is cached then).
     """
     sampling_copies(cfg)  # a setting out of range fails now, not after the build's first stages
-    key = cache_key(cfg)
     root = Path(cfg.cache_dir)
+    builder = resolve_hf(cfg.data, hf_cache_dir=str(root / "hf"))  # a hub dataset's revision
+    revision = None if builder is None else builder_revision(cfg.data, builder)
+    key = cache_key(cfg, revision)
     final = root / f"{cfg.data.name}-{key[:16]}"
     if _valid(final, key):
         try:
-            prepared = Prepared(final)
+            prepared = Prepared(final, verify=cfg.data.verify)
         except (CacheError, TokenizerError) as err:
             if not build:
                 raise CacheError(f"{err}: run `mt-prepare` with the same settings first") from err
@@ -122,7 +131,7 @@ def prepare(cfg: Config, build: bool = True) -> Prepared:
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
     os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide the cache from other users
     try:
-        _build(cfg, tmp, key, root)
+        _build(cfg, tmp, key, root, builder, revision)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -143,7 +152,9 @@ def _valid(path: Path, key: str) -> bool:
         return False
 
 
-def _build(cfg: Config, out: Path, key: str, root: Path) -> None:
+def _build(
+    cfg: Config, out: Path, key: str, root: Path, builder=None, revision: str | None = None
+) -> None:
     """Build everything into ``out``, stage by stage; meta.json is written last."""
     seconds, t = {}, time.time()
 
@@ -152,7 +163,7 @@ def _build(cfg: Config, out: Path, key: str, root: Path) -> None:
         now = time.time()
         seconds[name], t = now - t, now
 
-    corpus = open_corpus(cfg.data, hf_cache_dir=str(root / "hf"))
+    corpus = open_corpus(cfg.data, hf_cache_dir=str(root / "hf"), builder=builder)
     work = out / "work"
     work.mkdir()
     specs = _norm_specs(cfg)
@@ -172,7 +183,7 @@ def _build(cfg: Config, out: Path, key: str, root: Path) -> None:
     stage("sample")
     filter_pieces(cfg, out, dtype, counts["train"])
     stage("piece_filter")
-    write_meta(cfg, out, key, tokenizer, dtype, counts, seconds)
+    write_meta(cfg, out, key, tokenizer, dtype, counts, seconds, revision)
     log.info(
         "prepared %s in %.1fs (read+clean %.1fs, SentencePiece %.1fs, encode %.1fs, sampled "
         "encodings %.1fs, piece filter %.1fs): %s", cfg.data.name, sum(seconds.values()),
@@ -344,16 +355,20 @@ def filter_pieces(cfg: Config, out: Path, dtype: str, counts: dict) -> None:
 
 def write_meta(
     cfg: Config, out: Path, key: str, tokenizer: Tokenizer, dtype: str, counts: dict,
-    seconds: dict[str, float],
+    seconds: dict[str, float], revision: str | None = None,
 ) -> None:  # fmt: skip
-    """Stage 6: the tokenizer files and ``meta.json`` (every file's size and CRC-32), all
-    fsynced before the directory is renamed into place."""
+    """Stage 6: the tokenizer files and ``meta.json`` (every file's size, CRC-32 and time, the
+    hub dataset's revision), all fsynced before the directory is renamed into place."""
     tokenizer_files = [p.name for p in tokenizer.save(out)]  # before the checksums (reuse)
     meta = {
         "key": key,
-        "files": {p.name: [p.stat().st_size, file_crc(p)] for p in sorted(out.iterdir())},
+        "files": {
+            p.name: [p.stat().st_size, file_crc(p), p.stat().st_mtime_ns]
+            for p in sorted(out.iterdir())
+        },  # fmt: skip
         "format": FORMAT_VERSION,
         "name": cfg.data.name,
+        "revision": revision,  # the hub dataset's commit (None: local files)
         "data": dataclasses.asdict(cfg.data),
         "tokenizer": dataclasses.asdict(cfg.tokenizer),
         "tokenizer_files": tokenizer_files,
@@ -366,6 +381,7 @@ def write_meta(
     for p in out.iterdir():  # durable before the directory is renamed into place
         with open(p, "rb") as f:
             os.fsync(f.fileno())
+    meta["digest"] = meta_digest(json.loads(json.dumps(meta, default=str)))  # as read back
     write_json(out / "meta.json", meta)
 
 

@@ -50,22 +50,83 @@ def normalize_line(text: str, nfc: bool = True) -> str:
 
 
 RULES = ("empty", "min_len", "max_len", "max_ratio", "duplicate")
+DEDUP_BLOCK = 1 << 16  # pairs judged at once by the de-duplication
+
+
+def digest(src: str, tgt: str) -> int:
+    """The 8-byte BLAKE2b digest of a pair (source TAB target, UTF-8) as an unsigned integer:
+    two pairs with the same digest are duplicates (a false match: ~n^2 / 2^65 for n pairs)."""
+    raw = hashlib.blake2b(f"{src}\t{tgt}".encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little")
+
+
+class DigestSet:
+    """A set of uint64 digests held as sorted numpy runs: 8 bytes an entry, not a Python object.
+
+    A block of new digests becomes one sorted run; two runs merge whenever the newer is at least
+    as long as the one before it (a binary counter), so there are at most log2(n / block) + 1
+    runs, each looked up with one ``searchsorted``. The biggest merge holds both runs and their
+    result: at most 16 bytes an entry for an instant.
+    """
+
+    def __init__(self) -> None:
+        self._runs: list[np.ndarray] = []
+
+    def __len__(self) -> int:
+        return sum(len(r) for r in self._runs)
+
+    def _contains(self, keys: np.ndarray) -> np.ndarray:
+        found = np.zeros(len(keys), dtype=bool)
+        for run in self._runs:
+            at = np.searchsorted(run, keys)
+            found |= run[np.minimum(at, len(run) - 1)] == keys
+        return found
+
+    def first_seen(self, keys: np.ndarray) -> np.ndarray:
+        """(n,) bool: True where ``keys[i]`` is in neither the set nor ``keys[:i]``; those keys
+        are added. What adding the keys one at a time in order would report."""
+        keys = np.asarray(keys, dtype=np.uint64)
+        first = np.zeros(len(keys), dtype=bool)
+        new, index = np.unique(keys, return_index=True)  # sorted; index: first occurrence
+        fresh = ~self._contains(new)
+        first[index[fresh]] = True
+        if fresh.any():
+            run = new[fresh]
+            while self._runs and len(self._runs[-1]) <= len(run):
+                run = np.concatenate([self._runs.pop(), run])
+                run.sort(kind="stable")  # timsort: two sorted runs merge in one pass
+            self._runs.append(run)
+        return first
 
 
 class Cleaner:
     """Joint filter of training pairs; a pair is kept or dropped whole, so sides never drift.
 
     Each dropped pair is counted under the first rule it fails (``RULES`` order). Lengths are in
-    whitespace-separated words. De-duplication keeps an 8-byte digest per kept pair.
+    whitespace-separated words. De-duplication keeps an 8-byte digest per kept pair in a
+    :class:`DigestSet` (sorted numpy runs: 8 bytes a pair, not a Python object), judging the
+    pairs a block of :data:`DEDUP_BLOCK` at a time; the kept pairs and their order are those of
+    a pair-by-pair pass.
     """
 
     def __init__(self, cfg: CleanConfig):
         self.cfg = cfg
         self.counts = {"read": 0, **{r: 0 for r in RULES}, "kept": 0}
-        self._seen: set[bytes] = set()
+        self._seen = DigestSet()
 
     def rule(self, src: str, tgt: str) -> str | None:
-        """The first rule the (normalised) pair fails, or None to keep it."""
+        """The first rule the (normalised) pair fails, or None to keep it (a duplicate only of
+        a pair this method kept before)."""
+        rule = self._word_rule(src, tgt)
+        if rule is None and self.cfg.dedup:
+            key = np.array([digest(src, tgt)], dtype=np.uint64)
+            if self._seen.first_seen(key)[0]:
+                return None
+            return "duplicate"
+        return rule
+
+    def _word_rule(self, src: str, tgt: str) -> str | None:
+        """The first rule before ``duplicate`` that the (normalised) pair fails, or None."""
         if not src or not tgt:
             return "empty"
         ns, nt = len(src.split()), len(tgt.split())
@@ -75,31 +136,36 @@ class Cleaner:
             return "max_len"
         if self.cfg.max_ratio and max(ns, nt) > self.cfg.max_ratio * max(min(ns, nt), 1):
             return "max_ratio"
-        if self.cfg.dedup:
-            key = hashlib.blake2b(f"{src}\t{tgt}".encode(), digest_size=8).digest()
-            if key in self._seen:
-                return "duplicate"
-            self._seen.add(key)
         return None
 
     def __call__(self, pairs: Iterator[tuple]) -> Iterator[tuple]:
         """Normalise and filter ``pairs``; counts accumulate in :attr:`counts`. A pair may carry
         more fields after (source, target), e.g. its corpus number: they pass through."""
-        nfc = self.cfg.normalize
-        for src, tgt, *rest in pairs:
-            self.counts["read"] += 1
-            src, tgt = normalize_line(src, nfc), normalize_line(tgt, nfc)
-            rule = self.rule(src, tgt)
-            if rule is None:
-                self.counts["kept"] += 1
-                yield src, tgt, *rest
-            else:
-                self.counts[rule] += 1
+        nfc, counts = self.cfg.normalize, self.counts
+        pairs = iter(pairs)
+        while block := list(itertools.islice(pairs, DEDUP_BLOCK)):
+            passed = []  # the block's pairs that pass the word rules, in order
+            for src, tgt, *rest in block:
+                src, tgt = normalize_line(src, nfc), normalize_line(tgt, nfc)
+                rule = self._word_rule(src, tgt)
+                if rule is None:
+                    passed.append((src, tgt, *rest))
+                else:
+                    counts[rule] += 1
+            counts["read"] += len(block)
+            if self.cfg.dedup and passed:
+                keys = np.fromiter((digest(p[0], p[1]) for p in passed), np.uint64, len(passed))
+                first = self._seen.first_seen(keys)
+                counts["duplicate"] += len(passed) - int(first.sum())
+                passed = list(itertools.compress(passed, first.tolist()))
+            counts["kept"] += len(passed)
+            yield from passed
 
     def summary(self) -> str:
         c = self.counts
         dropped = ", ".join(f"{r}={c[r]}" for r in RULES)
         return f"read {c['read']} pairs, dropped {dropped}, kept {c['kept']}"
+
 
 CHUNK_PAIRS = 20_000  # pairs per normalisation task
 

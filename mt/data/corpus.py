@@ -98,7 +98,6 @@ class Corpus:
         for part in range(self.num_parts(role)):
             yield from self.part_pairs(role, part)
 
-
     def identity(self) -> Any:
         """A JSON-able description of the exact input (for the prepared-data cache key)."""
         raise NotImplementedError
@@ -198,14 +197,12 @@ class HFCorpus(Corpus):
     reads local files, which is how this path is tested without the hub.
     """
 
-    def __init__(self, cfg: DataConfig, cache_dir: str | None = None):
-        import datasets
-
+    def __init__(self, cfg: DataConfig, cache_dir: str | None = None, builder: Any = None):
         self.cfg = cfg
-        data_files = _plain(cfg.hf_data_files)
-        self.ds = datasets.load_dataset(
-            cfg.hf_path, cfg.hf_name, data_files=data_files, cache_dir=cache_dir
-        )
+        builder = builder if builder is not None else hf_builder(cfg, cache_dir)
+        builder.download_and_prepare()  # what datasets.load_dataset does with the builder
+        self.ds = builder.as_dataset()
+        self.revision = builder_revision(cfg, builder)
         hf_splits = cfg.hf_splits or cfg.splits
         self.names = {role: split_names(getattr(hf_splits, role)) for role in ROLES}
         langs = (cfg.src_lang, cfg.tgt_lang)
@@ -251,7 +248,56 @@ class HFCorpus(Corpus):
                 yield from zip(map(_one_line, batch[src]), map(_one_line, batch[tgt]))
 
     def identity(self) -> Any:
-        return hf_identity(self.cfg)
+        return hf_identity(self.cfg, self.revision)
+
+
+SCRIPT_ONLY = "Dataset scripts are no longer supported"  # datasets >= 4 on a loading script
+# Parquet copies of the hub's script-only datasets (the hub's own export, as its layout was).
+PARQUET_ALTERNATIVES = {
+    "iwslt2017": "data.hf_path=IWSLT/iwslt2017 data.revision=refs/convert/parquet "
+    "data.hf_name=null data.hf_data_dir=<its config, e.g. iwslt2017-de-en>",
+}
+
+
+def hf_builder(cfg: DataConfig, cache_dir: str | None = None) -> Any:
+    """``datasets.load_dataset_builder`` for the configured dataset (no data read yet: the hub
+    dataset's card and file list, or the cached copy offline); ``datasets`` is imported here.
+
+    Raises:
+        DataError: a loading-script dataset (datasets >= 4 runs none), in one line naming a
+            parquet alternative.
+    """
+    import datasets
+
+    try:
+        return datasets.load_dataset_builder(
+            cfg.hf_path, cfg.hf_name, data_dir=cfg.hf_data_dir,
+            data_files=_plain(cfg.hf_data_files), cache_dir=cache_dir, revision=cfg.revision,
+        )  # fmt: skip
+    except RuntimeError as err:
+        if SCRIPT_ONLY not in str(err):
+            raise
+        name = str(cfg.hf_path).rsplit("/", 1)[-1]
+        alternative = PARQUET_ALTERNATIVES.get(
+            name, "its parquet export: data.revision=refs/convert/parquet (and "
+            "data.hf_data_dir=<config> when it has several), or a parquet copy with "
+            "data.hf_path=parquet data.hf_data_files={train: ..., validation: ..., test: ...}",
+        )  # fmt: skip
+        raise DataError(
+            f"data.hf_path={cfg.hf_path} is a loading-script dataset, which datasets "
+            f"{datasets.__version__} does not run; load {alternative}"
+        ) from None
+
+
+def builder_revision(cfg: DataConfig, builder: Any) -> str | None:
+    """The revision a builder reads: for a hub dataset the commit ``datasets`` resolved
+    (online) or the cached copy's it reads (offline); None for a local folder or local data
+    files (their paths, sizes and times identify them, :func:`hf_identity`)."""
+    import datasets.packaged_modules as packaged
+
+    if cfg.hf_path in packaged._PACKAGED_DATASETS_MODULES or Path(cfg.hf_path).is_dir():
+        return None
+    return str(builder.hash) if getattr(builder, "hash", None) else None
 
 
 def _one_line(text: str | None) -> str:
@@ -268,17 +314,32 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def hf_identity(cfg: DataConfig) -> Any:
-    """The HF source's identity without loading it (local data files: path, size, mtime)."""
+def _stat_file(path: str) -> Any:
+    """A data file's identity: a local one's path, size and time; a URL (``hf://``, ``https://``)
+    as written (its revision, when it names one, is in it)."""
+    return path if "://" in path else _stat(Path(path))
+
+
+def hf_identity(cfg: DataConfig, revision: str | None = None) -> Any:
+    """The HF source's identity (local data files: path, size, mtime) and ``revision``, the one
+    the dataset resolved to (:func:`builder_revision`; absent when None)."""
     files = _plain(cfg.hf_data_files)
     if isinstance(files, dict):
-        files = {k: [_stat(Path(p)) for p in split_names(v)] for k, v in files.items()}
+        files = {k: [_stat_file(p) for p in split_names(v)] for k, v in files.items()}
     elif files is not None:
-        files = [_stat(Path(p)) for p in split_names(files)]
-    return {"hf_path": cfg.hf_path, "hf_name": cfg.hf_name, "data_files": files}
+        files = [_stat_file(p) for p in split_names(files)]
+    out = {"hf_path": cfg.hf_path, "hf_name": cfg.hf_name, "data_files": files}
+    if cfg.hf_path and Path(cfg.hf_path).is_dir():  # a local copy of a dataset repository
+        folder = Path(cfg.hf_path, cfg.hf_data_dir or "")
+        out["folder"] = [_stat(p) for p in sorted(folder.rglob("*")) if p.is_file()]
+    if cfg.hf_data_dir is not None:
+        out["data_dir"] = cfg.hf_data_dir
+    if revision is not None:
+        out["revision"] = revision
+    return out
 
 
-def open_corpus(cfg: DataConfig, hf_cache_dir: str | None = None) -> Corpus:
+def open_corpus(cfg: DataConfig, hf_cache_dir: str | None = None, builder: Any = None) -> Corpus:
     """The corpus that ``data.source`` names, checked up front (splits, languages, line counts).
 
     ``auto`` takes the local directory when it exists, else the hub; when neither works the error
@@ -300,29 +361,54 @@ def open_corpus(cfg: DataConfig, hf_cache_dir: str | None = None) -> Corpus:
         corpus.check()
         return corpus
     if cfg.source == "hf":
-        return HFCorpus(cfg, hf_cache_dir)
+        return HFCorpus(cfg, hf_cache_dir, builder)
     if not cfg.hf_path:
         raise DataError(
             f"no corpus for data={cfg.name}: local directory {cfg.dir!r} does not exist and no "
             f"hub dataset is configured; set MT_DATA_DIR (or data.dir=PATH) to the corpus folder"
         )
     try:
-        return HFCorpus(cfg, hf_cache_dir)
+        return HFCorpus(cfg, hf_cache_dir, builder)
     except DataError:
         raise
     except Exception as err:  # no network, unknown dataset, ...
-        raise DataError(
-            f"no corpus for data={cfg.name}: local directory {cfg.dir!r} does not exist and the "
-            f"hub dataset {cfg.hf_path!r} could not be loaded ({type(err).__name__}: {err}). Set "
-            f"MT_DATA_DIR (or data.dir=PATH) to a folder of <split>.<lang> files, or download "
-            f"the dataset with network access (datasets.load_dataset({cfg.hf_path!r}"
-            f"{', ' + repr(cfg.hf_name) if cfg.hf_name else ''})) first"
-        ) from err
+        raise _no_corpus(cfg, err) from err
 
 
-def corpus_identity(cfg: DataConfig) -> Any:
-    """What identifies the input for the cache key, without loading a HF dataset."""
+def resolve_hf(cfg: DataConfig, hf_cache_dir: str | None = None) -> Any:
+    """The builder of the HF dataset ``data.source`` takes (None: local files, or no dataset
+    configured), errors as :func:`open_corpus` reports them."""
+    if not uses_hf(cfg) or not cfg.hf_path:
+        return None
+    try:
+        return hf_builder(cfg, hf_cache_dir)
+    except DataError:
+        raise
+    except Exception as err:
+        if cfg.source == "hf":
+            raise
+        raise _no_corpus(cfg, err) from err
+
+
+def _no_corpus(cfg: DataConfig, err: Exception) -> DataError:
+    return DataError(
+        f"no corpus for data={cfg.name}: local directory {cfg.dir!r} does not exist and the "
+        f"hub dataset {cfg.hf_path!r} could not be loaded ({type(err).__name__}: {err}). Set "
+        f"MT_DATA_DIR (or data.dir=PATH) to a folder of <split>.<lang> files, or download "
+        f"the dataset with network access (datasets.load_dataset({cfg.hf_path!r}"
+        f"{', ' + repr(cfg.hf_name) if cfg.hf_name else ''})) first"
+    )
+
+
+def uses_hf(cfg: DataConfig) -> bool:
+    """Whether ``data.source`` takes the Hugging Face dataset (else the local files)."""
     has_dir = cfg.dir is not None and Path(cfg.dir).is_dir()
-    if cfg.source == "local" or (cfg.source == "auto" and has_dir):
+    return not (cfg.source == "local" or (cfg.source == "auto" and has_dir))
+
+
+def corpus_identity(cfg: DataConfig, revision: str | None = None) -> Any:
+    """What identifies the input for the cache key, without reading a HF dataset's rows
+    (``revision``: the one its builder resolved, :func:`builder_revision`)."""
+    if not uses_hf(cfg):
         return TextCorpus(cfg).identity()
-    return hf_identity(cfg)
+    return hf_identity(cfg, revision)

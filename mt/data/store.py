@@ -3,9 +3,10 @@ the tokenizer, and the raw valid/test lines for sacreBLEU.
 
 Layout of a prepared directory (written by ``mt.data.build``)::
 
-    meta.json                      key, settings, counts, vocab size, id dtype, and the size
-                                   and CRC-32 of every other file (checked on load: a damaged
-                                   cache is rebuilt)
+    meta.json                      key, settings, counts, vocab size, id dtype, the size,
+                                   CRC-32 and modification time of every other file, and a
+                                   digest of itself (checked on load, :class:`Prepared`: a
+                                   damaged cache is rebuilt)
     spm.model | spm.{src,tgt}.model
     <role>.<side>.ids              flat ids of all sentences (uint16 if V <= 65536 else int32)
     <role>.<side>.off              int64 offsets (n + 1): sentence i is ids[off[i]:off[i+1]]
@@ -17,6 +18,7 @@ Layout of a prepared directory (written by ``mt.data.build``)::
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -113,20 +115,40 @@ class EncodedSplit:
         return len(self.src)
 
 
+VERIFY = ("quick", "full")  # data.verify
+
+
+def meta_digest(meta: dict) -> str:
+    """sha256 of ``meta.json``'s content without its own ``digest`` field (as JSON reads it)."""
+    body = {k: v for k, v in meta.items() if k != "digest"}
+    text = json.dumps(body, sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 class Prepared:
     """A prepared-data directory: the tokenizer, encoded splits and raw references.
 
-    ``verify`` checks every file's size and checksum against ``meta.json`` (a cache read back
-    later); a directory this process has just written needs no second read.
+    ``verify`` checks the files against ``meta.json`` (a cache read back later): ``"quick"``
+    (or True) checks the meta's own digest and every file's size, and reads (CRC-32) only the
+    files whose modification time differs from the one recorded at prepare time (a copied or
+    rewritten cache; every file of data prepared before times were recorded); ``"full"`` reads
+    every file (``data.verify=full``: damage that keeps size and time). False: none (a
+    directory this process has just written).
     """
 
-    def __init__(self, path: Path, verify: bool = True):
+    def __init__(self, path: Path, verify: bool | str = "quick"):
         self.dir = Path(path)
+        if verify not in (True, False, *VERIFY):
+            raise ValueError(f"data.verify={verify!r}: expected one of {', '.join(VERIFY)}")
+        meta_path = self.dir / "meta.json"
         try:
-            self.meta = json.loads((self.dir / "meta.json").read_text(encoding="utf-8"))
+            self.meta = json.loads(meta_path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as err:
-            raise CacheError(f"{self.dir / 'meta.json'} is unreadable ({err})") from None
-        damaged = damaged_file(self.dir, self.meta.get("files")) if verify else None
+            raise CacheError(f"{meta_path} is unreadable ({err})") from None
+        if verify and "digest" in self.meta and meta_digest(self.meta) != self.meta["digest"]:
+            raise CacheError(f"{meta_path} is damaged (its content differs from its digest)")
+        files = self.meta.get("files")
+        damaged = damaged_file(self.dir, files, full=verify == "full") if verify else None
         if damaged is not None:
             raise CacheError(f"prepared data file {damaged} is damaged (size or checksum differs)")
         self.tokenizer = Tokenizer.load([self.dir / n for n in self.meta["tokenizer_files"]])
