@@ -155,6 +155,9 @@ class TrainConfig:
     master_weights: bool = False
     compile: bool = False  # torch.compile the model
     pad_multiple: int = 0  # pad batch lengths to a multiple of this (0 or 1: none)
+    # Batches padded to one of K (sentences, source, target) shapes made from the corpus's
+    # lengths (mt.data.buckets): few shapes for compiled steps and CUDA graphs. 0 = off.
+    shape_buckets: int = 0
     tf32: bool = True  # CUDA: float32 matrix products on TF32 tensor cores
     # CPU training copy (mt.fast): products on oneDNN or torch (measured), 16-bit dropout masks
     cpu_kernels: bool = True
