@@ -111,9 +111,13 @@ def test_compile_step_compiles_the_whole_step_only_with_buckets(monkeypatch):
     compiled.clear()
     router = compile_step(forward, TrainConfig(compile=True, shape_buckets=2), CPU, [(4, 8, 8)])
     assert isinstance(router, ShapeRouter) and router.step.training_model is forward
-    assert compiled == [{"dynamic": False, "mode": "default"}, {"dynamic": True}]
-    assert step_loss(router) is bucket_loss
-    assert torch._dynamo.config.recompile_limit >= 3
+    assert compiled == [{"dynamic": True, "mode": "default"}]  # a CPU: no graphs, one step
+    assert step_loss(router) is bucket_loss and not router.graphs
+    compiled.clear()
+    router = compile_step(forward, TrainConfig(compile=True, shape_buckets=2),
+                          torch.device("cuda"), [(4, 8, 8)])  # fmt: skip
+    assert compiled == [{"dynamic": True, "mode": "reduce-overhead"}, {"dynamic": True}]
+    assert router.graphs
 
 
 def test_a_compiled_bucketed_run_trains_with_one_graph_per_shape(real_data, tmp_path, monkeypatch):
@@ -198,8 +202,8 @@ distributed.cleanup()
 @pytest.mark.slow
 def test_inductor_compiles_the_bucketed_step_once_per_shape_under_ddp(tmp_path):
     """Inductor compiles the whole bucketed step (forward, masked loss, their backward) under
-    2-rank gloo DDP: no graph break, one graph per bucket shape (2 shapes, 6 updates: the graph
-    count after the first two updates stays 2), the ranks in step. Kernels kept scalar, as in
+    2-rank gloo DDP: no graph break, at most one graph per bucket shape (2 shapes, 6 updates;
+    dynamic shapes make it one), the ranks in step. Kernels kept scalar, as in
     test_acceleration's Inductor test (what is proved is the tracing and the guards)."""
     import os
     import subprocess
@@ -221,7 +225,7 @@ def test_inductor_compiles_the_bucketed_step_once_per_shape_under_ddp(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
         assert r["breaks"] == 0, r
-        assert r["graphs"] == [1, 2, 2, 2, 2, 2], r  # <= the number of buckets, from the 2nd on
+        assert 1 <= max(r["graphs"]) <= 2 and r["graphs"][-1] == r["graphs"][1], r  # <= buckets
         assert r["routes"] == {"fixed": 6, "plain": 0}
         assert all(np.isfinite(r["losses"]))
     assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=1e-6)
@@ -230,9 +234,9 @@ def test_inductor_compiles_the_bucketed_step_once_per_shape_under_ddp(tmp_path):
 
 @pytest.mark.gpu
 def test_cuda_graphs_replay_the_bucketed_step_on_a_gpu():
-    """On CUDA: the bucketed step captured as CUDA graphs (reduce-overhead), one Dynamo graph
-    per shape over 8 updates of 2 shapes, the losses those of the eager step, the graph pools'
-    memory reported."""
+    """On CUDA: the bucketed step replayed as CUDA graphs (reduce-overhead), at most one Dynamo
+    graph per shape over 8 updates of 2 shapes, the losses those of the eager step, the graph
+    pools' memory reported."""
     from torch._dynamo.utils import counters
 
     dev = torch.device("cuda")
@@ -256,7 +260,7 @@ def test_cuda_graphs_replay_the_bucketed_step_on_a_gpu():
         torch.testing.assert_close(loss, eager, rtol=1e-3, atol=1e-3)
         loss.backward()
         raw.zero_grad(set_to_none=True)
-    assert int(counters["stats"]["unique_graphs"]) == 2
+    assert 1 <= int(counters["stats"]["unique_graphs"]) <= 2
     assert router.calls["plain"] == 0
     memory = graphs.graph_memory_gb(dev)
     assert memory["reserved_gb"] > 0

@@ -65,11 +65,16 @@ def compile_step(
     shapes: list[tuple[int, int, int]] | None = None,
 ) -> torch.nn.Module:  # fmt: skip
     """What the update calls, before the DDP wrap: with ``train.compile`` and
-    ``train.shape_buckets`` the whole step of a bucketed batch compiled for fixed shapes
-    (``mt.fast.graphs``: the forward and the loss over every position, pads weighted 0; CUDA
-    graphs on CUDA), one graph per bucket shape in ``shapes`` and a dynamic-shape step for any
-    other; otherwise :func:`compile_model` (the model alone, or nothing without
-    ``train.compile``). :func:`step_loss` gives the update's loss function for the result."""
+    ``train.shape_buckets`` the whole step of a bucketed batch compiled (``mt.fast.graphs``:
+    the forward and the loss over every position, pads weighted 0), on CUDA replayed as one
+    CUDA graph per bucket shape in ``shapes``, with a plain compiled step for any other shape;
+    otherwise :func:`compile_model` (the model alone, or nothing without ``train.compile``).
+    :func:`step_loss` gives the update's loss function for the result.
+
+    The compiled step takes dynamic shapes (one graph for all the buckets, so one compile,
+    about a minute on a GPU host, not one per bucket); the CUDA graphs are per shape all the
+    same (cudagraph trees record one for each shape they meet), and the masked loss keeps the
+    shapes to the buckets' (a selection of the real rows would give every batch its own)."""
     if not (tc.compile and tc.shape_buckets):
         return compile_model(forward, tc)
     import torch._dynamo
@@ -79,18 +84,14 @@ def compile_step(
 
     fx_config.use_duck_shape = False  # the plain step's shapes, as compile_model's
     shapes = list(shapes or [])
-    # one graph per shape: Dynamo's default limit (8) would fall back to eager past it
-    limit = len(shapes) + 2
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, name) and getattr(torch._dynamo.config, name) < limit:
-            setattr(torch._dynamo.config, name, limit)
     step = BucketStep(forward)
     mode = step_mode(device.type, tc.shape_buckets)
-    fixed = torch.compile(step, dynamic=False, mode=mode)
-    plain = torch.compile(step, dynamic=True)
-    log.info("train.compile with train.shape_buckets: the step compiled for %d shapes (mode %s)",
-             len(shapes), mode)  # fmt: skip
-    return ShapeRouter(step, shapes, fixed, plain, graphs=mode == "reduce-overhead")
+    fixed = torch.compile(step, dynamic=True, mode=mode)
+    graphs = mode == "reduce-overhead"
+    plain = torch.compile(step, dynamic=True) if graphs else fixed  # a CPU: one and the same
+    log.info("train.compile with train.shape_buckets: the whole step compiled for %d shapes "
+             "(%s)", len(shapes), "CUDA graphs" if graphs else "no CUDA graphs")  # fmt: skip
+    return ShapeRouter(step, shapes, fixed, plain, graphs=graphs)
 
 
 def step_loss(model: torch.nn.Module):

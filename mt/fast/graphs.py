@@ -1,9 +1,9 @@
 """The whole step of a shape-bucketed batch compiled, and on CUDA replayed as CUDA graphs.
 
-With ``train.shape_buckets`` every batch has one of K shapes (``mt.data.buckets``), so a step
-compiled for fixed shapes needs one graph per bucket, and a CUDA graph of each can be captured
-once and replayed (torch.compile's ``reduce-overhead`` mode: cudagraph trees, one memory pool
-for the graphs of a process). What is compiled is :class:`BucketStep`: the forward pass and the
+With ``train.shape_buckets`` every batch has one of K shapes (``mt.data.buckets``), so a CUDA
+graph of each shape can be captured once and replayed (torch.compile's ``reduce-overhead``
+mode: cudagraph trees, one memory pool for the graphs of a process, one graph recorded per
+shape met: K). What is compiled is :class:`BucketStep`: the forward pass and the
 loss over every position of the batch, the pads weighted 0 (a selection of the real positions
 would change its row count with every batch, and with it the shapes), and through
 AOTAutograd their backward. The optimizer step is torch's fused Adam (one kernel for all the
@@ -11,10 +11,9 @@ parameters, ``mt.train.update.build_optimizer``), which takes the finite check's
 on the device; collate, the finite check's read, logging stay on the host, outside the graphs,
 and nothing inside them reads the device.
 
-:class:`ShapeRouter` runs a batch of a known bucket shape through the fixed-shape compiled step
-and any other shape (buckets made for another encoding of the corpus, say) through a plain
-dynamic-shape compiled step, so an unknown shape neither captures a graph nor recompiles the
-fixed-shape one. :func:`step_mode` decides which mode a device gets.
+:class:`ShapeRouter` runs a batch of a known bucket shape through the graphed step and any
+other shape (buckets made for another encoding of the corpus, say) through a plain compiled
+step, so an unknown shape captures no graph. :func:`step_mode` decides which mode a device gets.
 """
 
 from __future__ import annotations
@@ -92,9 +91,10 @@ def batch_shape(src: torch.Tensor, tgt_in: torch.Tensor) -> Shape:
 
 
 class ShapeRouter(nn.Module):
-    """Calls ``fixed`` (compiled for fixed shapes; on CUDA captured as graphs) for a batch of
-    one of ``shapes`` and ``plain`` (compiled with dynamic shapes) for any other, both over
-    ``step``'s parameters. ``shapes``: (sentences, source width, target width) triples.
+    """Calls ``fixed`` (on CUDA: replayed as CUDA graphs, one per shape) for a batch of one of
+    ``shapes`` and ``plain`` (compiled, no graphs) for any other, both over ``step``'s
+    parameters: a shape outside the set records no CUDA graph (whose pool would grow with each
+    new shape). ``shapes``: (sentences, source width, target width) triples.
 
     ``graphs``: the fixed step replays CUDA graphs, so each call starts a new step of the
     cudagraph trees (``torch.compiler.cudagraph_mark_step_begin``): the outputs of the last
