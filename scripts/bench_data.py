@@ -96,8 +96,9 @@ def run_data(args, rec: Recorder) -> dict[str, Any]:
         for batch in iterate_batches(split, sampler, epoch):
             batches += 1
             tgt_tokens += batch.ntokens
-            src = batch.src if not buckets else batch.src[(batch.tgt_out != PAD).any(1)]
-            src_tokens += int((src != PAD).sum())  # (a bucket's empty rows hold one EOS)
+            src_tokens += int((batch.src != PAD).sum())
+            if buckets:  # a bucket's empty rows hold one EOS each and no target
+                src_tokens -= int((batch.tgt_out[:, 0] == PAD).sum())
             padded += batch.src.numel() + batch.tgt_out.numel()
             if args.max_batches and batches >= args.max_batches * epoch:
                 break

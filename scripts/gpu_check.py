@@ -31,9 +31,16 @@ start in time is listed as skipped:
    (the corpus prepared once): the test score of a bf16 model beside autocast's.
 9. ``base-master-lt``, ``big-master-lt``: the eager master-weights benches with torch's products
    on cuBLASLt (``bench train --blas cublaslt``), beside their cuBLAS twins.
+10. ``base-master-compiled-buckets``, ``big-master-compiled-buckets``: the batches in
+   ``SHAPE_BUCKETS`` shapes (``train.shape_buckets``), the whole step compiled and replayed as
+   CUDA graphs (``mt.fast.graphs``): MFU, graphs, the seconds of the steps at a shape met first
+   (compiling and capturing), the padding share, the GPU memory reserved (the graphs' pools);
+   ``base-master-buckets`` the same batches eager; ``profile-buckets`` step 5 at bucket shapes
+   with the whole step compiled: kernel launches per update and the GPU's busy share.
 
 The default order (``--steps`` picks and orders them): tests (beside the preparation of the
-corpora), then base with master weights compiled (on an H200 at dd880bc two of its timed steps
+corpora), then the shape-bucketed steps of 10 (not yet measured on a GPU), then base with
+master weights compiled (on an H200 at dd880bc two of its timed steps
 compiled again; one graph since, to be seen), eager, and eager on cuBLASLt; the same three for
 big; the profile; the two Multi30k runs (answered on an H100 at f30a87b: bf16 with master weights
 41.16 test BLEU, fp32 with TF32 40.43); base compiled with autocast, and what was measured on
