@@ -444,3 +444,25 @@ def test_train_under_ddp_reports_the_whole_job(tmp_path):
     # Two ranks x 3 pairs of 2..5 tokens, +EOS each, per step.
     assert 2 * 3 * 3 <= r["tgt_tokens_per_step"] <= 2 * 3 * 6
     assert math.isfinite(r["first_loss"]) and math.isfinite(r["last_loss"])
+
+
+def test_benchmark_batches_in_shape_buckets(prepared_dir, tmp_path):
+    """``--shape-buckets`` (gpu-check's ``*-buckets`` steps) gives the benchmark's batches the
+    bucket shapes training gives them, and the records report the shapes met and the padding
+    share (the loader's and the training bench's)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_data import load_prepared, real_batches
+
+    _, split = load_prepared(f"{prepared_dir}/train")
+    batches = real_batches(split, "x", 200, 8, seed=3, buckets=3)
+    shapes = {(b.src.size(0), b.src.size(1), b.tgt_in.size(1)) for b in batches}
+    assert 1 <= len(shapes) <= 3
+    args = ["train", *TINY, "--data", f"{prepared_dir}/train", "--max-tokens", "200", "--steps",
+            "2", "--warmup-steps", "1", "--shape-buckets", "3"]  # fmt: skip
+    (r,), _ = run_bench(args, tmp_path)
+    assert r["shape_buckets"] == 3 and 1 <= r["shapes_met"] <= 3 and r["first_shape_s"] > 0
+    assert 0 < r["padding_share"]["tgt"] < 1 and 0 <= r["padding_share"]["src"] < 1
+    (d,), _ = run_bench(["data", "--data", f"{prepared_dir}/train", "--max-tokens", "200",
+                         "--shape-buckets", "3"], tmp_path)  # fmt: skip
+    assert d["shape_buckets"] == 3 and 1 <= len(d["shapes"]) <= 3
+    assert 0 < d["padding_share"]["tgt"] < 1
