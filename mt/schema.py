@@ -162,6 +162,12 @@ class TrainConfig:
     master_weights: bool = False
     compile: bool = False  # torch.compile the model
     pad_multiple: int = 0  # pad batch lengths to a multiple of this (0 or 1: none)
+    # Batches padded to one of K (sentences, source, target) shapes made from the corpus's
+    # lengths (mt.data.buckets): few shapes for compiled steps and CUDA graphs. 0 = off.
+    shape_buckets: int = 0
+    # CUDA with batch_tokens: each GPU's batch the largest the memory model (mt.fast.footprint)
+    # fits, up to its share of the global batch; accum_steps keeps the global batch
+    fit_batch: bool = False
     tf32: bool = True  # CUDA: float32 matrix products on TF32 tensor cores
     # CPU training copy (mt.fast): products on oneDNN or torch (measured), 16-bit dropout masks
     cpu_kernels: bool = True

@@ -86,6 +86,11 @@ def _batch(p: argparse.ArgumentParser) -> None:
         "--pad-multiple", type=int, default=1,
         help="with --data: lengths padded up to a multiple (train.pad_multiple; fewer shapes)",
     )  # fmt: skip
+    g.add_argument(
+        "--shape-buckets", type=int, default=0,
+        help="with --data: every batch one of K shapes (train.shape_buckets); with --compile the "
+        "whole step compiled per shape, CUDA graphs on CUDA",
+    )  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--vocab", type=int, default=8000)
     data.add_argument("--epochs", type=int, default=1, help="timed passes over the split")
     data.add_argument("--max-batches", type=int, default=0, help="stop each pass early (0: off)")
+    data.add_argument("--shape-buckets", type=int, default=0,
+                      help="every batch one of K shapes (train.shape_buckets): padding share")
 
     decode = sub.add_parser("decode", help="greedy and beam search (sent_per_s, tok_per_s)")
     _common(decode)

@@ -52,15 +52,15 @@ def synthetic_split(n: int, min_len: int, max_len: int, vocab: int, seed: int) -
 
 def real_batches(
     split: EncodedSplit, spec: str, max_tokens: int, count: int, seed: int, rank: int = 0,
-    world_size: int = 1, pad_multiple: int = 1, one_graph: bool = False,
+    world_size: int = 1, pad_multiple: int = 1, one_graph: bool = False, buckets: int = 0,
 ) -> list:  # fmt: skip
     """The first ``count`` batches of a prepared split (epochs repeat if needed): this rank's
     shard, the ranks of one step given batches of similar lengths, as in training; lengths
     padded up to a multiple of ``pad_multiple`` (``train.pad_multiple``); ``one_graph`` as
-    training compiled (``mt.data.batches.collate``)."""
+    training compiled (``mt.data.batches.collate``); ``buckets``: ``train.shape_buckets``."""
     sampler = BatchSampler(
         split.src.lengths, split.tgt.lengths, max_tokens, seed, rank, world_size,
-        group=world_size,
+        group=world_size, buckets=buckets, multiple=pad_multiple,
     )  # fmt: skip
     out, epoch = [], 1
     while len(out) < count:
@@ -85,7 +85,9 @@ def run_data(args, rec: Recorder) -> dict[str, Any]:
         split = synthetic_split(args.sentences, args.min_len, args.max_len, args.vocab, args.seed)
         source = f"synthetic n={args.sentences} len=[{args.min_len},{args.max_len}]"
     start = time.perf_counter()
-    sampler = BatchSampler(split.src.lengths, split.tgt.lengths, args.max_tokens, args.seed)
+    buckets = getattr(args, "shape_buckets", 0)
+    sampler = BatchSampler(split.src.lengths, split.tgt.lengths, args.max_tokens, args.seed,
+                           buckets=buckets)  # fmt: skip
     setup = time.perf_counter() - start
     batches = tgt_tokens = src_tokens = padded = 0
     total = 0.0
@@ -95,6 +97,8 @@ def run_data(args, rec: Recorder) -> dict[str, Any]:
             batches += 1
             tgt_tokens += batch.ntokens
             src_tokens += int((batch.src != PAD).sum())
+            if buckets:  # a bucket's empty rows hold one EOS each and no target
+                src_tokens -= int((batch.tgt_out[:, 0] == PAD).sum())
             padded += batch.src.numel() + batch.tgt_out.numel()
             if args.max_batches and batches >= args.max_batches * epoch:
                 break
@@ -111,6 +115,10 @@ def run_data(args, rec: Recorder) -> dict[str, Any]:
         "tok_per_s": tgt_tokens / total,
         "src_tok_per_s": src_tokens / total,
         "padding_fraction": 1 - (tgt_tokens + src_tokens) / max(padded, 1),
+        # each side's padded share of a whole epoch (shape buckets: their widths, empty rows)
+        "padding_share": dict(zip(("src", "tgt"), sampler.padding_fraction(1))),
+        "shape_buckets": buckets,
+        "shapes": sampler.buckets.shapes() if sampler.buckets is not None else None,
         "skipped": sampler.num_skipped,
         "peak_mem_mb": peak_memory_mb(args.device_obj)[0],
         "peak_mem_kind": peak_memory_mb(args.device_obj)[1],

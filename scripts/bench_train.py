@@ -45,7 +45,8 @@ from bench_common import (
 from torch import nn
 
 from mt import distributed
-from mt.fast.compile import compile_model, compiled_graphs
+from mt.fast.compile import compile_step, compiled_graphs, step_loss
+from mt.fast.graphs import graph_memory_gb
 from mt.fast.training import for_training
 from mt.model.loss import label_smoothed_nll_loss
 from mt.model.transformer import build_model, sinusoidal_positions
@@ -161,7 +162,7 @@ class Runner:
 
     def __init__(
         self, name: str, model: nn.Module, args, cfg: ModelConfig, device, textbook: bool = False,
-        info: distributed.DistInfo | None = None,
+        info: distributed.DistInfo | None = None, shapes: list | None = None,
     ) -> None:  # fmt: skip
         self.name, self.device = name, device
         self.model = model.to(device).train()
@@ -182,13 +183,15 @@ class Runner:
             opt, noam_lambda(cfg.d_model, tc.warmup, tc.factor, tc.lr)
         )
         scaler = torch.amp.GradScaler(device.type, enabled=tc.precision == "fp16")
-        forward = compile_model(self.model, tc)  # as mt.train: dynamic shapes when compiled
+        tc.shape_buckets = 0 if textbook else getattr(args, "shape_buckets", 0)
+        # as mt.train: dynamic shapes when compiled; with shape buckets the whole step per shape
+        forward = compile_step(self.model, tc, device, shapes)
         world = 1
         if info is not None and info.distributed:  # as mt.train.recipe: compiled, then DDP
             forward, world = distributed.wrap(forward, info), info.world_size
         self.update = Updater(
             forward, params, opt, sched, scaler, run_cfg, world,
-            textbook_loss if textbook else None,
+            textbook_loss if textbook else step_loss(forward),
         )  # fmt: skip
         self.state = TrainState()
         self.tok_per_s: list[float] = []
@@ -197,6 +200,7 @@ class Runner:
         self.flops = 0.0
         self.peak_mem = 0.0
         self.losses: list[float] = []
+        self.first_shape_s: list[float] = []  # the steps at a shape met first
 
     def step(self, batch) -> tuple[float, float]:
         """One full training update; returns (seconds, loss per target token)."""
@@ -206,6 +210,25 @@ class Runner:
         sync(self.device)
         seconds = time.perf_counter() - start
         return seconds, result.loss if result is not None else float("nan")
+
+
+def batch_dims(batch) -> tuple[int, int, int]:
+    """(sentences, source width, target width) of a batch."""
+    return batch.src.size(0), batch.src.size(1), batch.tgt_in.size(1)
+
+
+def padding_share(batches) -> dict[str, float]:
+    """Each side's share of padded positions over ``batches`` (a shape bucket's empty rows
+    count as padding, their one EOS too)."""
+    real = {"src": 0, "tgt": 0}
+    total = {"src": 0, "tgt": 0}
+    for b in batches:
+        rows = (b.tgt_out != PAD).any(1)
+        real["src"] += int((b.src[rows] != PAD).sum())
+        real["tgt"] += int(b.ntokens)
+        total["src"] += b.src.numel()
+        total["tgt"] += b.tgt_out.numel()
+    return {k: round(1 - real[k] / max(total[k], 1), 4) for k in real}
 
 
 def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
@@ -240,16 +263,14 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
         mt_model, device, args.cpu_kernels, args.precision, args.compile,
         master_weights=args.master_weights,
     )
-    runners = [Runner("mt", mt_forward, args, cfg, device, info=info)]
-    if args.baseline == "torch":
-        torch_model = TorchTransformer(cfg, args.vocab)
-        runners.append(Runner("torch", torch_model, args, cfg, device, textbook=True))
-
     n = args.warmup_steps + args.steps
+    buckets = getattr(args, "shape_buckets", 0)
+    if buckets and not args.data:
+        raise SystemExit("--shape-buckets needs --data (the shapes come from its lengths)")
     if args.data:
         batches = real_batches(
             split, args.data, args.max_tokens, n, args.seed, rank, world, args.pad_multiple,
-            one_graph=args.compile,
+            one_graph=args.compile, buckets=buckets,
         )
         source = args.data
     else:  # each rank its own batches (seeds rank x 1000 on)
@@ -257,6 +278,11 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
             argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * rank}), n
         )
         source = f"random B={args.batch_size} len=[{args.min_len},{args.max_len}]"
+    shapes = sorted({batch_dims(b) for b in batches}) if buckets else None
+    runners = [Runner("mt", mt_forward, args, cfg, device, info=info, shapes=shapes)]
+    if args.baseline == "torch":
+        torch_model = TorchTransformer(cfg, args.vocab)
+        runners.append(Runner("torch", torch_model, args, cfg, device, textbook=True))
 
     peak_tflops = args.peak_tflops
     peak_source = "--peak-tflops" if peak_tflops else None
@@ -267,14 +293,19 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
 
     datasheet = datasheet_tflops(device, args.precision)
     log.info("train: %d warm-up + %d timed steps, %s", args.warmup_steps, args.steps, source)
+    seen: set = set()
     for i, batch in enumerate(batches):
         batch = batch.to(device)
         flops = batch_flops(batch, p_enc, p_dec, cfg, args.vocab)
         # Alternate the order too, so neither implementation always runs on a warmer cache.
         order = runners if i % 2 == 0 else runners[::-1]
+        first = batch_dims(batch) not in seen  # a shape met first: compiled, graphs captured
+        seen.add(batch_dims(batch))
         for r in order:
             reset_peak_memory(device)
             seconds, loss = r.step(batch)
+            if first:
+                r.first_shape_s.append(seconds)
             r.peak_mem = max(r.peak_mem, peak_memory_mb(device)[0])
             if not math.isfinite(loss):
                 raise RuntimeError(f"{r.name}: non-finite loss at step {i}")
@@ -312,6 +343,12 @@ def run_train(args, rec: Recorder) -> list[dict[str, Any]]:
             "max_len": args.max_len if not args.data else None,
             "max_tokens": args.max_tokens if args.data else None,
             "pad_multiple": args.pad_multiple if args.data else None,
+            "shape_buckets": buckets,
+            "shapes_met": len(seen),
+            # the steps that met a shape first: compiling and, on CUDA with buckets, capturing
+            "first_shape_s": round(sum(r.first_shape_s), 2),
+            "padding_share": padding_share(batches),
+            **({"graph_memory": graph_memory_gb(device)} if device.type == "cuda" else {}),
             "steps": args.steps,
             "warmup_steps": args.warmup_steps,
             "tgt_tok_per_s": tok_s,

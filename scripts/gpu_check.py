@@ -31,10 +31,16 @@ start in time is listed as skipped:
    (the corpus prepared once): the test score of a bf16 model beside autocast's.
 9. ``base-master-lt``, ``big-master-lt``: the eager master-weights benches with torch's products
    on cuBLASLt (``bench train --blas cublaslt``), beside their cuBLAS twins.
+10. ``base-master-compiled-buckets``, ``big-master-compiled-buckets``: the batches in
+   ``SHAPE_BUCKETS`` shapes (``train.shape_buckets``), the whole step compiled and replayed as
+   CUDA graphs (``mt.fast.graphs``): MFU, graphs, the seconds of the steps at a shape met first
+   (compiling and capturing), the padding share, the GPU memory reserved (the graphs' pools);
+   ``base-master-buckets`` the same batches eager; ``profile-buckets`` step 5 at bucket shapes
+   with the whole step compiled: kernel launches per update and the GPU's busy share.
 
 The default order (``--steps`` picks and orders them): tests (beside the preparation of the
-corpora), then base with master weights compiled, eager, and eager on cuBLASLt; the same three
-for big; the profile; the two Multi30k runs; base compiled with autocast, then base, big, the
+corpora), then the shape-bucketed steps, then base with master weights compiled, eager, and
+eager on cuBLASLt; the same three for big; the profile; the two Multi30k runs; base compiled with autocast, then base, big, the
 loader, base padded to 8 and big compiled. The order puts first what is least often measured, so
 that a short budget still answers it. The default budget, 540 s, keeps the whole check within
 ten minutes; steps that do not fit are listed as skipped, and a second run with ``--steps``
@@ -141,13 +147,15 @@ QUICK_FLAGS = {"N": "--layers", "d_model": "--d-model", "d_ff": "--d-ff", "h": "
 
 def bench_train(args, out: Path, env: dict, data: Path | None, preset: str,
                 compiled: bool, pad8: bool = False, master: bool = False,
-                lt: bool = False) -> dict:  # fmt: skip
+                lt: bool = False, buckets: bool = False) -> dict:  # fmt: skip
     """Training steps of one preset, bf16 (fp32 on a CPU), eager or compiled; ``pad8``: the
     batches' lengths padded to multiples of 8 (fewer distinct shapes, a little more work);
     ``master``: a bf16 model and float32 master weights instead of autocast (bf16 on a CPU
     too, where it may be emulated: the miniature checks the command, not the figure); ``lt``:
     torch's products on cuBLASLt (``--blas cublaslt``: the profile step times a product's host
-    setup under both libraries; whether a whole step gains is this bench's question)."""
+    setup under both libraries; whether a whole step gains is this bench's question);
+    ``buckets``: the batches in ``SHAPE_BUCKETS`` shapes (``train.shape_buckets``; needs the corpus), and compiled, the
+    whole step compiled per shape and replayed as CUDA graphs."""
     precision = "bf16" if args.device == "cuda" or master else "fp32"
     cmd = [sys.executable, "scripts/bench.py", "train", "--preset", preset,
            "--device", args.device, "--precision", precision, "--output",
@@ -166,8 +174,11 @@ def bench_train(args, out: Path, env: dict, data: Path | None, preset: str,
         cmd.append("--master-weights")
     if lt and args.device != "cpu":  # a CPU has no BLAS to choose: the miniature runs the rest
         cmd += ["--blas", "cublaslt"]
+    if buckets:
+        cmd += ["--shape-buckets", str(SHAPE_BUCKETS)]
     name = (f"bench_{preset}_{'compiled' if compiled else 'eager'}{'_pad8' if pad8 else ''}"
-            f"{'_master' if master else ''}{'_lt' if lt else ''}")  # fmt: skip
+            f"{'_master' if master else ''}{'_lt' if lt else ''}"
+            f"{'_buckets' if buckets else ''}")  # fmt: skip
     return run(cmd, out, name, env, args.step_timeout, needs=150 if compiled else 45)
 
 
@@ -233,30 +244,51 @@ import json, sys, torch
 import numpy as np
 from torch.profiler import ProfilerActivity, profile
 from mt.config import load_config
-from mt.data.batches import collate
+from mt.data.batches import collate, collate_flat
+from mt.data.buckets import derive_buckets
 from mt.fast import for_training
+from mt.fast.compile import compile_step, compiled_graphs, step_loss
+from mt.fast.graphs import graph_memory_gb
 from mt.model import build_model
 from mt.train.state import TrainState
 from mt.train.update import Updater, build_optimizer
 
 device, preset, tokens, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+name = sys.argv[5]  # profile, or profile-buckets (train.shape_buckets among the overrides)
 dev = torch.device(device)
 precision = "bf16" if dev.type == "cuda" else "fp32"
 cfg = load_config([f"model={preset}", f"train.precision={precision}", "train.clip_norm=1.0",
-                   *sys.argv[5:]])
+                   *sys.argv[6:]])
 torch.manual_seed(0)
 raw = build_model(cfg.model, 37000 if preset != "small" else 8000).to(dev)
 # on a GPU the WMT experiments' step: bf16 with float32 master weights (train.master_weights)
 step_model = for_training(raw, dev, precision=precision, master_weights=dev.type == "cuda")
 opt = build_optimizer(raw.parameters(), cfg.train, dev)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1e-4)
-update = Updater(step_model, raw.parameters(), opt, sched,
-                 torch.amp.GradScaler(dev.type, enabled=False), cfg, 1)
 rng = np.random.default_rng(0)
+buckets = None
+if cfg.train.shape_buckets:  # the shapes of batches of these lengths, the whole step compiled
+    lengths = rng.integers(8, 52, (2, 20000))
+    buckets = derive_buckets(lengths[0], lengths[1], tokens, cfg.train.shape_buckets)
+    step_model = compile_step(step_model, cfg.train, dev, buckets.shapes())
+update = Updater(step_model, raw.parameters(), opt, sched,
+                 torch.amp.GradScaler(dev.type, enabled=False), cfg, 1,
+                 loss_fn=step_loss(step_model))
+shape_turn = [0]
 
 
 def make_batch():  # lengths new to every update, as batches by tokens bring them
     lo = int(rng.integers(8, 40))
+    if buckets is not None:  # each bucket's shape in turn, its pairs at lengths within it
+        k = shape_turn[0] % len(buckets)
+        shape_turn[0] += 1
+        rows, S, T = buckets.shape(k)
+        low = buckets.bounds[k - 1] if k else 1
+        n = int(rng.integers(max(1, rows // 2), rows + 1))
+        s = rng.integers(max(0, min(S, low) - 1), S, n)
+        t = rng.integers(max(0, min(T, low) - 1), T, n)
+        return collate_flat(rng.integers(4, 8000, s.sum()), s, rng.integers(4, 8000, t.sum()),
+                            t, shape=(rows, S, T)).to(dev)
     n = max(1, tokens // (lo + 6))
     pairs = [(rng.integers(4, 8000, rng.integers(lo, lo + 12)),
               rng.integers(4, 8000, rng.integers(lo, lo + 12))) for _ in range(n)]
@@ -289,10 +321,22 @@ def profiled(batches, shapes=False):  # one update per batch under the profiler:
 
 
 # Three updates at lengths new to each (as batches by tokens bring them), then three updates of
-# one batch seen before: the difference is what a new shape costs the host.
-for batch in [make_batch() for _ in range(2)]:
+# one batch seen before: the difference is what a new shape costs the host. With buckets every
+# shape is met (compiled, captured: timed as capture_s) before the three.
+import time
+t0 = time.perf_counter()
+for batch in [make_batch() for _ in range(2 if buckets is None else len(buckets))]:
     update([batch], TrainState())
+if dev.type == "cuda":
+    torch.cuda.synchronize()
+capture_s = time.perf_counter() - t0
 averages, summary = profiled([make_batch() for _ in range(3)])
+summary["warmup_s"] = capture_s
+if buckets is not None:
+    summary["shapes"] = len(buckets)
+    summary["padding_share"] = dict(zip(("src", "tgt"), buckets.padding))
+    summary["compiled_graphs"] = compiled_graphs()
+    summary["graph_memory"] = graph_memory_gb(dev)
 again = make_batch()
 update([again], TrainState())
 _, summary["same_shape"] = profiled([again] * 3)
@@ -354,26 +398,31 @@ for i, library in enumerate(libraries):
         base_rows, [base_rows + 8 * (k + 1) for k in range(24)])
 if dev.type == "cuda":
     torch.backends.cuda.preferred_blas_library(default)
-with open(out + "/profile.txt", "w") as f:
+with open(out + f"/{name}.txt", "w") as f:
     f.write(device_table(averages))
     if dev.type == "cuda":  # the host's side too (on a CPU the table above is already that)
         f.write("\n" + averages.table(sort_by="self_cpu_time_total", row_limit=15))
     f.write("\n\nThe copies of one update by input shape (calls, device us, host us):\n")
     for a in sorted(copies, key=lambda a: (device_us(a), a.cpu_time_total), reverse=True)[:25]:
         f.write(f"{a.key} {a.input_shapes} {a.count} {device_us(a):.0f} {a.cpu_time_total:.0f}\n")
-with open(out + "/profile.json", "w") as f:
+with open(out + f"/{name}.json", "w") as f:
     json.dump(summary, f, indent=2)
 """
 
 
-def profile(args, out: Path, env: dict) -> dict:
+def profile(args, out: Path, env: dict, buckets: bool = False) -> dict:
+    """The profile's step (``PROFILE``); ``buckets``: its updates at bucket shapes, the whole
+    step compiled (CUDA graphs on CUDA), written as ``profile-buckets.*``."""
     preset, tokens = ("small", 256) if args.quick else ("base", 25000)
     script = out / "profile_step.py"
     script.write_text(PROFILE)
-    cmd = [sys.executable, str(script), args.device, preset, str(tokens), str(out)]
+    name = "profile-buckets" if buckets else "profile"
+    cmd = [sys.executable, str(script), args.device, preset, str(tokens), str(out), name]
     if args.quick:  # the preset in miniature, as the bench's
         cmd += [f"model.{k}={v}" for k, v in QUICK_MODEL.items()]
-    return run(cmd, out, "profile", env, args.step_timeout, needs=30)
+    if buckets:
+        cmd += ["train.compile=true", f"train.shape_buckets={SHAPE_BUCKETS}"]
+    return run(cmd, out, name, env, args.step_timeout, needs=150 if buckets else 30)
 
 
 def _compiled(record: dict) -> str:
@@ -390,6 +439,20 @@ def _steps(record: dict) -> str:
     return "-" if not times or median is None else f"{median:,.1f} / {max(times):,.1f}"
 
 
+def _buckets(record: dict) -> str:
+    """A bench's shapes met (``train.shape_buckets``), the seconds of its steps at a shape met
+    first (compiling; on CUDA with buckets, capturing the graphs), each side's padding share
+    and the GPU memory reserved after it (the graphs' pools are part of it)."""
+    pad = record.get("padding_share") or {}
+    memory = (record.get("graph_memory") or {}).get("reserved_peak_gb")
+    return " | ".join([
+        f"{record.get('shapes_met', '-')} ({record.get('shape_buckets') or 'off'})",
+        "-" if record.get("first_shape_s") is None else f"{record['first_shape_s']:,.1f}",
+        f"{pad['src']:.1%} / {pad['tgt']:.1%}" if pad else "-",
+        "-" if memory is None else f"{memory:.1f}",
+    ])
+
+
 def summary(out: Path, steps: list[dict], info: dict) -> str:
     lines = ["# gpu-check", "", f"machine: {json.dumps(info)}", "", "| step | status | seconds |",
              "|---|---|---|"]  # fmt: skip
@@ -397,8 +460,9 @@ def summary(out: Path, steps: list[dict], info: dict) -> str:
     bench_file = out / "bench.jsonl"
     if bench_file.is_file():
         lines += ["", "| bench | compiled (graphs) | tgt tok/s | median / slowest step ms | "
-                  "MFU (datasheet) | MFU (measured peak) | peak memory MB |",
-                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "MFU (datasheet) | MFU (measured peak) | peak memory MB | shapes (buckets) | "
+                  "first-shape steps s | padding src / tgt | GPU reserved GB |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         records = [json.loads(line) for line in bench_file.read_text().splitlines()]
         for r in records:
             if r.get("bench") != "train":
@@ -412,7 +476,7 @@ def summary(out: Path, steps: list[dict], info: dict) -> str:
                 f"{_compiled(r)} | {r['tgt_tok_per_s']:,.0f} | {_steps(r)} | "
                 f"{'-' if mfu is None else f'{mfu:.1%}'} | "
                 f"{'-' if r.get('mfu') is None else format(r['mfu'], '.1%')} | "
-                f"{r.get('peak_mem_mb', 0):,.0f} |"
+                f"{r.get('peak_mem_mb', 0):,.0f} | {_buckets(r)} |"
             )
         lines += ["", *(f"loader alone: {r['batches_per_s']:,.1f} batches/s, {r['tok_per_s']:,.0f} "
                         f"target tok/s" for r in records if r.get("bench") == "data")]  # fmt: skip
@@ -425,28 +489,58 @@ def summary(out: Path, steps: list[dict], info: dict) -> str:
         if log.is_file():  # the run's last records: updates, minutes, valid BLEU, why it ended
             lines += ["", f"Multi30k run{how}, last records of metrics.jsonl:", "```",
                       *log.read_text().splitlines()[-3:], "```"]  # fmt: skip
-    prof = out / "profile.json"
-    if prof.is_file():
-        lines += ["", f"profile of three updates at new shapes, then three at one shape: "
-                  f"{prof.read_text()}"]
+    for prof_name, what in (("profile-buckets", "with shape buckets, the whole step compiled "
+                             "(CUDA graphs on CUDA), three updates at bucket shapes met before, "
+                             "then three of one batch"),
+                            ("profile", "three updates at new shapes, then three at one shape")):
+        prof = out / f"{prof_name}.json"
+        if prof.is_file():
+            lines += ["", f"{prof_name}: {what}: {_profile_line(json.loads(prof.read_text()))}",
+                      "", f"```\n{prof.read_text()}\n```"]
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)
     return text
 
 
-# The steps and their default order: the open questions first where a budget is short.
-STEPS = ("tests", "base-master-compiled", "base-master", "base-master-lt", "big-master-compiled",
-         "big-master", "big-master-lt", "profile", "multi30k-master", "multi30k", "base-compiled",
-         "base", "big", "data", "base-pad8", "big-compiled")
+SHAPE_BUCKETS = 16  # the news corpus's padding share levels off by about 16 (mt.data.buckets)
+
+def _profile_line(p: dict) -> str:
+    """The profile's headline figures: kernel launches per update and the GPU's busy share,
+    at the shapes profiled and at one batch again."""
+    def part(d: dict) -> str:
+        busy = d.get("gpu_busy_share")
+        return (f"{d.get('kernel_launches_per_update', 0):,.0f} launches per update, "
+                f"{d.get('ms_per_update', 0):,.1f} ms, GPU busy "
+                f"{'-' if busy is None else format(busy, '.0%')}")
+    line = part(p)
+    if p.get("same_shape"):
+        line += f"; one batch again: {part(p['same_shape'])}"
+    if p.get("shapes"):
+        pad = p.get("padding_share", {})
+        line += (f"; {p['shapes']} shapes met in {p.get('warmup_s', 0):,.1f} s (compiling and "
+                 f"capturing), {p.get('compiled_graphs')} compiled graph(s), padding "
+                 f"{pad.get('src', 0):.1%} / {pad.get('tgt', 0):.1%}")
+    return line
+
+
+# The steps and their default order: the open questions first where a budget is short. The
+# shape-bucketed, wholly compiled steps on CUDA graphs first, then their profile.
+STEPS = ("tests", "base-master-compiled-buckets", "big-master-compiled-buckets",
+         "profile-buckets", "base-master-buckets", "base-master-compiled", "base-master",
+         "base-master-lt", "big-master-compiled", "big-master", "big-master-lt", "profile",
+         "multi30k-master", "multi30k", "base-compiled", "base", "big", "data", "base-pad8",
+         "big-compiled")
 # bench train: a preset, then what differs from eager autocast (pad8, master, compiled, lt)
 TRAIN_BENCHES = tuple(s for s in STEPS if s.split("-")[0] in ("base", "big"))
 
 
 def bench_variant(name: str) -> tuple[str, dict]:
     """A bench step's preset and how it differs from eager autocast: ``base-master-compiled``
-    -> ``("base", {"compiled": True, "pad8": False, "master": True, "lt": False})``."""
+    -> ``("base", {"compiled": True, "pad8": False, "master": True, "lt": False,
+    "buckets": False})``."""
     preset, *how = name.split("-")
-    return preset, {flag: flag in how for flag in ("compiled", "pad8", "master", "lt")}
+    flags = ("compiled", "pad8", "master", "lt", "buckets")
+    return preset, {flag: flag in how for flag in flags}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -508,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
         record(news_step)
     data = prepared_news(out, news_step)
     for name in chosen:
-        if name == "base-pad8" and data is None:
+        if (name == "base-pad8" or "buckets" in name) and data is None:
             continue  # padding needs the corpus's lengths (random batches would repeat base)
         if name in TRAIN_BENCHES:
             preset, how = bench_variant(name)
@@ -520,8 +614,8 @@ def main(argv: list[str] | None = None) -> int:
                 m30k_prepared = finish(m30k_prep, args.step_timeout)
                 record(m30k_prepared)
             record(*multi30k(args, out, env, m30k_prepared, master=name == "multi30k-master"))
-        elif name == "profile":
-            record(profile(args, out, env))
+        elif name in ("profile", "profile-buckets"):
+            record(profile(args, out, env, buckets=name == "profile-buckets"))
     print(summary(out, steps, info))
     return 0 if all(s["status"] == 0 for s in steps) else 1
 

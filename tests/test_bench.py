@@ -342,7 +342,7 @@ def test_gpu_check_bench_steps_name_their_variant_and_the_summary_shows_it(monke
     lt = seen["bench_base_eager_master_lt"]  # the same bench with cuBLASLt's products
     assert lt[lt.index("--blas") + 1] == "cublaslt" and "--master-weights" in lt
     assert "--blas" not in seen["bench_base_eager_master"]
-    assert len(seen) == len(gpu_check.TRAIN_BENCHES) == 11
+    assert len(seen) == len(gpu_check.TRAIN_BENCHES) == 14
     # Multi30k's bf16 twin: master weights, its own run directory, the preparation not repeated
     args.multi30k_minutes = None
     prepared = {"step": "multi30k_prepare", "status": 0, "seconds": 1.0}
@@ -363,6 +363,55 @@ def test_gpu_check_bench_steps_name_their_variant_and_the_summary_shows_it(monke
     assert "| 512x6 bf16, master weights | True (1) | 1 | 40.0 / 75,970.2 |" in text
     (tmp_path / "bench.jsonl").write_text(json.dumps({**record, "blas": "cublaslt"}) + "\n")
     assert "| 512x6 bf16, master weights, cuBLASLt | False |" in gpu_check.summary(tmp_path, [], {})
+
+
+def test_gpu_check_runs_the_bucketed_steps_first_and_reports_their_figures(monkeypatch, tmp_path):
+    """The shape-bucketed, wholly compiled variants lead the default order (after the tests);
+    their commands ask for the buckets, and the summary formats what they measured: the
+    shapes met, the seconds of the first-shape steps (compiling, capturing), the padding
+    share, the GPU memory reserved, and the bucketed profile's launches and busy share."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import gpu_check
+
+    assert gpu_check.STEPS[:4] == ("tests", "base-master-compiled-buckets",
+                                   "big-master-compiled-buckets", "profile-buckets")  # fmt: skip
+    assert gpu_check.bench_variant("big-master-compiled-buckets") == (
+        "big", {"compiled": True, "pad8": False, "master": True, "lt": False, "buckets": True})
+    seen = {}
+    monkeypatch.setattr(gpu_check, "run", lambda cmd, out, name, *a, **k: seen.update(
+        {name: cmd}) or {"step": name, "status": 0, "seconds": 0.0})  # fmt: skip
+    args = gpu_check.argparse.Namespace(device="cuda", quick=False, step_timeout=60)
+    gpu_check.bench_train(args, tmp_path, {}, tmp_path / "train", "base", compiled=True,
+                          master=True, buckets=True)  # fmt: skip
+    cmd = seen["bench_base_compiled_master_buckets"]
+    assert cmd[cmd.index("--shape-buckets") + 1] == str(gpu_check.SHAPE_BUCKETS)
+    assert "--compile" in cmd and "--data" in cmd
+    gpu_check.profile(args, tmp_path, {}, buckets=True)
+    assert {"train.compile=true", f"train.shape_buckets={gpu_check.SHAPE_BUCKETS}"} <= set(
+        seen["profile-buckets"])
+    assert "train.compile=true" not in (gpu_check.profile(args, tmp_path, {}) and
+                                        seen["profile"])  # fmt: skip
+    record = {"bench": "train", "d_model": 512, "layers": 6, "precision": "bf16",
+              "compile": True, "compiled_graphs": 1, "tgt_tok_per_s": 1.0, "master_weights": True,
+              "shape_buckets": 16, "shapes_met": 12, "first_shape_s": 71.25,
+              "padding_share": {"src": 0.1234, "tgt": 0.0987},
+              "graph_memory": {"reserved_peak_gb": 21.44}}  # fmt: skip
+    (tmp_path / "bench.jsonl").write_text(json.dumps(record) + "\n")
+    (tmp_path / "profile-buckets.json").write_text(json.dumps({
+        "kernel_launches_per_update": 210.0, "ms_per_update": 41.04, "gpu_busy_share": 0.93,
+        "same_shape": {"kernel_launches_per_update": 208.0, "ms_per_update": 40.0,
+                       "gpu_busy_share": 0.95},
+        "shapes": 16, "warmup_s": 80.5, "compiled_graphs": 1,
+        "padding_share": {"src": 0.12, "tgt": 0.1}}))  # fmt: skip
+    text = gpu_check.summary(tmp_path, [], {})
+    assert "| 12 (16) | 71.2 | 12.3% / 9.9% | 21.4 |" in text
+    assert ("profile-buckets: with shape buckets" in text and "210 launches per update, 41.0 ms, "
+            "GPU busy 93%; one batch again: 208 launches" in text)  # fmt: skip
+    assert "16 shapes met in 80.5 s (compiling and capturing), 1 compiled graph(s)" in text
+    plain = {k: v for k, v in record.items() if k not in ("shape_buckets", "shapes_met",
+             "first_shape_s", "padding_share", "graph_memory")}  # fmt: skip
+    (tmp_path / "bench.jsonl").write_text(json.dumps(plain) + "\n")
+    assert "| - (off) | - | - | - |" in gpu_check.summary(tmp_path, [], {})
 
 
 def test_gpu_check_refuses_an_unknown_step_before_running_anything(tmp_path):
@@ -389,3 +438,25 @@ def test_train_under_ddp_reports_the_whole_job(tmp_path):
     # Two ranks x 3 pairs of 2..5 tokens, +EOS each, per step.
     assert 2 * 3 * 3 <= r["tgt_tokens_per_step"] <= 2 * 3 * 6
     assert math.isfinite(r["first_loss"]) and math.isfinite(r["last_loss"])
+
+
+def test_benchmark_batches_in_shape_buckets(prepared_dir, tmp_path):
+    """``--shape-buckets`` (gpu-check's ``*-buckets`` steps) gives the benchmark's batches the
+    bucket shapes training gives them, and the records report the shapes met and the padding
+    share (the loader's and the training bench's)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_data import load_prepared, real_batches
+
+    _, split = load_prepared(f"{prepared_dir}/train")
+    batches = real_batches(split, "x", 200, 8, seed=3, buckets=3)
+    shapes = {(b.src.size(0), b.src.size(1), b.tgt_in.size(1)) for b in batches}
+    assert 1 <= len(shapes) <= 3
+    args = ["train", *TINY, "--data", f"{prepared_dir}/train", "--max-tokens", "200", "--steps",
+            "2", "--warmup-steps", "1", "--shape-buckets", "3"]  # fmt: skip
+    (r,), _ = run_bench(args, tmp_path)
+    assert r["shape_buckets"] == 3 and 1 <= r["shapes_met"] <= 3 and r["first_shape_s"] > 0
+    assert 0 < r["padding_share"]["tgt"] < 1 and 0 <= r["padding_share"]["src"] < 1
+    (d,), _ = run_bench(["data", "--data", f"{prepared_dir}/train", "--max-tokens", "200",
+                         "--shape-buckets", "3"], tmp_path)  # fmt: skip
+    assert d["shape_buckets"] == 3 and 1 <= len(d["shapes"]) <= 3
+    assert 0 < d["padding_share"]["tgt"] < 1

@@ -71,9 +71,11 @@ def test_single_process_helpers_are_noops(monkeypatch):
 
 
 @pytest.mark.slow
-def test_two_ranks_equal_one_rank_with_accumulation(tmp_path, monkeypatch):
+@pytest.mark.parametrize("buckets", [0, 3])
+def test_two_ranks_equal_one_rank_with_accumulation(tmp_path, monkeypatch, buckets):
     """Per-update losses of 2 gloo ranks x max_tokens=M equal 1 rank x accum_steps=2 (dropout 0):
-    the gradient is normalised by the tokens of the whole update across ranks."""
+    the gradient is normalised by the tokens of the whole update across ranks; with shape
+    buckets too (train.shape_buckets: the same shapes and plan on every rank)."""
     import mt.fast.probe
 
     # The kernels from the probes' cache file, as the ranks take them, not from what this
@@ -81,7 +83,8 @@ def test_two_ranks_equal_one_rank_with_accumulation(tmp_path, monkeypatch):
     # rounding (softmax ignores a constant), which Adam turns into steps of lr's size, so the
     # two runs must round alike to end with the same weights.
     monkeypatch.setattr(mt.fast.probe, "_DECIDED", {})
-    common = ["model.dropout=0.0", "train.max_steps=6", "train.max_tokens=300", "train.ema=0.5"]
+    common = ["model.dropout=0.0", "train.max_steps=6", "train.max_tokens=300", "train.ema=0.5",
+              f"train.shape_buckets={buckets}"]
     single = tmp_path / "single"
     train_cfg = _cfg(single, *common, "train.accum_steps=2")
     from mt.train.recipe import train

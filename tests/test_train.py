@@ -96,11 +96,13 @@ def _data_env(real_data, monkeypatch):
 
 
 @pytest.mark.slow
-def test_exact_resume_after_sigkill(tmp_path, real_data):
+@pytest.mark.parametrize("buckets", [0, 4])
+def test_exact_resume_after_sigkill(tmp_path, real_data, buckets):
     """A run killed (SIGKILL) after its checkpoint at step N and restarted logs the same losses,
-    step for step, as an uninterrupted run (dropout on, so RNG states matter)."""
+    step for step, as an uninterrupted run (dropout on, so RNG states matter); with shape
+    buckets too (train.shape_buckets)."""
     N, total = 5, 15
-    common = ["model.dropout=0.1", f"train.save_every={N}"]
+    common = ["model.dropout=0.1", f"train.save_every={N}", f"train.shape_buckets={buckets}"]
     full = tmp_path / "full"
     train(_cfg(full, *common, f"train.max_steps={total}"))
     expected = _losses(full)

@@ -13,6 +13,9 @@
   pair counts exactly once.
 - Several training corpora at their own weights (``mix``, :mod:`mt.data.mixing`): each epoch
   draws its pairs of every corpus first, from (seed, epoch), then batches them as above.
+- Shape buckets (``train.shape_buckets``, :mod:`mt.data.buckets`): every batch padded to one
+  of K (sentences, source, target) shapes made from the kept pairs' lengths, so that a
+  compiled step or a GPU meets few shapes; the padding share is logged.
 - Pairs longer than ``max_len`` (the model's positional range) or that cannot fit
   ``max_tokens`` even alone are skipped and counted (``num_skipped``, logged).
 """
@@ -26,6 +29,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
+from mt.data.buckets import Buckets, chunk_by_bucket, derive_buckets
 from mt.data.mixing import Mix
 from mt.model.masks import RealPositions
 from mt.vocab import BOS, EOS, PAD
@@ -75,11 +79,15 @@ def _flatten(seqs: Sequence[Sequence[int] | np.ndarray]) -> tuple[np.ndarray, np
 
 
 def _pad_flat(
-    ids: np.ndarray, lengths: np.ndarray, bos: bool, eos: bool, multiple: int = 1
-) -> np.ndarray:
+    ids: np.ndarray, lengths: np.ndarray, bos: bool, eos: bool, multiple: int = 1,
+    width: int | None = None,
+) -> np.ndarray:  # fmt: skip
     """:func:`_pad` of sequences given one after another (``ids``) with their ``lengths``:
-    one scatter, no loop over the sequences."""
-    width = -(-(int(lengths.max()) + bos + eos) // multiple) * multiple
+    one scatter, no loop over the sequences; ``width``: exactly so wide (a shape bucket's)."""
+    needed = -(-(int(lengths.max()) + bos + eos) // multiple) * multiple
+    if width is not None and width < int(lengths.max()) + bos + eos:
+        raise ValueError(f"a sequence of {int(lengths.max()) + bos + eos} does not fit {width}")
+    width = needed if width is None else width
     out = np.full((len(lengths), width), PAD, dtype=np.int64)
     rows = np.repeat(np.arange(len(lengths)), lengths)
     starts = np.cumsum(lengths) - lengths  # where each sequence begins in ids
@@ -124,18 +132,37 @@ def collate(
 
 def collate_flat(
     src_ids: np.ndarray, src_lengths: np.ndarray, tgt_ids: np.ndarray, tgt_lengths: np.ndarray,
-    pad_multiple: int = 1, one_graph: bool = False,
+    pad_multiple: int = 1, one_graph: bool = False, shape: tuple[int, int, int] | None = None,
 ) -> Batch:  # fmt: skip
     """:func:`collate` of pairs given flat (``TokenArray.gather``): each side's ids one
-    sentence after another and its (B,) lengths (no BOS/EOS)."""
+    sentence after another and its (B,) lengths (no BOS/EOS).
+
+    ``shape`` = (sentences, source width, target width), a shape bucket's
+    (``mt.data.buckets``): the tensors are exactly that shape, the rows beyond the pairs empty:
+    source ``EOS PAD ...`` (one real key, so attention over it is defined), ``tgt_in``
+    ``BOS PAD ...``, ``tgt_out`` all PAD. An empty row has no real target position, so it adds
+    nothing to the loss, its gradient or ``ntokens``."""
     if pad_multiple < 1:
         raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
-    src = _pad_flat(src_ids, src_lengths, bos=False, eos=True, multiple=pad_multiple)
-    tgt_in = _pad_flat(tgt_ids, tgt_lengths, bos=True, eos=False, multiple=pad_multiple)
+    rows, src_w, tgt_w = (None, None, None) if shape is None else shape
+    if rows is not None and rows < len(src_lengths):
+        raise ValueError(f"{len(src_lengths)} pairs do not fit a bucket of {rows} sentences")
+    src = _pad_flat(src_ids, src_lengths, bos=False, eos=True, multiple=pad_multiple, width=src_w)
+    tgt_in = _pad_flat(tgt_ids, tgt_lengths, bos=True, eos=False, multiple=pad_multiple,
+                       width=tgt_w)  # fmt: skip
     tgt_out = np.full_like(tgt_in, PAD)  # tgt_in one position left, EOS after each sentence
     tgt_out[:, :-1] = tgt_in[:, 1:]
     tgt_out[np.arange(len(tgt_lengths)), tgt_lengths] = EOS
     src_len, tgt_len = src_lengths + 1, tgt_lengths + 1  # + EOS; + BOS / EOS
+    if rows is not None and rows > len(src_lengths):  # the empty rows
+        extra = rows - len(src_lengths)
+        src = np.concatenate([src, np.full((extra, src.shape[1]), PAD, dtype=np.int64)])
+        src[-extra:, 0] = EOS
+        tgt_in = np.concatenate([tgt_in, np.full((extra, tgt_in.shape[1]), PAD, dtype=np.int64)])
+        tgt_in[-extra:, 0] = BOS
+        tgt_out = np.concatenate([tgt_out, np.full((extra, tgt_out.shape[1]), PAD, np.int64)])
+        src_len = np.concatenate([src_len, np.ones(extra, dtype=np.int64)])
+        tgt_len = np.concatenate([tgt_len, np.zeros(extra, dtype=np.int64)])
     return Batch(
         src=torch.from_numpy(src),
         tgt_in=torch.from_numpy(tgt_in),
@@ -224,6 +251,9 @@ class BatchSampler:
         mix: several corpora at their weights (:class:`mt.data.mixing.Mix`): each epoch
             draws its pairs of each corpus from (seed, epoch) before batching; None: every
             pair once per epoch.
+        buckets: K > 0: every batch one of K shapes (:func:`mt.data.buckets.derive_buckets`
+            of the kept pairs, widths rounded up to ``multiple``); 0: batches as long as
+            their longest pair.
     """
 
     def __init__(
@@ -237,6 +267,8 @@ class BatchSampler:
         max_len: int | None = None,
         group: int = 1,
         mix: Mix | None = None,
+        buckets: int = 0,
+        multiple: int = 1,
     ) -> None:
         self.src_len = np.asarray(src_lengths, dtype=np.int64)
         self.tgt_len = np.asarray(tgt_lengths, dtype=np.int64)
@@ -269,6 +301,15 @@ class BatchSampler:
         if mix is not None and sum(mix.sizes) != len(self.src_len):
             raise ValueError(f"the corpora hold {sum(mix.sizes)} pairs, the lengths {len(keep)}")
         self.mix = None if mix is None or mix.trivial else mix
+        self.buckets: Buckets | None = None
+        if buckets < 0:
+            raise ValueError(f"train.shape_buckets must be >= 0, got {buckets}")
+        if buckets and len(self.indices):
+            self.buckets = derive_buckets(
+                self.src_len[self.indices], self.tgt_len[self.indices], max_tokens, buckets,
+                multiple,
+            )  # fmt: skip
+            log.info("%s", self.buckets.describe())
         self._plan_epoch: int | None = None
         self._plan: tuple[list[np.ndarray], list[float]] = ([], [])
 
@@ -283,7 +324,11 @@ class BatchSampler:
         # similar target lengths (less target padding than an ascending sort of both).
         snake = np.where(src % 2 == 0, tgt, -tgt)
         order = idx[_sort_keys(src, snake, tie)]
-        batches = _chunk(order, self.src_len[order] + 1, self.tgt_len[order] + 1, self.max_tokens)
+        if self.buckets is not None:
+            batches = chunk_by_bucket(order, self.src_len[order], self.tgt_len[order], self.buckets)
+        else:
+            batches = _chunk(order, self.src_len[order] + 1, self.tgt_len[order] + 1,
+                             self.max_tokens)  # fmt: skip
         if self.group == 1:
             return [batches[i] for i in rng.permutation(len(batches))]
         # Groups of `group` batches adjacent in length, shuffled whole; a short last group goes
@@ -334,14 +379,26 @@ class BatchSampler:
         return self._plan_for(epoch)[1]
 
     def padding_fraction(self, epoch: int = 0) -> tuple[float, float]:
-        """Fraction of padded positions in all real batches of ``epoch``: (source, target)."""
+        """Fraction of padded positions in all real batches of ``epoch``: (source, target)
+        (with shape buckets, their widths and empty rows counted)."""
         pads = np.zeros(2)
         total = np.zeros(2)
         for b in self.global_batches(epoch):
+            shape = self.shape_of(b)
             for side, lengths in enumerate((self.src_len[b] + 1, self.tgt_len[b] + 1)):
-                total[side] += len(b) * lengths.max()
-                pads[side] += len(b) * lengths.max() - lengths.sum()
+                size = len(b) * lengths.max() if shape is None else shape[0] * shape[1 + side]
+                total[side] += size
+                pads[side] += size - lengths.sum()
         return tuple(float(x) for x in pads / np.maximum(total, 1))
+
+
+    def shape_of(self, batch: np.ndarray) -> tuple[int, int, int] | None:
+        """The shape bucket's (sentences, source, target) of a batch of pair indices; None
+        without buckets."""
+        if self.buckets is None:
+            return None
+        k = int(self.buckets.index(self.src_len[batch], self.tgt_len[batch]).max())
+        return self.buckets.shape(k)
 
 
 def iterate_batches(
@@ -355,7 +412,7 @@ def iterate_batches(
     for i in range(start, len(batches)):
         idx = np.asarray(batches[i])
         gathered = (*split.src.gather(idx), *split.tgt.gather(idx))
-        batch = collate_flat(*gathered, pad_multiple, one_graph)
+        batch = collate_flat(*gathered, pad_multiple, one_graph, sampler.shape_of(idx))
         batch.weight = weights[i]
         yield batch
 

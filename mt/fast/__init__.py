@@ -20,13 +20,21 @@ This package is the whole of what ``mt.train`` takes from ``mt.fast`` (one impor
 the model as written (``mt.decode``).
 """
 
-from mt.fast.compile import compile_model, compiled_graphs, pad_multiple
+from mt.fast.compile import (
+    compile_model,
+    compile_step,
+    compiled_graphs,
+    fitted_max_tokens,
+    pad_multiple,
+    step_loss,
+)
 from mt.fast.precision import machine, resolve_precision, set_fp32_precision
 from mt.fast.probe import adopt as adopt_probes
 from mt.fast.probe import decided as probe_decisions
 from mt.fast.training import TrainingModel, for_training
 
 __all__ = [
-    "TrainingModel", "adopt_probes", "compile_model", "compiled_graphs", "for_training",
-    "machine", "pad_multiple", "probe_decisions", "resolve_precision", "set_fp32_precision",
+    "TrainingModel", "adopt_probes", "compile_model", "compile_step", "compiled_graphs",
+    "fitted_max_tokens", "for_training", "machine", "pad_multiple", "probe_decisions",
+    "resolve_precision", "set_fp32_precision", "step_loss",
 ]

@@ -58,3 +58,70 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def compile_step(
+    forward: torch.nn.Module, tc: TrainConfig, device: torch.device,
+    shapes: list[tuple[int, int, int]] | None = None,
+) -> torch.nn.Module:  # fmt: skip
+    """What the update calls, before the DDP wrap: with ``train.compile`` and
+    ``train.shape_buckets`` the whole step of a bucketed batch compiled (``mt.fast.graphs``:
+    the forward and the loss over every position, pads weighted 0), on CUDA replayed as one
+    CUDA graph per bucket shape in ``shapes``, with a plain compiled step for any other shape;
+    otherwise :func:`compile_model` (the model alone, or nothing without ``train.compile``).
+    :func:`step_loss` gives the update's loss function for the result.
+
+    The compiled step takes dynamic shapes (one graph for all the buckets, so one compile,
+    about a minute on a GPU host, not one per bucket); the CUDA graphs are per shape all the
+    same (cudagraph trees record one for each shape they meet), and the masked loss keeps the
+    shapes to the buckets' (a selection of the real rows would give every batch its own)."""
+    if not (tc.compile and tc.shape_buckets):
+        return compile_model(forward, tc)
+    import torch._dynamo
+    import torch.fx.experimental._config as fx_config
+
+    from mt.fast.graphs import BucketStep, ShapeRouter, step_mode
+
+    fx_config.use_duck_shape = False  # the plain step's shapes, as compile_model's
+    shapes = list(shapes or [])
+    step = BucketStep(forward)
+    mode = step_mode(device.type, tc.shape_buckets)
+    fixed = torch.compile(step, dynamic=True, mode=mode)
+    graphs = mode == "reduce-overhead"
+    plain = torch.compile(step, dynamic=True) if graphs else fixed  # a CPU: one and the same
+    log.info("train.compile with train.shape_buckets: the whole step compiled for %d shapes "
+             "(%s)", len(shapes), "CUDA graphs" if graphs else "no CUDA graphs")  # fmt: skip
+    return ShapeRouter(step, shapes, fixed, plain, graphs=graphs)
+
+
+def step_loss(model: torch.nn.Module):
+    """The update's ``loss_fn`` for what :func:`compile_step` returned (possibly DDP-wrapped):
+    ``mt.fast.graphs.bucket_loss`` for the bucketed step, None (the default) otherwise."""
+    from mt import distributed
+    from mt.fast.graphs import ShapeRouter, bucket_loss
+
+    return bucket_loss if isinstance(distributed.unwrap(model), ShapeRouter) else None
+
+
+def fitted_max_tokens(cfg, vocab_size: int, device: torch.device) -> int | None:
+    """``train.fit_batch``: on CUDA with ``train.batch_tokens``, the largest per-GPU batch
+    (padded tokens) the memory model fits in this GPU's memory (``mt.fast.footprint``),
+    at most the recipe's per-GPU share of the global batch; None where it does not apply
+    (a CPU, or no global batch: ``train.max_tokens`` stays). The whole bucketed step
+    (``train.compile`` with ``train.shape_buckets``) scores every position at once, so its
+    logits, 16-bit and float32, are added to the blockwise step's estimate."""
+    tc = cfg.train
+    if not (tc.fit_batch and tc.batch_tokens > 0 and device.type == "cuda"):
+        return None
+    from mt.fast.footprint import estimate_step_gb, fit_tokens
+
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    whole = tc.compile and tc.shape_buckets > 0
+
+    def estimate(tokens: int) -> float:
+        gb = estimate_step_gb(cfg.model, vocab_size, tokens, tc.precision, tc.master_weights)
+        return gb["total"] + (tokens * vocab_size * 6 / 2**30 if whole else 0.0)
+
+    memory = torch.cuda.get_device_properties(device).total_memory / 2**30
+    share = max(1024, tc.batch_tokens // world)
+    return fit_tokens(estimate, memory, min(1024, share), share)

@@ -77,3 +77,49 @@ def _peak_only(tracker_class):
                     self._peak_mem_snap[dev] = deepcopy(snap)
 
     return PeakOnly
+
+
+def fit_tokens(
+    estimate, memory_gb: float, low: int, high: int, headroom: float = 0.85, step: int = 1024
+) -> int:
+    """The largest padded-token count per batch in ``[low, high]`` (a multiple of ``step``, or
+    ``low``) whose step peak ``estimate(tokens)`` (GiB) fits ``headroom x memory_gb``.
+
+    The peak grows linearly with the tokens of a batch (activations, the loss's blocks; the
+    parameters and Adam's state are the constant), so two estimates give the line and a third
+    checks its answer; a check that fails steps down by ``step`` until one fits. The headroom
+    leaves the allocator's fragmentation and the CUDA graphs' pools their share.
+
+    Raises:
+        ValueError: when not even ``low`` tokens fit (naming the memory and the estimate).
+    """
+    if not 0 < low <= high:
+        raise ValueError(f"need 0 < low <= high, got {low}, {high}")
+    budget = headroom * memory_gb
+    a, b = estimate(low), estimate(high)
+    if a > budget:
+        raise ValueError(
+            f"a batch of {low} tokens needs {a:.1f} GiB by the memory model, more than "
+            f"{headroom:.0%} of the GPU's {memory_gb:.1f} GiB"
+        )
+    if b <= budget:
+        return high
+    per_token = (b - a) / (high - low)
+    tokens = low + int((budget - a) / per_token) if per_token > 0 else high
+    tokens = max(low, min(high, tokens // step * step))
+    while tokens > low and estimate(tokens) > budget:
+        tokens = max(low, tokens - step)
+    return tokens
+
+
+def fit_batch_plan(
+    batch_tokens: int, world_size: int, fitted: int
+) -> tuple[int, int]:
+    """Each GPU's ``(max_tokens, accum_steps)`` for a global batch of ``batch_tokens`` when
+    one GPU holds at most ``fitted`` tokens (:func:`fit_tokens`): as few accumulation steps as
+    memory allows, so each batch is as large as the recipe's global batch lets it be
+    (``mt.data.batches.batch_plan``'s rule: ``accum x max_tokens x world_size`` is the global
+    batch less under ``accum x world_size`` tokens of rounding)."""
+    from mt.data.batches import batch_plan
+
+    return batch_plan(batch_tokens, fitted, world_size)

@@ -42,14 +42,16 @@ from mt.data.build import prepare
 from mt.data.prefetch import Prefetcher
 from mt.fast import (  # the one import of mt.fast in mt.train: what training takes of it
     adopt_probes,
-    compile_model,
+    compile_step,
     compiled_graphs,
+    fitted_max_tokens,
     for_training,
     machine,
     pad_multiple,
     probe_decisions,
     resolve_precision,
     set_fp32_precision,
+    step_loss,
 )
 from mt.files import remove_stale_temps, write_json
 from mt.model.transformer import build_model
@@ -194,6 +196,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
         (run_dir / PREEMPTED).unlink(missing_ok=True)
         record_config(run_dir, cfg, resuming=has_checkpoints(ckpt_dir))
     prepared = _prepared(cfg, info)
+    cfg = _fit_batch(cfg, info, prepared.vocab_size)
     cfg = _resolve_batch(cfg, info.world_size)
     precision = _precision(cfg, info, prepared.vocab_size)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
@@ -239,11 +242,12 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     # parameters (mt.fast.for_training), with train.master_weights a 16-bit copy following
     # them; compiled, then wrapped in DDP.
     forward = _training_forward(raw, cfg, info)
-    model = compile_model(forward, tc)
-    model = distributed.wrap(model, info)
     data = TrainBatches(prepared, cfg, info.rank, info.world_size)
+    model = compile_step(forward, tc, info.device, _bucket_shapes(data, state.epoch))
+    model = distributed.wrap(model, info)
     metrics = MetricsLog(run_dir, state.step, enabled=info.is_main)
-    update = Updater(model, raw.parameters(), optimizer, scheduler, scaler, cfg, info.world_size)
+    update = Updater(model, raw.parameters(), optimizer, scheduler, scaler, cfg, info.world_size,
+                     loss_fn=step_loss(model))  # fmt: skip
     # RNG last: from here on the resumed run draws exactly what the uninterrupted one drew.
     if resume is not None:
         states = resume["rng"]
@@ -259,6 +263,14 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     run = Run(cfg, info, run_dir, prepared, raw, forward, update, data, state, metrics, key)
     run.ema = _moving_average(raw, tc.ema, resume, resume_path)
     return run
+
+
+def _bucket_shapes(data: TrainBatches, epoch: int) -> list | None:
+    """The batch shapes of ``train.shape_buckets`` (those of the epoch's sampler), or None."""
+    if not data.cfg.train.shape_buckets:
+        return None
+    buckets = data.at(epoch)[1].buckets
+    return None if buckets is None else buckets.shapes()
 
 
 def _moving_average(raw, decay: float, resume, resume_path) -> Optional[WeightEMA]:
@@ -418,6 +430,23 @@ def _precision(cfg: Config, info: distributed.DistInfo, vocab: int) -> str:
                                    cfg.cache_dir, vocab),
         "resolving train.precision",
     )
+
+
+def _fit_batch(cfg: Config, info: distributed.DistInfo, vocab_size: int) -> Config:
+    """``cfg`` with ``train.max_tokens`` the per-GPU batch the memory model fits
+    (``train.fit_batch``, :func:`mt.fast.compile.fitted_max_tokens`; rank 0 decides for every
+    rank); unchanged where it does not apply."""
+    if not cfg.train.fit_batch:
+        return cfg
+    fitted = fitted_max_tokens(cfg, vocab_size, info.device) if info.is_main else None
+    fitted = distributed.broadcast_object(fitted)
+    if fitted is None:
+        log.info("train.fit_batch: applies on CUDA with train.batch_tokens; max_tokens stays %d",
+                 cfg.train.max_tokens)  # fmt: skip
+        return cfg
+    log.info("train.fit_batch: %d padded tokens per GPU batch fit the memory model "
+             "(train.max_tokens was %d)", fitted, cfg.train.max_tokens)  # fmt: skip
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_tokens=fitted))
 
 
 def _resolve_batch(cfg: Config, world_size: int) -> Config:

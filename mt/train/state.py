@@ -72,6 +72,8 @@ def data_plan(cfg: Config, world_size: int) -> dict[str, Any]:
             "max_len": max_len}  # fmt: skip
     if world_size * tc.accum_steps > 1:  # batches grouped per update (absent before: 1)
         plan["group"] = world_size * tc.accum_steps
+    if tc.shape_buckets:  # absent when off
+        plan["shape_buckets"] = [tc.shape_buckets, max(1, tc.pad_multiple)]
     specs = corpus_specs(cfg.data.splits.train)
     if cfg.data.corpus_temperature != 1.0 or any(s.weight != 1.0 for s in specs):
         plan["mix"] = [[s.name, s.weight] for s in specs]  # absent when every weight is 1
@@ -106,6 +108,7 @@ def check_data_plan(ckpt: dict, cfg: Config, world_size: int, path: Path) -> Non
              "max_tokens": "train.max_tokens", "seed": "train.seed",
              "max_len": "model.max_positions / train.skip_long",
              "group": "batches per update (ranks x train.accum_steps)",
+             "shape_buckets": "[train.shape_buckets, train.pad_multiple]",
              "mix": "corpus weights (data.splits.train)",
              "temperature": "data.corpus_temperature",
              "sampling": "[tokenizer.sampling_alpha, tokenizer.sampled_copies]"}  # fmt: skip
@@ -138,6 +141,8 @@ def train_sampler(
         max_len=cfg.model.max_positions - 1 if tc.skip_long else None,
         group=world_size * tc.accum_steps,
         mix=train_mix(cfg.data, corpus_sizes),
+        buckets=tc.shape_buckets,
+        multiple=max(1, tc.pad_multiple),
     )
 
 
