@@ -40,8 +40,8 @@ start in time is listed as skipped:
 
 The default order (``--steps`` picks and orders them): tests (beside the preparation of the
 corpora), then the shape-bucketed steps, then base with master weights compiled, eager, and
-eager on cuBLASLt; the same three for big; the profile; the two Multi30k runs; base compiled with autocast, then base, big, the
-loader, base padded to 8 and big compiled. The order puts first what is least often measured, so
+eager on cuBLASLt; the same three for big; the profile; the two Multi30k runs; base compiled
+with autocast, then base, big, the loader, base padded to 8 and big compiled. The order puts first what is least often measured, so
 that a short budget still answers it. The default budget, 540 s, keeps the whole check within
 ten minutes; steps that do not fit are listed as skipped, and a second run with ``--steps``
 picks them up.
@@ -154,8 +154,8 @@ def bench_train(args, out: Path, env: dict, data: Path | None, preset: str,
     too, where it may be emulated: the miniature checks the command, not the figure); ``lt``:
     torch's products on cuBLASLt (``--blas cublaslt``: the profile step times a product's host
     setup under both libraries; whether a whole step gains is this bench's question);
-    ``buckets``: the batches in ``SHAPE_BUCKETS`` shapes (``train.shape_buckets``; needs the corpus), and compiled, the
-    whole step compiled per shape and replayed as CUDA graphs."""
+    ``buckets``: the batches in ``SHAPE_BUCKETS`` shapes (``train.shape_buckets``; needs the
+    corpus), and compiled, the whole step compiled per shape and replayed as CUDA graphs."""
     precision = "bf16" if args.device == "cuda" or master else "fp32"
     cmd = [sys.executable, "scripts/bench.py", "train", "--preset", preset,
            "--device", args.device, "--precision", precision, "--output",
