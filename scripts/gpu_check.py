@@ -42,9 +42,9 @@ The default order (``--steps`` picks and orders them): tests (beside the prepara
 corpora), then the shape-bucketed steps, then base with master weights compiled, eager, and
 eager on cuBLASLt; the same three for big; the profile; the two Multi30k runs; base compiled
 with autocast, then base, big, the loader, base padded to 8 and big compiled. The order puts
-first what is least often measured, so that a short budget still answers it. The default budget, 540 s, keeps the whole check within
-ten minutes; steps that do not fit are listed as skipped, and a second run with ``--steps``
-picks them up.
+first what is least often measured, so that a short budget still answers it. The default budget,
+540 s, keeps the whole check within ten minutes; steps that do not fit are listed as skipped,
+and a second run with ``--steps`` picks them up.
 
 An offline machine: carry the wheels that scripts/gpu_wheels.sh downloads (``.whl``, the few
 packages a GPU image may lack) and the corpora as a folder (``--data-dir``); this script installs
