@@ -173,7 +173,7 @@ class TrainConfig:
     cpu_kernels: bool = True
     # Each encoder and decoder layer keeps only its input for the backward pass and runs its
     # forward pass again there (fairseq's --checkpoint-activations): far less activation memory
-    # for about one more forward pass per step (mt.fast.checkpointing); the same gradients
+    # for about one more forward pass per step (mt.fast.recompute); the same gradients
     activation_checkpointing: bool = False
     # Logging, validation, checkpoints.
     log_every: int = 50

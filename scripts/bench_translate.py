@@ -11,7 +11,7 @@ Settings (``--settings``, default all but ``mt:torch``):
 * ``mt:int8``: the same with ``compute_type=int8``; ``mt:torch``: ``engine=torch`` (mt's own
   search, the reference of the translations);
 * ``ct2:float32``, ``ct2:int8``: ``ctranslate2.Translator`` called directly on the model mt
-  converted (``mt.decode.ct2_engine.converted_model``, the same directory), with the same
+  converted (``mt.decode.ctranslate2_engine.converted_model``, the same directory), with the same
   beam, batches, length penalty and limit, and the same ``inter_threads`` / ``intra_threads``.
 
 With ``--shortlist LEXICON`` also ``mt:default+sl`` (``decode.shortlist``) and
@@ -92,7 +92,7 @@ def worker(args) -> dict:
     else:  # CTranslate2 alone in its process (no torch, no mt model): its own memory
         import ctranslate2
 
-        from mt.decode.ct2_engine import converted_model
+        from mt.decode.ctranslate2_engine import converted_model
 
         model_dir, _ = converted_model(args.checkpoint, _compute(args.setting), shortlist)
         tok = Tokenizer.load([model_dir / "spm.model"])  # the conversion's, mt's own
@@ -146,7 +146,7 @@ def _one(args, setting: str, beam: int) -> dict:
 
 def conversion_seconds(checkpoint: str, compute_type: str, work: Path, shortlist=None) -> float:
     """The seconds of mt's first-call conversion, made from a fresh copy of ``checkpoint``."""
-    from mt.decode.ct2_engine import converted_model
+    from mt.decode.ctranslate2_engine import converted_model
 
     fresh = Path(tempfile.mkdtemp(prefix="convert-", dir=work))
     try:
@@ -161,7 +161,7 @@ def run_translate(args, rec) -> None:
     """The comparison (see the module docstring); one record per setting and beam."""
     from bench_common import environment
 
-    from mt.decode.ct2_engine import converted_model
+    from mt.decode.ctranslate2_engine import converted_model
 
     if not args.checkpoint or not args.input:
         raise SystemExit("bench translate needs --checkpoint and --input")

@@ -1,4 +1,4 @@
-"""Who decodes (mt.decode.engine) and CTranslate2 as an engine (mt.decode.ct2_engine): the
+"""Who decodes (mt.decode.engine) and CTranslate2 as an engine (mt.decode.ctranslate2_engine): the
 routing alone (with and without ctranslate2, on a CUDA-reporting stub), the fall-back lines
 and errors, the converted model's cache, and CTranslate2's searches against torch's on a tiny
 model, through the Translator, mt-translate, mt-serve and mt-score."""
@@ -87,7 +87,7 @@ ctranslate2 = pytest.importorskip("ctranslate2")
 
 from test_translate import make_tokenizer, sentences  # noqa: E402
 
-from mt.decode import ct2_engine  # noqa: E402
+from mt.decode import ctranslate2_engine  # noqa: E402
 from mt.decode.translate import Translator  # noqa: E402
 
 
@@ -219,22 +219,22 @@ def test_conversion_is_cached_and_a_changed_checkpoint_converts_again(tmp_path, 
     export = ct2_export.export_ct2
     monkeypatch.setattr(ct2_export, "export_ct2",
                         lambda *a, **k: calls.append(1) or export(*a, **k))  # fmt: skip
-    first, seconds = ct2_engine.converted_model(path, "int8")
+    first, seconds = ctranslate2_engine.converted_model(path, "int8")
     assert seconds is not None and calls == [1] and (first / "model.bin").is_file()
     assert first.parent == tmp_path / "model.pt.ct2"  # beside the checkpoint
-    again, seconds = ct2_engine.converted_model(path, "int8")
+    again, seconds = ctranslate2_engine.converted_model(path, "int8")
     assert (again, seconds, calls) == (first, None, [1])  # not converted again
-    other, _ = ct2_engine.converted_model(path, "float32")  # another compute type: its own
+    other, _ = ctranslate2_engine.converted_model(path, "float32")  # another compute type: its own
     assert other != first and calls == [1, 1]
     sharp_checkpoint(path, tokenizer, seed=1)  # the same file name, other weights
-    changed, seconds = ct2_engine.converted_model(path, "int8")
+    changed, seconds = ctranslate2_engine.converted_model(path, "int8")
     assert changed != first and seconds is not None and calls == [1, 1, 1]
     assert not first.exists() and other.exists()  # the stale int8 conversion is gone
     assert not list(changed.parent.glob(".tmp-*"))  # nothing half-written left
 
 
 def test_a_second_translator_reuses_the_conversion(ckpt, caplog):
-    with caplog.at_level(logging.INFO, logger="mt.decode.ct2_engine"):
+    with caplog.at_level(logging.INFO, logger="mt.decode.ctranslate2_engine"):
         for _ in range(2):
             t = Translator.from_checkpoint(ckpt, "cpu", DECODE, EngineConfig(engine="ctranslate2",
                                                                              compute_type="int8"))

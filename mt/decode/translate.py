@@ -145,8 +145,8 @@ class Translator:
 
     def engine(self, cfg: DecodeConfig, prefix: bool = False) -> Any:
         """The engine of a request with settings ``cfg``: None for torch (mt's search), or the
-        CTranslate2 engine (mt.decode.ct2_engine), made on first use (the checkpoint converted
-        once). The choice is logged once per engine and reason.
+        CTranslate2 engine (mt.decode.ctranslate2_engine), made on first use (the checkpoint
+        converted once). The choice is logged once per engine and reason.
 
         Raises:
             mt.decode.engine.EngineError: ``engine=ctranslate2`` with what it cannot run.
@@ -167,7 +167,7 @@ class Translator:
             shortlist = (str(cfg.shortlist), cfg.shortlist_k, cfg.shortlist_frequent)
         key = (choice.device, choice.index, choice.compute_type, shortlist)
         if key not in self._ct2:
-            from mt.decode.ct2_engine import CTranslate2Engine
+            from mt.decode.ctranslate2_engine import CTranslate2Engine
 
             inter, intra = (1, 1) if choice.device == "cuda" else engines.threads(
                 e.inter_threads, e.intra_threads, torch.get_num_threads())  # fmt: skip

@@ -14,7 +14,7 @@ def estimate_step_gb(
     (``total``: the peak). Sentences of 25 tokens; autocast's dtype for ``precision``, or with
     ``master_weights`` a 16-bit working copy and float32 masters (``mt.fast.master``);
     ``activation_checkpointing``: each layer recomputes its activations in the backward pass
-    (``mt.fast.checkpointing``), as ``train.activation_checkpointing`` trains.
+    (``mt.fast.recompute``), as ``train.activation_checkpointing`` trains.
     """
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode

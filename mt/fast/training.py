@@ -208,9 +208,9 @@ def for_training(
 
 def checkpointed(step: TrainingModel) -> TrainingModel:
     """``step`` with its model's layers under activation checkpointing
-    (``mt.fast.checkpointing``): the CPU training copy in place (it is the step's own), any
+    (``mt.fast.recompute``): the CPU training copy in place (it is the step's own), any
     other model through a copy sharing its parameters, so the caller's model stays as it is."""
-    from mt.fast.checkpointing import checkpoint_layers
+    from mt.fast.recompute import checkpoint_layers
 
     model = step.model
     if step.in_flight is None:  # not the CPU training copy: the caller's model or master's copy

@@ -1,4 +1,4 @@
-"""Activation checkpointing (train.activation_checkpointing, mt.fast.checkpointing): the same
+"""Activation checkpointing (train.activation_checkpointing, mt.fast.recompute): the same
 gradients as the plain step, bit for bit, with dropout on, and less kept for the backward."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from mt.data.batches import collate
 from mt.fast import for_training
-from mt.fast.checkpointing import Checkpointed
+from mt.fast.recompute import Checkpointed
 from mt.model.transformer import build_model
 from mt.schema import ModelConfig
 from mt.train.update import batch_loss
