@@ -46,7 +46,7 @@ def test_local_data_needs_dir():
 def test_experiments_set_paper_values():
     base = load_config(["experiment=wmt14_en_de_base"])
     assert (base.model.N, base.model.d_model, base.model.d_ff, base.model.h) == (6, 512, 2048, 8)
-    assert base.tokenizer.vocab_size == 37000 and base.data.hf_path == "wmt14"
+    assert base.tokenizer.vocab_size == 37000 and base.data.hf_path == "wmt/wmt14"
     big = load_config(["experiment=wmt14_en_de_big"])
     assert (big.model.d_model, big.model.d_ff, big.model.h, big.model.dropout) == (
         1024,
