@@ -370,29 +370,13 @@ def test_inductor_compiles_a_ddp_training_step(tmp_path):
     DDP: no graph break, one graph for five updates of varying lengths (dynamic shapes, no
     recompile storm), and the ranks stay in step.
 
-    Inductor's C++ kernels cost ~1.5 s of compiling each on a 2-core CPU with nothing cached
-    (a fresh machine): the kernels are kept scalar (no vector ISA) and dropout off, which
-    leaves 19 kernels instead of 29 and halves the test (AMD Zen 3, empty Inductor cache:
-    103 s -> 47 s). What the GPU path needs proved is the tracing, the DDP split and the
-    lowering; the kernels a GPU runs are Triton's, not these."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    Inductor's C++ kernels cost ~1.5 s of compiling each on a 2-core CPU with nothing cached (a
+    fresh machine): the kernels are kept scalar (no vector ISA) and dropout off, which leaves 19
+    kernels instead of 29 and halves the test's time. What the GPU path needs proved is the
+    tracing, the DDP split and the lowering; the kernels a GPU runs are Triton's, not these."""
+    from test_distributed import inductor_ranks
 
-    from test_distributed import _free_port
-
-    root = Path(__file__).resolve().parents[1]
-    script = tmp_path / "rank.py"
-    script.write_text(INDUCTOR_RANK)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root), TORCHINDUCTOR_VEC_ISA_OK="0")
-    launch = ["--nproc_per_node=2", f"--master_port={_free_port()}"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", *launch, str(script), str(tmp_path)],
-        capture_output=True, text=True, cwd=root, env=env, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = inductor_ranks(tmp_path, INDUCTOR_RANK)
     for r in ranks:
         assert r["breaks"] == 0 and 1 <= r["graphs"] <= 2, r
         assert all(np.isfinite(r["losses"]))

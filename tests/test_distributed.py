@@ -26,6 +26,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def inductor_ranks(tmp_path: Path, script_text: str) -> list[dict]:
+    """Run ``script_text`` as 2 gloo ranks under torchrun, with Inductor's kernels kept scalar
+    (what these tests prove is the tracing, the DDP split and the guards, not the kernels a GPU
+    would run), and return each rank's ``rank<r>.json``."""
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "rank.py"
+    script.write_text(script_text)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root), TORCHINDUCTOR_VEC_ISA_OK="0")
+    launch = ["--nproc_per_node=2", f"--master_port={_free_port()}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *launch, str(script), str(tmp_path)],
+        capture_output=True, text=True, cwd=root, env=env, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
 def _torchrun(tmp_path: Path, launch: list[str], overrides: list[str]) -> subprocess.Popen:
     script = tmp_path / "mt_train_entry.py"
     script.write_text(ENTRY)

@@ -5,7 +5,6 @@ shapes, one graph per bucket with Inductor under 2-rank gloo DDP, CUDA graphs on
 from __future__ import annotations
 
 import functools
-import json
 
 import numpy as np
 import pytest
@@ -205,24 +204,9 @@ def test_inductor_compiles_the_bucketed_step_once_per_shape_under_ddp(tmp_path):
     2-rank gloo DDP: no graph break, at most one graph per bucket shape (2 shapes, 6 updates;
     dynamic shapes make it one), the ranks in step. Kernels kept scalar, as in
     test_acceleration's Inductor test (what is proved is the tracing and the guards)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from test_distributed import inductor_ranks
 
-    from test_distributed import _free_port
-
-    root = Path(__file__).resolve().parents[1]
-    script = tmp_path / "rank.py"
-    script.write_text(INDUCTOR_RANK)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root), TORCHINDUCTOR_VEC_ISA_OK="0")
-    launch = ["--nproc_per_node=2", f"--master_port={_free_port()}"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", *launch, str(script), str(tmp_path)],
-        capture_output=True, text=True, cwd=root, env=env, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = inductor_ranks(tmp_path, INDUCTOR_RANK)
     for r in ranks:
         assert r["breaks"] == 0, r
         assert 1 <= max(r["graphs"]) <= 2 and r["graphs"][-1] == r["graphs"][1], r  # <= buckets
