@@ -191,7 +191,7 @@ def side_by_side(
     lock: two threads decoding side by side then mostly wait for each other, and two thread
     workers can be slower than one worker of two intra-op threads. So where
     :func:`forks_workers`, the workers are
-    processes forked from this one (the decoding copy and the inputs inherited, nothing pickled
+    processes forked from this one (the model and the inputs inherited, nothing pickled
     but batch indices and hypotheses), each on one thread, as CTranslate2's ``inter_threads``
     and Marian's CPU workers are threads of their own; elsewhere threads (where the products
     dominate a step, workers of one thread each still outrun one worker of several threads;

@@ -93,7 +93,7 @@ class Ensemble(nn.Module):
         return total / len(self.members)
 
     def map(self, fn) -> Ensemble:
-        """The ensemble of ``fn(member)`` (e.g. each member's decoding copy)."""
+        """The ensemble of ``fn(member)`` (e.g. each member moved to a device)."""
         return Ensemble([fn(m) for m in self.members])
 
 

@@ -55,8 +55,8 @@ def average_into_best(run) -> None:
 
     Called once training is over (``last.pt`` holds the trained state): the average is summed
     in the run's own model, which is left holding it, and validated as every checkpoint was
-    (the same loss path, the same decoding copy rebuilt in place). A second model with its
-    own decoding copy, and two checkpoints mapped at a time, would raise the process's peak
+    (the same loss path, the same model decoded). A second model, and two checkpoints mapped
+    at a time, would raise the process's peak
     well above training's at the very end of a run; summed in the model, one checkpoint at a
     time, the heap in use after averaging is the same as before it (docs/performance.md).
     """
@@ -64,7 +64,7 @@ def average_into_best(run) -> None:
     if len(paths) < 2:
         log.warning("average_last: only %d periodic checkpoint(s), nothing to average", len(paths))
         return
-    # Summed in the run's own weights (their versions bump: decoding copies are made anew)
+    # Summed in the run's own weights
     avg = average_checkpoints(paths, into=run.raw_model.state_dict())
     save_checkpoint(run.ckpt_dir / "averaged.pt", avg)
     _validate_into_best(run, avg, "avg_", {"averaged": len(paths)},
@@ -79,7 +79,7 @@ def ema_into_best(run) -> None:
     Called once training is over, after :func:`average_into_best`: the average is written into
     the run's own model, which is left holding it, and validated there as every checkpoint was.
     """
-    run.ema.copy_to(run.raw_model.parameters())  # versions bump: decoding copies made anew
+    run.ema.copy_to(run.raw_model.parameters())
     ckpt = checkpoint_of(run, full=False)
     ckpt.update(ema_decay=run.ema.decay, ema_updates=run.ema.updates)
     save_checkpoint(run.ckpt_dir / "ema.pt", ckpt)

@@ -93,7 +93,7 @@ def valid_hypotheses(
 def validation_search(cfg: Config) -> DecodeConfig:
     """The search validation decodes with: greedy (``train.valid_beam`` null, the default), or
     beam search of ``train.valid_beam`` beams with the test's settings (``decode.alpha``,
-    ``max_len_a``/``max_len_b``, ``batch_size``/``max_tokens``, the kernels and the shortlist
+    ``max_len_a``/``max_len_b``, ``batch_size``/``max_tokens`` and the shortlist
     as ``decode.*`` gives them); one hypothesis per sentence, never sampled (the choice of a
     checkpoint must not depend on a draw)."""
     beam = cfg.train.valid_beam
