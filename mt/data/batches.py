@@ -11,10 +11,8 @@
   divide W, zero-weight copies of a real batch fill the shortfall (as fairseq does), so every
   rank runs the same number of batches (a rank that runs out first would hang DDP) and every
   pair counts exactly once.
-- Several training corpora at their own weights (:mod:`mt.data.mixing`) and shape buckets
-  (every batch padded to one of K shapes, :mod:`mt.data.buckets`): see ``BatchSampler``.
-- Pairs longer than ``max_len`` (the model's positional range) or that cannot fit
-  ``max_tokens`` even alone are skipped and counted (``num_skipped``, logged).
+- Corpus weights (:mod:`mt.data.mixing`), shape buckets (:mod:`mt.data.buckets`) and the
+  pairs skipped as too long (``num_skipped``, logged): see ``BatchSampler``.
 """
 
 from __future__ import annotations
