@@ -255,8 +255,10 @@ def test_multi30k_padding_under_ten_percent(real_data):
     assert src_pad < 0.10 and tgt_pad < 0.10, (src_pad, tgt_pad)
 
 
-def test_fast_chunking_equals_the_greedy_reference():
-    from mt.data.batches import _chunk, chunk_reference
+def test_fast_chunking_is_the_greedy_chunking():
+    """The batches are ``order`` cut in sequence; each keeps B x longest <= max_tokens on both
+    sides and could not take the next pair too: what extending a batch pair by pair gives."""
+    from mt.data.batches import _chunk
 
     rng = np.random.default_rng(0)
     for _ in range(300):
@@ -265,9 +267,17 @@ def test_fast_chunking_equals_the_greedy_reference():
         src = rng.integers(2, 60, n)
         tgt = rng.integers(2, 60, n)
         order = rng.permutation(n)
-        fast = _chunk(order, src, tgt, max_tokens)
-        ref = chunk_reference(order, src, tgt, max_tokens)
-        assert [b.tolist() for b in fast] == [b.tolist() for b in ref]
+        batches = _chunk(order, src, tgt, max_tokens)
+        assert np.concatenate(batches).tolist() == order.tolist()
+        start = 0
+        for batch in batches:
+            end = start + len(batch)
+            assert len(batch) >= 1
+            assert len(batch) * max(src[start:end].max(), tgt[start:end].max()) <= max_tokens
+            if end < n:  # one pair more would not fit
+                longest = max(src[start : end + 1].max(), tgt[start : end + 1].max())
+                assert (len(batch) + 1) * longest > max_tokens
+            start = end
 
 
 def test_packed_sort_key_equals_lexsort():

@@ -11,13 +11,8 @@
   divide W, zero-weight copies of a real batch fill the shortfall (as fairseq does), so every
   rank runs the same number of batches (a rank that runs out first would hang DDP) and every
   pair counts exactly once.
-- Several training corpora at their own weights (``mix``, :mod:`mt.data.mixing`): each epoch
-  draws its pairs of every corpus first, from (seed, epoch), then batches them as above.
-- Shape buckets (``train.shape_buckets``, :mod:`mt.data.buckets`): every batch padded to one
-  of K (sentences, source, target) shapes made from the kept pairs' lengths, so that a
-  compiled step or a GPU meets few shapes; the padding share is logged.
-- Pairs longer than ``max_len`` (the model's positional range) or that cannot fit
-  ``max_tokens`` even alone are skipped and counted (``num_skipped``, logged).
+- Corpus weights (:mod:`mt.data.mixing`), shape buckets (:mod:`mt.data.buckets`) and the
+  pairs skipped as too long (``num_skipped``, logged): see ``BatchSampler``.
 """
 
 from __future__ import annotations
@@ -64,14 +59,6 @@ class Batch:
         return self._map(lambda t: t.pin_memory())
 
 
-def _pad(
-    seqs: Sequence[Sequence[int] | np.ndarray], bos: bool, eos: bool, multiple: int = 1
-) -> np.ndarray:
-    """(B, L) int64: each sequence with optional BOS before and EOS after, right-padded to the
-    longest, rounded up to a multiple of ``multiple``."""
-    return _pad_flat(*_flatten(seqs), bos, eos, multiple)
-
-
 def _flatten(seqs: Sequence[Sequence[int] | np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Sequences one after another, (sum of lengths,) int64, and their (k,) lengths."""
     lengths = np.array([len(s) for s in seqs], dtype=np.int64)
@@ -82,8 +69,9 @@ def _pad_flat(
     ids: np.ndarray, lengths: np.ndarray, bos: bool, eos: bool, multiple: int = 1,
     width: int | None = None,
 ) -> np.ndarray:  # fmt: skip
-    """:func:`_pad` of sequences given one after another (``ids``) with their ``lengths``:
-    one scatter, no loop over the sequences; ``width``: exactly so wide (a shape bucket's)."""
+    """(B, L) int64: each sequence (one after another in ``ids``, with their ``lengths``) with
+    optional BOS before and EOS after, right-padded to the longest rounded up to a multiple of
+    ``multiple``, or to exactly ``width`` (a shape bucket's). One scatter, no loop."""
     needed = -(-(int(lengths.max()) + bos + eos) // multiple) * multiple
     if width is not None and width < int(lengths.max()) + bos + eos:
         raise ValueError(f"a sequence of {int(lengths.max()) + bos + eos} does not fit {width}")
@@ -179,31 +167,13 @@ def make_src(ids_list: Sequence[Sequence[int]]) -> torch.Tensor:
     """Source tensor for search/translation, as in training: (B, S) = ids + EOS, PAD-padded."""
     if not ids_list:
         raise ValueError("make_src needs at least one sentence")
-    return torch.from_numpy(_pad(ids_list, bos=False, eos=True))
-
-
-def chunk_reference(
-    order: np.ndarray, src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int
-) -> list:
-    """Greedy, one pair at a time: extend the current batch while B x longest stays <=
-    max_tokens on both sides. The definition :func:`_chunk` computes faster.
-
-    ``src_len``/``tgt_len`` are the padded-tensor lengths (with EOS/BOS) of ``order``'s pairs.
-    """
-    batches, start, longest_s, longest_t = [], 0, 0, 0
-    for i, (s_i, t_i) in enumerate(zip(src_len.tolist(), tgt_len.tolist())):
-        s, t = max(longest_s, s_i), max(longest_t, t_i)
-        if (i - start + 1) * max(s, t) > max_tokens:  # close the batch before pair i
-            batches.append(order[start:i])
-            start, s, t = i, s_i, t_i
-        longest_s, longest_t = s, t
-    if start < len(order):
-        batches.append(order[start:])
-    return batches
+    return torch.from_numpy(_pad_flat(*_flatten(ids_list), bos=False, eos=True))
 
 
 def _chunk(order: np.ndarray, src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int) -> list:
-    """:func:`chunk_reference` one batch at a time (a 4.5M-pair epoch in about a second).
+    """Greedy batches of ``order``'s pairs (``src_len``/``tgt_len``: their padded-tensor lengths,
+    with EOS/BOS): each batch takes the next pairs while B x longest stays <= max_tokens on both
+    sides, found one batch at a time rather than pair by pair.
 
     B x longest on both sides is B x the running maximum of m = max(src, tgt). A batch that
     starts at pair j holds at most max_tokens // m[j] pairs (its longest is >= m[j]), so one
@@ -391,7 +361,6 @@ class BatchSampler:
                 pads[side] += size - lengths.sum()
         return tuple(float(x) for x in pads / np.maximum(total, 1))
 
-
     def shape_of(self, batch: np.ndarray) -> tuple[int, int, int] | None:
         """The shape bucket's (sentences, source, target) of a batch of pair indices; None
         without buckets."""
@@ -434,16 +403,9 @@ def batch_plan(
 
     so 1 GPU and 8 GPUs train with the same global batch (within ``accum_steps x world_size``
     tokens of rounding): ``round()`` of the first ratio alone would give 8 GPUs x 25k = 200k
-    where one GPU has 25k.
-
-    Args:
-        batch_tokens: the global target; 0 leaves ``max_tokens`` and ``accum_steps`` as given.
-        max_tokens: ``train.max_tokens``, the largest batch one rank may hold.
-        world_size: number of ranks.
-        accum_steps: ``train.accum_steps``; with ``batch_tokens`` it must be left at 1.
-
-    Raises:
-        ValueError: naming the settings, when both are set or a value is out of range.
+    where one GPU has 25k. ``batch_tokens`` 0 leaves ``max_tokens`` and ``accum_steps`` as
+    given; with ``batch_tokens``, ``accum_steps`` must be left at 1 (a ValueError names the
+    settings then, and for a value out of range).
 
     Example:
         >>> batch_plan(25000, 16384, 1), batch_plan(25000, 16384, 8)

@@ -132,22 +132,16 @@ def derive_buckets(
         i = int(cut[c, j]) if c > 0 else 0
         ends.append((i, j))
         j, c = i - 1, c - 1
-    ends.reverse()
-    bounds, widths_s, widths_t, rows = [], [], [], []
-    total = np.zeros(2)
-    for i, j in ends:
+    buckets = []  # (bound, source width, target width, rows, batches an epoch) of each
+    for i, j in reversed(ends):
         S, T = int(s_max[i : j + 1].max()), int(t_max[i : j + 1].max())
-        b = max_tokens // max(S, T)
-        n = int(count[i : j + 1].sum())
-        batches = -(-n // b)
-        bounds.append(int(values[j]))
-        widths_s.append(S)
-        widths_t.append(T)
-        rows.append(b)
-        total += batches * b * np.array([S, T])
+        rows = max_tokens // max(S, T)
+        buckets.append((int(values[j]), S, T, rows, -(-int(count[i : j + 1].sum()) // rows)))
+    bounds, widths_s, widths_t, rows, batches = zip(*buckets)
+    total = [sum(n * b * w for n, b, w in zip(batches, rows, ws)) for ws in (widths_s, widths_t)]
     real = np.array([np.sum(np.asarray(src_lengths) + 1), np.sum(np.asarray(tgt_lengths) + 1)])
     padding = tuple(float(x) for x in 1.0 - real / np.maximum(total, 1))
-    return Buckets(tuple(bounds), tuple(widths_s), tuple(widths_t), tuple(rows), padding)
+    return Buckets(bounds, widths_s, widths_t, rows, padding)
 
 
 def chunk_by_bucket(

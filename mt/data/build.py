@@ -90,17 +90,9 @@ def cache_key(cfg: Config, revision: str | None = None) -> str:
 def prepare(cfg: Config, build: bool = True) -> Prepared:
     """Read, clean, train SentencePiece and encode all splits, or load the cached result.
 
-    Args:
-        cfg: the configuration (data, tokenizer, cache_dir).
-        build: False: only load; a cache miss is a :class:`CacheError` that says to run
-            ``mt-prepare`` first (each rank of a torchrun job, which must not build it
-            inside a collective's timeout).
-
-    Returns:
-        The :class:`Prepared` data.
-
-    Raises:
-        mt.data.corpus.DataError: missing or malformed input (nothing is cached then).
+    With ``build`` False it only loads: a cache miss is a :class:`CacheError` that says to run
+    ``mt-prepare`` first (each rank of a torchrun job, which must not build it inside a
+    collective's timeout). Missing or malformed input raises ``DataError`` (nothing is cached).
     """
     sampling_copies(cfg)  # a setting out of range fails now, not after the build's first stages
     root = Path(cfg.cache_dir)
@@ -281,11 +273,7 @@ def encode_splits(
 
 def sampling_copies(cfg: Config) -> int:
     """How many sampled encodings of the training split ``cfg.tokenizer`` asks for (0: none,
-    ``tokenizer.sampling_alpha=0``).
-
-    Raises:
-        ValueError: naming the setting, when alpha or the count is out of range.
-    """
+    ``tokenizer.sampling_alpha=0``); a ValueError names the setting that is out of range."""
     tok = cfg.tokenizer
     top = 1.0 if tok.type == "unigram" else 0.999  # bpe: alpha 1 would drop every merge
     if not 0.0 <= tok.sampling_alpha <= top:

@@ -1,21 +1,16 @@
-"""Cleaning training pairs: the word-level filters every corpus gets, and WMT-style Moses text
-normalisation and piece filters.
+"""Cleaning training pairs: word-level filters for every corpus, and the Moses text normalisation
+and piece filters of fairseq's ``prepare-wmt14en2de.sh``, with maintained code instead of hand
+copies of Moses' Perl scripts.
 
-- :class:`Cleaner`: Unicode NFC and outer whitespace stripped (:func:`normalize_line`), then a
-  pair is dropped when a side is empty, too short or long in words, too unequal in length, or
-  a duplicate (``data.clean.*``), each drop counted under its rule.
-
-Two steps of the recipe fairseq's ``prepare-wmt14en2de.sh`` runs, with maintained code instead of
-hand copies of Moses' Perl scripts:
-
-- :class:`TextNormalizer`: Unicode NFC, then ``normalize-punctuation.perl`` and
+- :class:`Cleaner`: NFC and outer whitespace stripped (:func:`normalize_line`), then a pair is
+  dropped, counted under its rule, when a side is empty, too short or long in words, too unequal
+  in length, or a duplicate (``data.clean.*``).
+- :class:`TextNormalizer`: NFC, then ``normalize-punctuation.perl`` and
   ``remove-non-printing-char.perl`` as ``sacremoses`` implements them (``clean.moses_punct``,
   ``clean.remove_non_printing``; sacremoses deletes the non-printing characters where the Perl
-  script puts a space), then outer whitespace stripped. :func:`normalize_pairs` runs it over a
-  stream of pairs on several processes, in order, counting the lines each step changed.
-- :func:`piece_filter`: ``clean-corpus-n.perl -ratio 1.5 ... 1 250`` on SentencePiece pieces
-  (after encoding): a pair is dropped when a side is empty, longer than ``clean.max_pieces``, or
-  when one side has more than ``clean.max_piece_ratio`` times the pieces of the other.
+  script puts a space). :func:`normalize_pairs` runs it on several processes, in order.
+- :func:`piece_filter`: ``clean-corpus-n.perl -ratio 1.5 ... 1 250`` on SentencePiece pieces,
+  after encoding (``clean.max_pieces``, ``clean.max_piece_ratio``).
 """
 
 from __future__ import annotations
@@ -102,28 +97,16 @@ class DigestSet:
 class Cleaner:
     """Joint filter of training pairs; a pair is kept or dropped whole, so sides never drift.
 
-    Each dropped pair is counted under the first rule it fails (``RULES`` order). Lengths are in
-    whitespace-separated words. De-duplication keeps an 8-byte digest per kept pair in a
-    :class:`DigestSet` (sorted numpy runs: 8 bytes a pair, not a Python object), judging the
-    pairs a block of :data:`DEDUP_BLOCK` at a time; the kept pairs and their order are those of
-    a pair-by-pair pass.
+    Each dropped pair is counted under the first rule it fails (``RULES`` order); lengths are in
+    whitespace-separated words. De-duplication judges :data:`DEDUP_BLOCK` pairs at a time
+    against the kept pairs' :class:`DigestSet`; the kept pairs and their order are those of a
+    pair-by-pair pass.
     """
 
     def __init__(self, cfg: CleanConfig):
         self.cfg = cfg
         self.counts = {"read": 0, **{r: 0 for r in RULES}, "kept": 0}
         self._seen = DigestSet()
-
-    def rule(self, src: str, tgt: str) -> str | None:
-        """The first rule the (normalised) pair fails, or None to keep it (a duplicate only of
-        a pair this method kept before)."""
-        rule = self._word_rule(src, tgt)
-        if rule is None and self.cfg.dedup:
-            key = np.array([digest(src, tgt)], dtype=np.uint64)
-            if self._seen.first_seen(key)[0]:
-                return None
-            return "duplicate"
-        return rule
 
     def _word_rule(self, src: str, tgt: str) -> str | None:
         """The first rule before ``duplicate`` that the (normalised) pair fails, or None."""
@@ -340,17 +323,10 @@ def normalize_pairs(
 def piece_filter(
     src_len: np.ndarray, tgt_len: np.ndarray, max_pieces: int, max_ratio: float
 ) -> tuple[np.ndarray, dict[str, int]]:
-    """Which pairs pass the piece-level filters, and how many each rule dropped.
-
-    Args:
-        src_len, tgt_len: (n,) pieces per side (no BOS/EOS).
-        max_pieces: longest side kept (0 = no limit).
-        max_ratio: largest allowed ratio longer/shorter side (0 = no limit).
-
-    Returns:
-        ``(keep, counts)``: (n,) bool, and ``{"piece_empty", "piece_max_len", "piece_ratio"}``
-        counting each dropped pair under the first rule it fails.
-    """
+    """``(keep, counts)``: which pairs pass the piece-level filters, (n,) bool, and the pairs
+    each rule dropped (``piece_empty``, ``piece_max_len``, ``piece_ratio``: a pair under the
+    first it fails). Lengths are pieces without BOS/EOS; ``max_pieces`` (the longest side kept)
+    and ``max_ratio`` (longer / shorter side) are off at 0."""
     src_len = np.asarray(src_len, dtype=np.int64)
     tgt_len = np.asarray(tgt_len, dtype=np.int64)
     empty = (src_len == 0) | (tgt_len == 0)
@@ -371,14 +347,8 @@ def piece_filter(
 def filter_encoded_pairs(
     prefixes: list[str], clean: CleanConfig, dtype: str
 ) -> tuple[np.ndarray, dict[str, int]]:
-    """Apply :func:`piece_filter` to encoded train files (``[source, target]`` prefixes).
-
-    Returns:
-        ``(the kept pairs' mask, counts of dropped pairs per rule)``.
-
-    Raises:
-        ValueError: when no pair is left.
-    """
+    """:func:`piece_filter` applied, in place, to encoded train files (``[source, target]``
+    prefixes): ``(the kept pairs' mask, dropped pairs per rule)``; ValueError if none is left."""
     offsets = [np.fromfile(f"{p}.off", dtype=np.int64) for p in prefixes]
     keep, dropped = piece_filter(
         np.diff(offsets[0]), np.diff(offsets[1]), clean.max_pieces, clean.max_piece_ratio

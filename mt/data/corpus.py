@@ -9,11 +9,6 @@ with either schema: a ``translation`` column of ``{lang: text}`` or one column p
 Everything streams: a corpus yields raw lines pair by pair and :class:`Cleaner` filters them
 pair by pair, so a 40M-pair corpus is never held in memory. Lines split on ``"\\n"`` alone; U+2028,
 U+0085 and friends stay inside their sentence (``str.splitlines`` would split them).
-
-Example:
-    >>> corpus = open_corpus(load_config().data)
-    >>> for src, tgt in corpus.pairs("valid"):
-    ...     ...
 """
 
 from __future__ import annotations
@@ -56,11 +51,9 @@ def count_lines(path: Path) -> int:
 def read_lines(path: Path, errors: str = "strict") -> Iterator[str]:
     """Yield the lines of a UTF-8 file without their terminator, splitting on ``"\\n"`` only.
 
-    Args:
-        path: the file.
-        errors: ``strict`` raises :class:`DataError` naming the file and 1-based line on bytes
-            that are not UTF-8; ``replace`` substitutes U+FFFD and logs one warning with the
-            number of lines affected.
+    On bytes that are not UTF-8, ``errors="strict"`` raises :class:`DataError` naming the file
+    and 1-based line; ``"replace"`` substitutes U+FFFD and logs one warning with the number of
+    lines affected.
     """
     replaced = 0
     try:
@@ -262,10 +255,8 @@ PARQUET_ALTERNATIVES = {
 def hf_builder(cfg: DataConfig, cache_dir: str | None = None) -> Any:
     """``datasets.load_dataset_builder`` for the configured dataset (no data read yet: the hub
     dataset's card and file list, or the cached copy offline); ``datasets`` is imported here.
-
-    Raises:
-        DataError: a loading-script dataset (datasets >= 4 runs none), in one line naming a
-            parquet alternative.
+    A loading-script dataset (datasets >= 4 runs none) is a one-line DataError naming a parquet
+    alternative.
     """
     import datasets
 
@@ -344,9 +335,7 @@ def open_corpus(cfg: DataConfig, hf_cache_dir: str | None = None, builder: Any =
 
     ``auto`` takes the local directory when it exists, else the hub; when neither works the error
     says what to set or download. There is never a silent fallback to a different corpus.
-
-    Raises:
-        DataError: missing files, splits or languages, or unequal line counts.
+    Missing files, splits or languages, or unequal line counts raise DataError.
     """
     if cfg.source not in ("auto", "local", "hf"):
         raise DataError(f"data.source={cfg.source!r}: expected auto, local or hf")

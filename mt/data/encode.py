@@ -7,6 +7,7 @@ Python objects.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing as mp
 from pathlib import Path
@@ -90,16 +91,11 @@ def encode_files(
 ) -> None:
     """Encode text files (one sentence per line) into ``<out>.ids`` / ``<out>.off`` pairs.
 
-    Args:
-        tokenizer: encodes each line (after :func:`mt.data.cleaning.normalize_line`).
-        jobs: (text file, side, output prefix) triples, or with a fourth item, a
-            :class:`mt.data.cleaning.NormSpec` that replaces the plain normalisation for that
-            file (or None), and a fifth, a :class:`Sampling` (subword regularisation: that
-            file's pieces drawn at random, :meth:`mt.data.tokenizer.Tokenizer.sample`).
-        dtype: numpy dtype of the flat ids.
-        nfc: NFC-normalise lines before encoding (jobs without a NormSpec).
-        workers: processes; 1 (or a small input) encodes in this process.
-        chunk_bytes: text per task.
+    ``jobs``: (text file, side, output prefix) triples, or with a fourth item, a
+    :class:`mt.data.cleaning.NormSpec` that replaces the plain normalisation
+    (:func:`mt.data.cleaning.normalize_line`, NFC when ``nfc``) for that file (or None), and a
+    fifth, a :class:`Sampling` (subword regularisation: that file's pieces drawn at random).
+    ``workers`` processes encode ``chunk_bytes`` of text a task; 1 (or a small input): this one.
     """
     tasks, owner = [], []
     for j, (path, side, _, *extra) in enumerate(jobs):
@@ -108,16 +104,19 @@ def encode_files(
             tasks.append((str(path), side, start, end, spec, sampling))
             owner.append(j)
     init = (tokenizer.to_bytes(), dtype, nfc)
-    total = sum(task[3] - task[2] for task in tasks)
-    if workers > 1 and total > chunk_bytes:  # else a pool's start-up costs more than it saves
-        pool = mp.get_context("spawn").Pool(min(workers, len(tasks)), _init_worker, init)
-        results = pool.imap(_encode_chunk, tasks)  # in order, a few chunks in flight
-    else:
-        pool = None
-        _init_worker(*init)
-        results = map(_encode_chunk, tasks)
-    files = [(open(f"{o}.ids", "wb"), open(f"{o}.off", "wb")) for _, _, o, *_ in jobs]
-    try:
+    total = sum(end - start for _, _, start, end, *_ in tasks)
+    with contextlib.ExitStack() as stack:
+        if workers > 1 and total > chunk_bytes:  # else a pool's start-up costs more than it saves
+            pool = mp.get_context("spawn").Pool(min(workers, len(tasks)), _init_worker, init)
+            stack.enter_context(pool)  # terminated on leaving
+            results = pool.imap(_encode_chunk, tasks)  # in order, a few chunks in flight
+        else:
+            _init_worker(*init)
+            results = map(_encode_chunk, tasks)
+        files = [
+            [stack.enter_context(open(f"{o}.{ext}", "wb")) for ext in ("ids", "off")]
+            for _, _, o, *_ in jobs
+        ]
         totals = [0] * len(jobs)
         for _, f_off in files:
             f_off.write(np.zeros(1, dtype=np.int64).tobytes())
@@ -126,9 +125,3 @@ def encode_files(
             f_ids.write(flat.tobytes())
             f_off.write((totals[j] + np.cumsum(lengths)).tobytes())
             totals[j] += int(lengths.sum())
-    finally:
-        for f_ids, f_off in files:
-            f_ids.close()
-            f_off.close()
-        if pool is not None:
-            pool.terminate()

@@ -41,19 +41,16 @@ class CorpusSpec:
     weight: float = 1.0
 
 
-def corpus_specs(value: Any, key: str = KEY) -> list[CorpusSpec]:
+def corpus_specs(value: Any) -> list[CorpusSpec]:
     """The corpora of a split value: a name, or a list of names and ``{name, weight}`` mappings.
-
-    Raises:
-        ValueError: one line naming the entry (``data.splits.train[1]``) and what is wrong: a
-            weight that is not a number > 0, a mapping without ``name``, an unknown key.
-    """
+    A bad entry is a one-line ValueError naming it (``data.splits.train[1]``) and what is wrong:
+    a weight that is not a number > 0, a mapping without ``name``, an unknown key."""
     if value is None:
         return []
     items = value if isinstance(value, (list, tuple)) else [value]
     specs = []
     for i, item in enumerate(items):
-        where = f"{key}[{i}]" if isinstance(value, (list, tuple)) else key
+        where = f"{KEY}[{i}]" if isinstance(value, (list, tuple)) else KEY
         if hasattr(item, "items"):
             entry = {str(k): v for k, v in item.items()}
             unknown = sorted(set(entry) - {"name", "weight"})
@@ -88,13 +85,8 @@ def check_temperature(temperature: float) -> None:
 def epoch_counts(
     sizes: Sequence[int], weights: Sequence[float], temperature: float = 1.0
 ) -> np.ndarray:
-    """Pairs of each corpus in one epoch (see the module docstring), as int64.
-
-    Args:
-        sizes: pairs of each corpus (n_i).
-        weights: their weights (w_i > 0).
-        temperature: T > 0.
-    """
+    """Pairs of each corpus in one epoch, int64, from their ``sizes`` (n_i), ``weights``
+    (w_i > 0) and the ``temperature`` T > 0 (see the module docstring)."""
     check_temperature(temperature)
     n = np.asarray(sizes, dtype=np.float64)
     w = np.asarray(weights, dtype=np.float64)
@@ -109,14 +101,8 @@ def epoch_counts(
 
 @dataclass(frozen=True)
 class Mix:
-    """The training corpora as contiguous ranges of the prepared split, with their weights.
-
-    Args:
-        names: each corpus's name (for the log).
-        sizes: pairs of each corpus in the prepared split, in order (corpus 0 first).
-        weights: each corpus's weight.
-        temperature: ``data.corpus_temperature``.
-    """
+    """The training corpora as contiguous ranges of the prepared split (``sizes``: their pairs,
+    corpus 0 first), with their names (for the log), weights and ``data.corpus_temperature``."""
 
     names: tuple[str, ...]
     sizes: tuple[int, ...]
@@ -166,11 +152,6 @@ class Mix:
             )
         temp = f", temperature {self.temperature:g}" if self.temperature != 1.0 else ""
         return "; ".join(parts) + temp
-
-    def plan(self) -> dict[str, Any]:
-        """What a checkpoint's data plan records of the mix (a mid-epoch resume compares it)."""
-        return {"mix": [[n, w] for n, w in zip(self.names, self.weights)],
-                "temperature": self.temperature}  # fmt: skip
 
 
 def train_mix(data_cfg, sizes: Sequence[int] | None) -> Mix | None:

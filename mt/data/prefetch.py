@@ -1,34 +1,24 @@
 """Batches made ready ahead of the training loop, in a background thread.
 
 Reading a batch's pairs from the memory-mapped split and padding them
-(:func:`mt.data.batches.collate`)
-takes host time that the training thread should spend launching GPU work. :class:`Prefetcher`
-runs any batch iterator in one background thread and keeps up to ``depth`` batches waiting in a
-bounded queue, pinned (page-locked) when they are bound for a GPU, so that the loop's
+(:func:`mt.data.batches.collate`) takes host time that the training thread should spend
+launching GPU work. :class:`Prefetcher` runs any batch iterator in one background thread, up to
+``depth`` batches ahead, pinned (page-locked) when bound for a GPU so that the loop's
 ``batch.to(device)`` (``non_blocking=True``) is an asynchronous copy.
 
 A thread rather than DataLoader worker processes: the work is numpy and memory-map reads that
-need no second interpreter, nothing is pickled between processes, and the order is the
-iterator's own, so exact resume (the loop's ``state.batch``) is untouched; the thread only runs
-ahead of the loop and never decides what comes next.
+need no second interpreter, nothing is pickled, and the order is the iterator's own, so exact
+resume (the loop's ``state.batch``) is untouched: the thread never decides what comes next.
 
-Contract:
-    - Batches arrive in the iterator's order, each exactly once.
-    - An exception raised by the iterator (a corrupt split, a bad pair) is raised again in the
-      consuming thread, as the same exception object, when the loop reaches that point.
-    - :meth:`Prefetcher.close` (also on leaving the ``with`` block, however it is left: a
-      ``break``, a stop signal, an exception) stops the thread and joins it; no thread outlives
-      the block.
-
-Example:
-    >>> with Prefetcher(iter(range(3)), depth=2) as batches:
-    ...     list(batches)
-    [0, 1, 2]
+Contract: batches arrive in the iterator's order, each exactly once; an exception the iterator
+raises (a corrupt split) is raised again in the consuming thread, as the same object, when the
+loop reaches that point; :meth:`Prefetcher.close` (also on leaving the ``with`` block, however it
+is left) stops the thread and joins it.
 """
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import queue
 import threading
 from collections.abc import Iterator
@@ -36,34 +26,25 @@ from typing import Generic, TypeVar
 
 import torch
 
-log = logging.getLogger(__name__)
-
-
 T = TypeVar("T")
 
 _POLL = 0.1  # seconds between the producer's checks of the stop flag while the queue is full
 
 
+@dataclasses.dataclass
 class _End:
-    """The producer is done: iterator exhausted (``error`` None) or failed (``error`` set)."""
+    """The producer is done: the iterator ran out (``error`` None) or raised ``error``."""
 
-    def __init__(self, error: BaseException | None = None) -> None:
-        self.error = error
+    error: BaseException | None = None
 
 
 class Prefetcher(Generic[T]):
     """Iterate ``source`` in a background thread, ``depth`` items ahead.
 
-    Args:
-        source: the items (e.g. :func:`mt.data.batches.iterate_batches`); consumed only by the
-            background thread.
-        depth: items kept ready (>= 1). 0 makes no thread: ``source`` is iterated in the
-            caller's thread, as without a prefetcher (for debugging).
-        pin: call each item's ``pin_memory()`` in the background thread (for CUDA devices).
-        device: the CUDA device the batches go to, made current in the thread before pinning
-            (the current device is per thread; without it a rank on GPU 3 would pin through
-            GPU 0's context). None: leave the thread's current device alone.
-        name: the thread's name (shown in stack dumps).
+    ``depth`` 0 makes no thread: ``source`` runs in the caller's thread (for debugging).
+    ``pin`` calls each item's ``pin_memory()`` in the thread, with ``device`` made current there
+    first: the current CUDA device is per thread, and without it a rank on GPU 3 would pin
+    through GPU 0's context.
     """
 
     def __init__(
@@ -72,7 +53,6 @@ class Prefetcher(Generic[T]):
         depth: int = 2,
         pin: bool = False,
         device: torch.device | None = None,
-        name: str = "mt-prefetch",
     ) -> None:
         if depth < 0:
             raise ValueError(f"train.prefetch must be >= 0, got {depth}")
@@ -82,7 +62,7 @@ class Prefetcher(Generic[T]):
         self._done = False
         self._thread: threading.Thread | None = None
         if depth > 0:
-            self._thread = threading.Thread(target=self._produce, name=name, daemon=True)
+            self._thread = threading.Thread(target=self._produce, name="mt-prefetch", daemon=True)
             self._thread.start()
 
     def _produce(self) -> None:
@@ -91,9 +71,7 @@ class Prefetcher(Generic[T]):
             if self._pin and self._device is not None and self._device.type == "cuda":
                 torch.cuda.set_device(self._device)
             for item in self._source:
-                if self._pin:
-                    item = item.pin_memory()
-                if not self._put(item):
+                if not self._put(item.pin_memory() if self._pin else item):
                     return
         except BaseException as err:  # handed to the consumer, which raises it
             end = _End(err)
@@ -116,11 +94,7 @@ class Prefetcher(Generic[T]):
         if self._done:
             raise StopIteration
         if self._thread is None:  # depth 0: in this thread
-            try:
-                item = next(self._source)
-            except StopIteration:
-                self._done = True
-                raise
+            item = next(self._source)
             return item.pin_memory() if self._pin else item
         item = self._queue.get()
         if isinstance(item, _End):
@@ -132,17 +106,12 @@ class Prefetcher(Generic[T]):
         return item
 
     def close(self) -> None:
-        """Stop the background thread and wait for it (idempotent)."""
+        """Stop the background thread and wait for it (idempotent): the producer sees the
+        stop flag within ``_POLL`` seconds, even when waiting on a full queue."""
         self._done = True
         self._stop.set()
         if self._thread is not None:
-            while self._thread.is_alive():
-                try:  # make room, so that a producer blocked in put() sees the stop flag
-                    while True:
-                        self._queue.get_nowait()
-                except queue.Empty:
-                    pass
-                self._thread.join(timeout=_POLL)
+            self._thread.join()
             self._thread = None
 
     def __enter__(self) -> Prefetcher[T]:

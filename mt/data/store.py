@@ -33,11 +33,8 @@ FORMAT_VERSION = 3  # bump when the layout or the processing changes (3: pairs p
 
 
 class TokenArray:
-    """Variable-length id sequences stored flat: ``ids`` (memory-mapped) plus ``offsets``.
-
-    Args:
-        ids: (total,) all ids, one sequence after another.
-        offsets: (n + 1,) int64; sequence ``i`` is ``ids[offsets[i]:offsets[i + 1]]``.
+    """Variable-length id sequences stored flat: ``ids`` (memory-mapped), one sequence after
+    another, and (n + 1,) int64 ``offsets``: sequence ``i`` is ``ids[offsets[i]:offsets[i + 1]]``.
     """
 
     def __init__(self, ids: np.ndarray, offsets: np.ndarray):

@@ -8,12 +8,6 @@ SentencePiece's own normalisation is switched off (``identity``, extra whitespac
 pipeline normalises text itself (:meth:`Tokenizer.normalize`, NFC + strip), so
 ``decode(encode(normalize(s))) == normalize(s)`` holds exactly (with ``byte_fallback``, even for
 characters never seen in training).
-
-Example:
-    >>> tok = Tokenizer.train("train.de", "train.en", "out/", TokenizerConfig(vocab_size=1000))
-    >>> ids = tok.encode(["Ein Hund läuft."], side="src")
-    >>> tok.decode(ids, side="src")
-    ['Ein Hund läuft.']
 """
 
 from __future__ import annotations
@@ -121,11 +115,7 @@ def canonical_model(blob: bytes) -> bytes:
 
 
 class Tokenizer:
-    """One joint SentencePiece model, or a (source, target) pair of them.
-
-    Args:
-        models: one processor (joint) or two (source, target).
-    """
+    """One joint SentencePiece model, or a (source, target) pair of them."""
 
     def __init__(self, models: list[spm.SentencePieceProcessor]):
         if len(models) not in (1, 2):
@@ -134,7 +124,6 @@ class Tokenizer:
             _check_specials(sp, f"SentencePiece model {i}")
         self.models = models
 
-    # ---- construction -------------------------------------------------------------------------
     @classmethod
     def train(
         cls,
@@ -143,15 +132,12 @@ class Tokenizer:
         out_dir: str | Path,
         cfg: TokenizerConfig,
     ) -> Tokenizer:
-        """Train SentencePiece on text files (one sentence per line) and write the model(s).
+        """Train SentencePiece on text files (one sentence per line) into ``out_dir``'s
+        ``spm.model`` (joint) or ``spm.src.model`` and ``spm.tgt.model``.
 
         SentencePiece samples at most ``cfg.input_sentence_size`` lines at random (shuffled), so
         memory stays bounded on any corpus size. The vocabulary limit is soft: on very small
         data the model may have fewer pieces than asked (logged).
-
-        Returns:
-            The tokenizer; ``out_dir`` holds ``spm.model`` (joint) or ``spm.src.model`` and
-            ``spm.tgt.model``.
         """
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -198,11 +184,8 @@ class Tokenizer:
 
     @classmethod
     def load(cls, paths: list[str | Path]) -> Tokenizer:
-        """Load 1 model file (joint) or 2 ([src, tgt]).
-
-        Raises:
-            TokenizerError: a file that is missing or not a SentencePiece model, named.
-        """
+        """Load 1 model file (joint) or 2 ([src, tgt]); TokenizerError names a file that is
+        missing or not a SentencePiece model."""
         models = []
         for p in paths:
             try:
@@ -215,11 +198,8 @@ class Tokenizer:
     @classmethod
     def from_reference(cls, path: str | Path) -> Tokenizer:
         """The SentencePiece model(s) of ``tokenizer.reuse``: a ``.model`` file (joint) or an mt
-        checkpoint (a zip written by ``torch.save``; its embedded models, joint or a pair).
-
-        Raises:
-            TokenizerError: a missing file, or one that is neither.
-        """
+        checkpoint (a zip written by ``torch.save``; its embedded models, joint or a pair);
+        TokenizerError for a missing file, or one that is neither."""
         path = Path(path)
         if not path.is_file():
             raise TokenizerError(f"tokenizer.reuse={path}: no such file")
@@ -269,7 +249,6 @@ class Tokenizer:
             write_bytes(path, blob)
         return paths
 
-    # ---- properties ---------------------------------------------------------------------------
     @property
     def joint(self) -> bool:
         return len(self.models) == 1
@@ -285,7 +264,6 @@ class Tokenizer:
             raise ValueError(f"side must be 'src' or 'tgt', got {side!r}")
         return self.models[0 if self.joint or side == "src" else 1]
 
-    # ---- text <-> ids -------------------------------------------------------------------------
     @staticmethod
     def normalize(text: str) -> str:
         """The pipeline's normalisation applied before encoding: Unicode NFC, then strip."""

@@ -1,14 +1,11 @@
 """``mt-export checkpoint=PATH format=hf|ctranslate2 output=DIR``: a trained model leaves mt.
 
 * ``hf``: a directory that Hugging Face ``transformers`` loads offline as a ``MarianMTModel``
-  and a ``MarianTokenizer`` (``AutoModelForSeq2SeqLM`` / ``AutoTokenizer``), computing mt's
-  function exactly (see :mod:`mt.export.hf`), with a model card (``README.md``: languages,
-  parameters, data, the training command, test scores with signatures, limits;
-  :mod:`mt.export.card`), ready to publish as it is.
-* ``ctranslate2``: a CTranslate2 model directory built through CTranslate2's own converter API,
-  with the SentencePiece model beside it (see :mod:`mt.export.ct2`); with
-  ``export.shortlist=LEXICON`` also CTranslate2's vocabulary map (``use_vmap=True``), the
-  lists of ``decode.shortlist`` (:mod:`mt.decode.shortlist`).
+  and a ``MarianTokenizer``, computing mt's function exactly (:mod:`mt.export.hf`), with a
+  model card ready to publish (``README.md``, :mod:`mt.export.card`).
+* ``ctranslate2``: a CTranslate2 model directory with the SentencePiece model beside it
+  (:mod:`mt.export.ct2`); with ``export.shortlist=LEXICON`` also CTranslate2's vocabulary map,
+  the lists of ``decode.shortlist`` (:mod:`mt.decode.shortlist`).
 
 Both need the optional extra ``pip install mt[export]``. A checkpoint that uses a setting the
 target cannot express is refused with a message naming the setting.
@@ -45,11 +42,8 @@ def export(
     """Export an mt checkpoint to ``output`` in format ``fmt`` (``hf`` or ``ctranslate2``);
     ``shortlist`` (a lexicon file, ``mt.decode.shortlist``): CTranslate2's vocabulary map too;
     ``license``: the hub license id of the ``hf`` model card (``export.license``).
-
-    Raises:
-        ExportError: an unknown format, a setting the target cannot express, a shortlist for
-            ``hf`` or one that does not fit the model.
-        CheckpointError: an unreadable checkpoint.
+    ExportError: an unknown format, a setting the target cannot express, a shortlist for ``hf``
+    or one that does not fit the model; CheckpointError: an unreadable checkpoint.
     """
     if fmt not in FORMATS:
         raise ExportError(f"format={fmt}: expected one of {', '.join(FORMATS)}")
@@ -64,8 +58,7 @@ def export(
         raise ExportError(f"output={out} exists and is not empty; choose a new directory")
     if fmt == "hf":
         export_hf(ckpt, cfg, blobs, out)
-        card = model_card(ckpt, cfg, checkpoint, license)
-        write_text(out / "README.md", card)  # ready to publish
+        write_text(out / "README.md", model_card(ckpt, cfg, checkpoint, license))  # to publish
     else:
         vmap = None
         if shortlist is not None:

@@ -13,7 +13,6 @@ SentencePiece model as ``spm.model`` (tokenize with it, pass pieces to ``transla
 
 from __future__ import annotations
 
-import logging
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -21,20 +20,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mt.export.hf import ExportError, check_exportable
+from mt.export.hf import check_exportable, sentencepiece_pieces
 from mt.model.transformer import sinusoidal_positions
 from mt.schema import ModelConfig
 from mt.vocab import BOS, EOS, UNK
 
-log = logging.getLogger(__name__)
-
 
 def ct2_spec(state: dict[str, torch.Tensor], cfg: ModelConfig, pieces: list[str]):
     """A filled ``TransformerSpec`` for mt's weights; ``pieces`` is the vocabulary (id order).
-
-    Raises:
-        ExportError: a setting CTranslate2's Transformer spec cannot express.
-    """
+    A setting CTranslate2's Transformer spec cannot express raises ``ExportError``."""
     import ctranslate2
 
     check_exportable(cfg, True, "ctranslate2")
@@ -107,19 +101,12 @@ def export_ct2(
     (the pieces -> the text of a vocabulary map: ``mt.decode.shortlist.vocabulary_map``) also
     CTranslate2's ``vmap.txt``, used by ``translate_batch(..., use_vmap=True)``;
     ``quantization`` (a CTranslate2 compute type) stores the weights in that type instead.
-
-    Returns:
-        ``out``.
+    Returns ``out``.
     """
     import ctranslate2
-    import sentencepiece as spm
 
     check_exportable(cfg, len(sp_blobs) == 1, "ctranslate2")
-    sp = spm.SentencePieceProcessor(model_proto=sp_blobs[0])
-    V = int(ckpt["vocab_size"])
-    if sp.vocab_size() != V:
-        raise ExportError(f"the SentencePiece model has {sp.vocab_size()} pieces, the model {V}")
-    pieces = [sp.id_to_piece(i) for i in range(V)]
+    pieces = sentencepiece_pieces(sp_blobs[0], int(ckpt["vocab_size"]))
     spec = ct2_spec(ckpt["model"], cfg, pieces)
 
     class _MtConverter(ctranslate2.converters.Converter):

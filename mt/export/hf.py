@@ -53,20 +53,9 @@ def hidden_permutation(d_model: int) -> torch.Tensor:
     return torch.cat([torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)])
 
 
-def marian_positions(max_positions: int, d_model: int) -> torch.Tensor:
-    """Marian's layout, written independently of transformers: sines of every frequency, then
-    cosines. (P, D) float32."""
-    pos = torch.arange(max_positions, dtype=torch.float64)[:, None]
-    freq = torch.pow(10000.0, torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
-    return torch.cat([torch.sin(pos / freq), torch.cos(pos / freq)], dim=1).float()
-
-
 def check_exportable(cfg: ModelConfig, joint_tokenizer: bool, target: str) -> None:
-    """Refuse settings that the target format cannot express.
-
-    Raises:
-        ExportError: naming the setting (e.g. ``model.norm=pre``).
-    """
+    """Refuse settings that the target format cannot express: an ExportError names the setting
+    (e.g. ``model.norm=pre``)."""
     if cfg.norm != "post":
         raise ExportError(
             f"model.norm={cfg.norm}: the {target} export supports the paper's post-LN "
@@ -114,16 +103,8 @@ def marian_config(cfg: ModelConfig, vocab_size: int):
 
 
 def marian_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig, vocab_size: int):
-    """mt's weights renamed and permuted for ``MarianMTModel`` (see the module docstring).
-
-    Args:
-        state: an mt ``Transformer.state_dict()``.
-        cfg: its model configuration.
-        vocab_size: real vocabulary rows V (the padded rows are dropped).
-
-    Returns:
-        A dict of float32 tensors keyed by ``MarianMTModel`` parameter names.
-    """
+    """mt's ``Transformer.state_dict()`` renamed and permuted for ``MarianMTModel`` (see the
+    module docstring): float32 tensors, the ``vocab_size`` real vocabulary rows only."""
     p = hidden_permutation(cfg.d_model)
     out: dict[str, torch.Tensor] = {}
 
@@ -151,9 +132,7 @@ def marian_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig, vocab_si
         out[f"{dst}.fc2.bias"] = rows(state[f"{src}.w2.bias"])
 
     def split(prefix: str, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        ws = state[f"{prefix}.weight"].chunk(n, dim=0)
-        bs = state[f"{prefix}.bias"].chunk(n, dim=0)
-        return list(zip(ws, bs))
+        return list(zip(state[f"{prefix}.weight"].chunk(n), state[f"{prefix}.bias"].chunk(n)))
 
     for i in range(cfg.N):
         src, dst = f"encoder.{i}", f"model.encoder.layers.{i}"
@@ -183,11 +162,8 @@ def marian_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig, vocab_si
 
 
 def build_marian(state: dict[str, torch.Tensor], cfg: ModelConfig, vocab_size: int):
-    """A ``MarianMTModel`` (eval mode) holding mt's weights; checks that every weight landed.
-
-    Raises:
-        ExportError: a weight of the Marian model was left unset, or one of mt's had no place.
-    """
+    """A ``MarianMTModel`` (eval mode) holding mt's weights; an ExportError when a weight of
+    the Marian model was left unset, or one of mt's had no place."""
     from transformers import GenerationConfig, MarianMTModel
 
     check_exportable(cfg, True, "hf")
@@ -215,39 +191,42 @@ def build_marian(state: dict[str, torch.Tensor], cfg: ModelConfig, vocab_size: i
     return model
 
 
-def write_tokenizer(sp_blob: bytes, vocab_size: int, out: Path) -> None:
-    """``source.spm`` = ``target.spm`` = the joint model, ``vocab.json`` = piece -> SentencePiece
-    id, and ``tokenizer_config.json`` naming ``MarianTokenizer``."""
+def sentencepiece_pieces(sp_blob: bytes, vocab_size: int) -> list[str]:
+    """The joint SentencePiece model's pieces in id order; refused unless it has the model's
+    ``vocab_size`` pieces."""
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_proto=sp_blob)
     if sp.vocab_size() != vocab_size:
         raise ExportError(f"the SentencePiece model has {sp.vocab_size()} pieces, the model "
                           f"{vocab_size}")  # fmt: skip
-    specials = {sp.id_to_piece(i): i for i in (PAD, UNK, BOS, EOS)}
-    vocab = {sp.id_to_piece(i): i for i in range(vocab_size)}
+    return [sp.id_to_piece(i) for i in range(vocab_size)]
+
+
+def write_tokenizer(sp_blob: bytes, vocab_size: int, out: Path) -> None:
+    """``source.spm`` = ``target.spm`` = the joint model, ``vocab.json`` = piece -> SentencePiece
+    id, and ``tokenizer_config.json`` naming ``MarianTokenizer``."""
+    pieces = sentencepiece_pieces(sp_blob, vocab_size)
     for name in ("source.spm", "target.spm"):
         (out / name).write_bytes(sp_blob)
+    vocab = {piece: i for i, piece in enumerate(pieces)}
     (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
     config = {
         "tokenizer_class": "MarianTokenizer",
-        "unk_token": sp.id_to_piece(UNK),
-        "eos_token": sp.id_to_piece(EOS),
-        "pad_token": sp.id_to_piece(PAD),
+        "unk_token": pieces[UNK],
+        "eos_token": pieces[EOS],
+        "pad_token": pieces[PAD],
         "model_max_length": 1024,
         "separate_vocabs": False,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    specials = {pieces[i]: i for i in (PAD, UNK, BOS, EOS)}
     log.info("tokenizer written: %d pieces, specials %s", vocab_size, specials)
 
 
 def export_hf(ckpt: dict, cfg: ModelConfig, sp_blobs: list[bytes], out: Path) -> Path:
     """Write a ``transformers`` directory (config, safetensors weights, generation config,
-    tokenizer) for a loaded mt checkpoint dict.
-
-    Returns:
-        ``out``.
-    """
+    tokenizer) for a loaded mt checkpoint dict; returns ``out``."""
     check_exportable(cfg, len(sp_blobs) == 1, "hf")
     vocab_size = int(ckpt["vocab_size"])
     model = build_marian(ckpt["model"], cfg, vocab_size)
@@ -255,14 +234,3 @@ def export_hf(ckpt: dict, cfg: ModelConfig, sp_blobs: list[bytes], out: Path) ->
     model.save_pretrained(out)
     write_tokenizer(sp_blobs[0], vocab_size, out)
     return out
-
-
-__all__ = [
-    "ExportError",
-    "build_marian",
-    "check_exportable",
-    "export_hf",
-    "hidden_permutation",
-    "marian_positions",
-    "marian_state_dict",
-]
