@@ -245,8 +245,11 @@ def _translate(cfg: Config) -> None:
 
 def _evaluate(cfg: Config) -> None:
     from mt.evaluation.evaluate import evaluate_main
+    from mt.train.tracking import track_scores
 
-    evaluate_main(cfg)
+    result = evaluate_main(cfg)
+    if cfg.eval.hyp is None:  # a run's split decoded: its MLflow run, if any, gets the scores
+        track_scores(cfg.run_dir, result)
 
 
 def _export(cfg: Config) -> None:

@@ -175,7 +175,9 @@ class TrainConfig:
     # forward pass again there (fairseq's --checkpoint-activations): far less activation memory
     # for about one more forward pass per step (mt.fast.recompute); the same gradients
     activation_checkpointing: bool = False
-    # Logging, validation, checkpoints.
+    # Logging, validation, checkpoints. tracking: besides metrics.jsonl (tensorboard, mlflow)
+    tracking: list = field(default_factory=lambda: ["tensorboard"])
+    tracking_uri: str = ""  # MLflow's tracking URI ("": a file store in run_dir/mlruns)
     log_every: int = 50
     eval_every: int = 1000  # validate every N updates (0 = only at the end)
     eval_bleu: bool = True  # decode the valid set at each validation (train.valid_beam) for BLEU

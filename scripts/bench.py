@@ -12,6 +12,8 @@ Run through make (options pass through ARGS):
     make bench ARGS="data --data .cache/mt/<hash>/train --max-tokens 4096"
     make bench ARGS="decode --model small --vocab 8000 --beam 4 --batch-size 32 --src-len 26 \\
         --gen-len 30 --threads 2"
+    make bench ARGS="memory --preset big --vocab 37000 --tokens 25000 --precision bf16 \\
+        --estimate-only"                          # the step's peak, activation checkpointing or not
     make bench ARGS="serve --checkpoint runs/multi30k_de_en/checkpoints/best.pt --threads 2"
     make bench ARGS="translate --checkpoint runs/multi30k_de_en/checkpoints/best.pt \\
         --input $MT_DATA_DIR/multi30k/test_2016_flickr.de --threads 2"   # against CTranslate2
@@ -204,6 +206,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--batch-sentences", type=int, default=64, help="serve.batch_sentences")
     serve.add_argument("--batch-wait-ms", type=float, default=5.0, help="serve.batch_wait_ms")
 
+    memory = sub.add_parser("memory", help="a training step's peak memory with and without "
+                            "activation checkpointing: the memory model, and measured")
+    _common(memory)
+    _shape(memory, "base")
+    memory.add_argument("--tokens", type=int, default=25000, help="padded tokens per batch")
+    memory.add_argument("--master-weights", action="store_true",
+                        help="bf16: a 16-bit model and float32 master weights")
+    memory.add_argument("--checkpointing", choices=("off", "on", "both"), default="both",
+                        help="train.activation_checkpointing")
+    memory.add_argument("--estimate-only", action="store_true",
+                        help="the memory model alone (fake tensors: no memory, any device)")
+
     every = sub.add_parser("all", help="a quick run of each benchmark (the default)")
     _common(every)
     return parser
@@ -246,6 +260,10 @@ def run(args: argparse.Namespace, rec: Recorder) -> None:
         from bench_translate import run_translate
 
         run_translate(args, rec)
+    elif args.command == "memory":
+        from bench_memory import run_memory
+
+        run_memory(args, rec)
     elif args.command == "serve":
         from bench_serve import run_serve
 

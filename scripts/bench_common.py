@@ -240,6 +240,12 @@ class Recorder:
                 shape = f"{r.get('clients', '')} clients"
                 figure = (f"{r['sent_per_s']:,.1f} sent/s" if "sent_per_s" in r
                           else f"{r.get('ratio', 0):.2f}x")  # fmt: skip
+            elif r["bench"] == "memory":
+                ckpt = "on" if r["activation_checkpointing"] else "off"
+                shape = f"{shape.split(' h')[0]} {r['tokens']} tok, ckpt {ckpt}"
+                figure = f"{r['estimated_gb']:.2f} GiB estimated"
+                if r.get("measured_gb") is not None:
+                    figure = f"{r['measured_gb']:.2f} measured, {r['estimated_gb']:.2f} est"
             elif r["bench"] == "peak":
                 shape, figure = f"matmul {r['size']}^3", f"{r['peak_tflops']:.1f} TFLOP/s"
             else:

@@ -37,11 +37,16 @@ start in time is listed as skipped:
    (compiling and capturing), the padding share, the GPU memory reserved (the graphs' pools);
    ``base-master-buckets`` the same batches eager; ``profile-buckets`` step 5 at bucket shapes
    with the whole step compiled: kernel launches per update and the GPU's busy share.
+11. ``memory``: one training step's peak GPU memory, with and without activation checkpointing
+   (``train.activation_checkpointing``), measured beside the memory model's figure
+   (``bench memory``: ``base`` and ``big``, bf16 with master weights, 25k tokens, V 37,000);
+   skipped without CUDA (``--quick`` on a CPU measures a miniature through torch.profiler).
 
 The default order (``--steps`` picks and orders them): tests (beside the preparation of the
-corpora), then the shape-bucketed steps, then base with master weights compiled, eager, and
-eager on cuBLASLt; the same three for big; the profile; the two Multi30k runs; base compiled
-with autocast, then base, big, the loader, base padded to 8 and big compiled. The order puts
+corpora), then the shape-bucketed steps, the memory step, then base with master weights
+compiled, eager, and eager on cuBLASLt; the same three for big; the profile; the two Multi30k
+runs; base compiled with autocast, then base, big, the loader, base padded to 8 and big
+compiled. The order puts
 first what is least often measured, so that a short budget still answers it. The default budget,
 540 s, keeps the whole check within ten minutes; steps that do not fit are listed as skipped,
 and a second run with ``--steps`` picks them up.
@@ -425,6 +430,41 @@ def profile(args, out: Path, env: dict, buckets: bool = False) -> dict:
     return run(cmd, out, name, env, args.step_timeout, needs=150 if buckets else 30)
 
 
+def memory(args, out: Path, env: dict, info: dict) -> list[dict]:
+    """Step ``memory`` (the module docstring, 11): ``bench memory`` per preset."""
+    if args.device == "cuda" and not info.get("gpu"):
+        return [{"step": "memory", "status": "skipped (no CUDA)", "seconds": 0.0}]
+    steps = []
+    for preset in ("small",) if args.quick else ("base", "big"):
+        cmd = [sys.executable, "scripts/bench.py", "memory", "--preset", preset, "--device",
+               args.device, "--output", str(out / "bench.jsonl")]  # fmt: skip
+        if args.quick:  # the miniature: measured on a CPU through the profiler, in seconds
+            cmd += ["--vocab", "1000", "--tokens", "500"]
+            cmd += [x for k, v in QUICK_MODEL.items() for x in (QUICK_FLAGS[k], str(v))]
+        else:
+            cmd += ["--vocab", "37000", "--tokens", "25000", "--precision", "bf16",
+                    "--master-weights"]  # fmt: skip
+        steps.append(run(cmd, out, f"memory_{preset}", env, args.step_timeout, needs=60))
+    return steps
+
+
+def _memory_rows(records: list[dict]) -> list[str]:
+    """The memory step's table: measured and estimated peaks, checkpointing off and on."""
+    rows = [r for r in records if r.get("bench") == "memory"]
+    if not rows:
+        return []
+    lines = ["", "| memory: one step | tokens | activation checkpointing | measured peak GiB | "
+             "memory model GiB |", "|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        measured = r.get("measured_gb")
+        lines.append(f"| {r.get('preset')} {r.get('d_model')}x{r.get('layers')} "
+                     f"{r.get('precision')}{', master weights' if r.get('master_weights') else ''}"
+                     f" | {r.get('tokens'):,} | {'on' if r['activation_checkpointing'] else 'off'}"
+                     f" | {'-' if measured is None else f'{measured:.3f}'} | "
+                     f"{r['estimated_gb']:.3f} |")  # fmt: skip
+    return lines
+
+
 def _compiled(record: dict) -> str:
     """``True (1)``: compiled, with the graphs Dynamo made (a slow timed step beside more than
     one graph is a compile); ``False``: eager."""
@@ -458,12 +498,13 @@ def summary(out: Path, steps: list[dict], info: dict) -> str:
              "|---|---|---|"]  # fmt: skip
     lines += [f"| {s['step']} | {s['status']} | {s['seconds']} |" for s in steps]
     bench_file = out / "bench.jsonl"
-    if bench_file.is_file():
+    records = ([json.loads(line) for line in bench_file.read_text().splitlines()]
+               if bench_file.is_file() else [])  # fmt: skip
+    if any(r.get("bench") == "train" for r in records):
         lines += ["", "| bench | compiled (graphs) | tgt tok/s | median / slowest step ms | "
                   "MFU (datasheet) | MFU (measured peak) | peak memory MB | shapes (buckets) | "
                   "first-shape steps s | padding src / tgt | GPU reserved GB |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-        records = [json.loads(line) for line in bench_file.read_text().splitlines()]
         for r in records:
             if r.get("bench") != "train":
                 continue
@@ -478,6 +519,8 @@ def summary(out: Path, steps: list[dict], info: dict) -> str:
                 f"{'-' if r.get('mfu') is None else format(r['mfu'], '.1%')} | "
                 f"{r.get('peak_mem_mb', 0):,.0f} | {_buckets(r)} |"
             )
+    lines += _memory_rows(records)
+    if records:
         lines += ["", *(f"loader alone: {r['batches_per_s']:,.1f} batches/s, {r['tok_per_s']:,.0f} "
                         f"target tok/s" for r in records if r.get("bench") == "data")]  # fmt: skip
     for run_name, how in (("multi30k", ""), ("multi30k_master", ", bf16 master weights")):
@@ -526,7 +569,7 @@ def _profile_line(p: dict) -> str:
 # The steps and their default order: the open questions first where a budget is short. The
 # shape-bucketed, wholly compiled steps on CUDA graphs first, then their profile.
 STEPS = ("tests", "base-master-compiled-buckets", "big-master-compiled-buckets",
-         "profile-buckets", "base-master-buckets", "base-master-compiled", "base-master",
+         "profile-buckets", "memory", "base-master-buckets", "base-master-compiled", "base-master",
          "base-master-lt", "big-master-compiled", "big-master", "big-master-lt", "profile",
          "multi30k-master", "multi30k", "base-compiled", "base", "big", "data", "base-pad8",
          "big-compiled")
@@ -585,7 +628,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.quick:  # the miniature: one small preset, eager, on random batches
         chosen = [s for s in chosen
-                  if s in ("base", "base-master", "multi30k", "multi30k-master", "profile")]
+                  if s in ("base", "base-master", "multi30k", "multi30k-master", "profile",
+                           "memory")]  # fmt: skip
     # The data preparation runs on the CPU, beside the GPU tests.
     m30k_prep, m30k_prepared = None, None
     if {"multi30k", "multi30k-master"} & set(chosen):
@@ -616,8 +660,10 @@ def main(argv: list[str] | None = None) -> int:
             record(*multi30k(args, out, env, m30k_prepared, master=name == "multi30k-master"))
         elif name in ("profile", "profile-buckets"):
             record(profile(args, out, env, buckets=name == "profile-buckets"))
+        elif name == "memory":
+            record(*memory(args, out, env, info))
     print(summary(out, steps, info))
-    return 0 if all(s["status"] == 0 for s in steps) else 1
+    return 0 if all(s["status"] in (0, "skipped (no CUDA)") for s in steps) else 1
 
 
 if __name__ == "__main__":

@@ -302,16 +302,17 @@ def test_gpu_check_runs_its_steps_in_miniature_on_a_cpu(real_data, tmp_path):
     env = dict(os.environ, MT_DATA_DIR=str(real_data))
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--device", "cpu", "--quick",
-         "--out", str(tmp_path / "out"), "--steps", "multi30k,base,profile"],
+         "--out", str(tmp_path / "out"), "--steps", "multi30k,base,profile,memory"],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = (tmp_path / "out" / "summary.md").read_text()
     order = ("multi30k_prepare", "multi30k_train", "multi30k_evaluate", "bench_small_eager",
-             "profile")  # fmt: skip
+             "profile", "memory_small")  # fmt: skip
     at = [text.index(f"| {step} | 0 |") for step in order]
     assert at == sorted(at)
     assert "Multi30k de->en test BLEU" in text and "tgt tok/s" in text
+    assert "| small 64x1 fp32 | 500 | on |" in text  # the memory step's miniature, measured
     profile_text = (tmp_path / "out" / "profile.txt").read_text()
     assert profile_text.strip() and "The copies of one update by input shape" in profile_text
     profiled = json.loads((tmp_path / "out" / "profile.json").read_text())
@@ -412,6 +413,55 @@ def test_gpu_check_runs_the_bucketed_steps_first_and_reports_their_figures(monke
              "first_shape_s", "padding_share", "graph_memory")}  # fmt: skip
     (tmp_path / "bench.jsonl").write_text(json.dumps(plain) + "\n")
     assert "| - (off) | - | - | - |" in gpu_check.summary(tmp_path, [], {})
+
+
+def test_memory_bench_reports_the_model_and_the_measured_peak_both_ways(tmp_path):
+    """``bench memory``: the memory model's peak and the measured one (on a CPU through
+    torch.profiler), activation checkpointing off and on, one record each."""
+    records, stdout = run_bench(["memory", *TINY, "--tokens", "200"], tmp_path)
+    assert [r["activation_checkpointing"] for r in records] == [False, True]
+    for r in records:
+        assert r["bench"] == "memory" and r["tokens"] == 200
+        assert r["measured_kind"] == "cpu_profiler_allocations"
+        assert r["measured_gb"] > 0 and r["estimated_gb"] > 0
+    assert "measured" in stdout.splitlines()[-1] and "ckpt on" in stdout.splitlines()[-1]
+
+
+def test_gpu_check_memory_step_is_skipped_without_cuda_and_composes_with_one(monkeypatch,
+                                                                             tmp_path):  # fmt: skip
+    """The memory step runs ``bench memory`` for base and big in bf16 with master weights at
+    the WMT batch where a GPU is; without CUDA it is listed as skipped (not a failure of the
+    check), and the summary shows what the step measured."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import gpu_check
+
+    assert "memory" in gpu_check.STEPS and "memory" not in gpu_check.TRAIN_BENCHES
+    args = gpu_check.argparse.Namespace(device="cuda", quick=False, step_timeout=60)
+    assert gpu_check.memory(args, tmp_path, {}, {"gpu": None}) == [
+        {"step": "memory", "status": "skipped (no CUDA)", "seconds": 0.0}]
+    seen = {}
+    monkeypatch.setattr(gpu_check, "run", lambda cmd, out, name, *a, **k: seen.update(
+        {name: cmd}) or {"step": name, "status": 0, "seconds": 0.0})  # fmt: skip
+    steps = gpu_check.memory(args, tmp_path, {}, {"gpu": "NVIDIA H200"})
+    assert [s["step"] for s in steps] == ["memory_base", "memory_big"]
+    cmd = seen["memory_big"]
+    assert cmd[2:5] == ["memory", "--preset", "big"] and "--estimate-only" not in cmd
+    assert {"--master-weights", "bf16", "25000", "37000"} <= set(cmd)
+    record = {"bench": "memory", "preset": "big", "d_model": 1024, "layers": 6, "tokens": 25000,
+              "precision": "bf16", "master_weights": True, "activation_checkpointing": True,
+              "estimated_gb": 7.123, "measured_gb": 7.5}  # fmt: skip
+    (tmp_path / "bench.jsonl").write_text(json.dumps(record) + "\n")
+    text = gpu_check.summary(tmp_path, [], {})
+    assert "| big 1024x6 bf16, master weights | 25,000 | on | 7.500 | 7.123 |" in text
+
+
+def test_gpu_check_without_cuda_lists_the_memory_step_as_skipped(tmp_path):
+    script = str(REPO / "scripts" / "gpu_check.py")
+    proc = subprocess.run([sys.executable, script, "--out", str(tmp_path / "out"), "--steps",
+                           "memory", "--wheels", str(tmp_path)], capture_output=True, text=True,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| memory | skipped (no CUDA) | 0.0 |" in (tmp_path / "out" / "summary.md").read_text()
 
 
 def test_gpu_check_refuses_an_unknown_step_before_running_anything(tmp_path):

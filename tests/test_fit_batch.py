@@ -56,7 +56,8 @@ def test_accumulation_times_gpu_batch_times_world_is_the_global_batch(global_bat
 
 
 def test_fit_batch_applies_on_cuda_with_a_global_batch_only(monkeypatch):
-    cfg = load_config(["train.fit_batch=true", "train.batch_tokens=25000"])
+    cfg = load_config(["train.fit_batch=true", "train.batch_tokens=25000",
+                       "train.activation_checkpointing=true"])  # fmt: skip
     assert fitted_max_tokens(cfg, 100, torch.device("cpu")) is None  # the CPU path as it was
     off = load_config(["train.batch_tokens=25000"])
     assert fitted_max_tokens(off, 100, torch.device("cuda")) is None
@@ -64,8 +65,9 @@ def test_fit_batch_applies_on_cuda_with_a_global_batch_only(monkeypatch):
 
     seen = {}
 
-    def fake(model_cfg, vocab, tokens, precision="bf16", master_weights=False):
-        seen["args"] = (vocab, precision, master_weights)
+    def fake(model_cfg, vocab, tokens, precision="bf16", master_weights=False,
+             activation_checkpointing=False):  # fmt: skip
+        seen["args"] = (vocab, precision, master_weights, activation_checkpointing)
         return {"total": 1.0 + tokens * 1e-3}
 
     class Props:
@@ -75,4 +77,4 @@ def test_fit_batch_applies_on_cuda_with_a_global_batch_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
     got = fitted_max_tokens(cfg, 100, torch.device("cuda"))
     assert got == 12288 and 1.0 + got * 1e-3 <= 0.85 * 16 < 1.0 + (got + 1024) * 1e-3
-    assert seen["args"] == (100, cfg.train.precision, cfg.train.master_weights)
+    assert seen["args"] == (100, cfg.train.precision, cfg.train.master_weights, True)

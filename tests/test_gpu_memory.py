@@ -64,3 +64,41 @@ def test_setup_asks_for_expandable_segments_unless_the_user_chose(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     distributed.setup("cpu")
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+
+
+@pytest.fixture(scope="module")
+def measured_peaks():
+    """A small model's step at 2,000 tokens in float32, with and without activation
+    checkpointing: the memory model's peak, and the same step run for real on the CPU, its
+    peak the most bytes torch's CPU allocator held (``torch.profiler``'s allocation events,
+    ``scripts/bench_memory.py``): a measurement independent of the fake tensors and of torch's
+    memory tracker."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from bench_memory import measure_step_gb
+
+    from mt.schema import ModelConfig
+
+    cfg = ModelConfig(N=2, d_model=64, d_ff=256, h=4, dropout=0.1)
+    peaks = {}
+    for ckpt in (False, True):
+        estimated = estimate_step_gb(cfg, 1000, 2000, "fp32", activation_checkpointing=ckpt)
+        measured = measure_step_gb(cfg, 1000, 2000, "fp32", False, ckpt, torch.device("cpu"))
+        peaks[ckpt] = estimated, measured
+    return peaks
+
+
+def test_the_memory_model_gives_the_measured_peak_with_and_without_checkpointing(measured_peaks):
+    """Without checkpointing the model's peak is the measured one (it counts the same tensors);
+    with it the model may lean high (within 10%, never below: a plan must not undercount), and
+    what checkpointing saves is the measured saving."""
+    (plain, plain_measured), (ckpt, ckpt_measured) = measured_peaks[False], measured_peaks[True]
+    assert plain["total"] == pytest.approx(plain_measured, rel=0.02), measured_peaks
+    assert ckpt_measured <= ckpt["total"] <= 1.1 * ckpt_measured, measured_peaks
+    assert plain["total"] - ckpt["total"] == pytest.approx(plain_measured - ckpt_measured, rel=0.1)
+    assert ckpt_measured < 0.5 * plain_measured  # the layers' activations are not kept
+    assert ckpt["parameter"] == plain["parameter"]  # the same weights

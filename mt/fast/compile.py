@@ -119,7 +119,8 @@ def fitted_max_tokens(cfg, vocab_size: int, device: torch.device) -> int | None:
     whole = tc.compile and tc.shape_buckets > 0
 
     def estimate(tokens: int) -> float:
-        gb = estimate_step_gb(cfg.model, vocab_size, tokens, tc.precision, tc.master_weights)
+        gb = estimate_step_gb(cfg.model, vocab_size, tokens, tc.precision, tc.master_weights,
+                              tc.activation_checkpointing)  # fmt: skip
         return gb["total"] + (tokens * vocab_size * 6 / 2**30 if whole else 0.0)
 
     memory = torch.cuda.get_device_properties(device).total_memory / 2**30

@@ -245,7 +245,8 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     data = TrainBatches(prepared, cfg, info.rank, info.world_size)
     model = compile_step(forward, tc, info.device, _bucket_shapes(data, state.epoch))
     model = distributed.wrap(model, info)
-    metrics = MetricsLog(run_dir, state.step, enabled=info.is_main)
+    where = {**machine(info.device), "torch": torch.__version__}  # MLflow's tags
+    metrics = MetricsLog(run_dir, state.step, info.is_main, cfg, where)
     update = Updater(model, raw.parameters(), optimizer, scheduler, scaler, cfg, info.world_size,
                      loss_fn=step_loss(model))  # fmt: skip
     # RNG last: from here on the resumed run draws exactly what the uninterrupted one drew.
