@@ -29,17 +29,9 @@ from mt.vocab import PAD
 def label_smoothed_nll_loss(
     lprobs: torch.Tensor, target: torch.Tensor, eps: float, ignore_index: int = PAD
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed label-smoothed cross entropy and summed NLL over the non-padding positions.
-
-    Args:
-        lprobs: (N, V) log-probabilities (log_softmax of the logits; float32 recommended).
-        target: (N,) reference token ids.
-        eps: smoothing mass in [0, 1); 0 gives plain cross entropy.
-        ignore_index: target id whose positions are ignored (padding).
-
-    Returns:
-        ``(loss_sum, nll_sum)``, two scalar tensors (sums, not means).
-    """
+    """``(loss_sum, nll_sum)``: summed label-smoothed cross entropy and NLL (scalars, sums not
+    means) of ``lprobs`` (N, V) (float32 recommended) against ``target`` (N,), over the
+    positions whose target is not ``ignore_index``; ``eps`` in [0, 1), 0: plain cross entropy."""
     if lprobs.dim() != 2 or target.dim() != 1 or lprobs.size(0) != target.size(0):
         raise ValueError(
             f"expected lprobs (N,V) and target (N,), got {tuple(lprobs.shape)} and "
