@@ -33,12 +33,8 @@ def decay_at(decay: float, n: int) -> float:
 
 
 class WeightEMA:
-    """The moving average of ``params`` (a model's parameters, in ``parameters()`` order).
-
-    Args:
-        params: the trained parameters (shared ones once, as ``Module.parameters()`` gives).
-        decay: the decay once the ramp is past, in (0, 1).
-    """
+    """The moving average of ``params`` (a model's ``parameters()``: shared ones once), with
+    ``decay`` in (0, 1) once the ramp is past."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], decay: float) -> None:
         if not 0.0 < decay < 1.0:

@@ -131,15 +131,9 @@ class Run:
 
 
 def train(cfg: Config) -> dict[str, Any]:
-    """Train (or resume) the run in ``cfg.run_dir``; under torchrun, one call per rank.
-
-    Args:
-        cfg: the whole configuration.
-
-    Returns:
-        A summary: ``step``, ``epoch``, ``stop`` (why training ended), ``best`` (the best
-        validation metric), ``metric``, ``run_dir``.
-    """
+    """Train (or resume) the run in ``cfg.run_dir``; under torchrun, one call per rank. Returns
+    ``step``, ``epoch``, ``stop`` (why training ended), ``signal``, ``best`` (the best validation
+    value), ``metric`` and ``run_dir``."""
     info = distributed.setup(cfg.train.device, cfg.train.dist_timeout_minutes)
     file_log = None
     restore_signals = None

@@ -14,14 +14,9 @@ log = logging.getLogger(__name__)
 
 
 class MetricsLog:
-    """``metrics.jsonl`` (one flushed line per record, appended) and TensorBoard, rank 0 only.
-
-    Args:
-        run_dir: the run directory.
-        resume_step: records from the first one with a larger step on are cut off (they were
-            written after the checkpoint being resumed, and will be written again).
-        enabled: False on ranks other than 0.
-    """
+    """``metrics.jsonl`` (one flushed line per record, appended) and TensorBoard, rank 0 only
+    (``enabled``). Records from the first with a step beyond ``resume_step`` on are cut off:
+    they were written after the checkpoint being resumed, and will be written again."""
 
     def __init__(self, run_dir: Path, resume_step: int, enabled: bool = True):
         self.enabled = enabled
