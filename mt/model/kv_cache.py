@@ -1,12 +1,8 @@
-"""The decoder's incremental state: typed per-layer key/value caches with the row operations
-that search needs.
-
-Incremental decoding feeds the decoder one new token per row and step. Each decoder layer then
-needs the keys/values of every earlier position of its self-attention (a growing buffer) and
-the keys/values of the encoder output for its encoder-decoder attention (computed once). Beam
-search moves rows around: a surviving hypothesis takes the state of its parent
-(:meth:`DecoderCache.select`, :meth:`DecoderCache.copy_rows`), and a sentence whose search has
-ended is dropped (``sents``).
+"""The decoder's incremental state: per-layer key/value caches with the row operations that
+search needs: self-attention's keys/values of every earlier position (a growing buffer) and
+the encoder output's for encoder-decoder attention (computed once). Beam search moves rows:
+a surviving hypothesis takes its parent's state (:meth:`DecoderCache.select`,
+:meth:`DecoderCache.copy_rows`), and a sentence whose search has ended is dropped (``sents``).
 
 Rows: the self-attention caches hold one row per hypothesis (B = G * n rows); the
 encoder-decoder caches hold one row per sentence (n rows), shared by its G hypotheses.

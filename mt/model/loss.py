@@ -10,13 +10,9 @@ and the loss of one position is the cross entropy ``-sum_k q(k) log p(k)``, i.e.
 
     loss = (1 - eps - eps / (V - 1)) * nll + eps / (V - 1) * (-sum_k log p(k))
 
-Positions whose target is padding contribute nothing. Both sums are returned: the smoothed loss
-(what is optimised) and the plain negative log-likelihood (what perplexity is computed from).
-The caller normalises, e.g. by the number of target tokens of the whole update.
-
-This is the formula as written; ``mt.fast.loss`` computes the same sums from the logits (or
-from the decoder output and the projection) without the (N, V) log-probabilities, and its tests
-hold the two equal in values and gradients.
+Padding positions contribute nothing. Both sums are returned (the smoothed loss is optimised,
+the NLL gives perplexity); the caller normalises. ``mt.fast.loss`` computes the same sums
+without the (N, V) log-probabilities; its tests hold the two equal in values and gradients.
 """
 
 from __future__ import annotations
