@@ -151,6 +151,7 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
 
     files.write_lines(run_dir / "translations" / f"{args.split}.txt", hyps)
     result = score(hyps, refs, **eval_kwargs(cfg))
+    shortlist = [decode.shortlist, decode.shortlist_k, decode.shortlist_frequent]
     result.update(
         split=args.split,
         checkpoint=str(ckpt_path),
@@ -160,8 +161,7 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
         max_len_a=decode.max_len_a,
         max_len_b=decode.max_len_b,
         precision=decode.precision,
-        shortlist=decode.shortlist and [decode.shortlist, decode.shortlist_k,
-                                        decode.shortlist_frequent],  # fmt: skip
+        shortlist=decode.shortlist and shortlist,
         device=str(device),
         decode_seconds=round(seconds, 3),
         sent_per_s=round(len(src_ids) / max(seconds, 1e-9), 2),

@@ -114,9 +114,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- figures
 
 
-def wall_series(
-    records: Sequence[Mapping[str, Any]], key: str
-) -> tuple[np.ndarray, np.ndarray]:
+def wall_series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
     """``(minutes, values)`` of ``key``: minutes of training (``wall``) when each value was logged.
 
     A record without its own ``wall`` (validation records of runs before it was logged) gets

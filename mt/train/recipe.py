@@ -301,7 +301,11 @@ def train_loop(run: Run) -> str:
             log.info("epoch %d pairs by corpus: %s", state.epoch, sampler.mix.describe(counts))
         batches = run.prefetch(
             iterate_batches(
-                split, sampler, state.epoch, start=state.batch, pad_multiple=pad_multiple(tc),
+                split,
+                sampler,
+                state.epoch,
+                start=state.batch,
+                pad_multiple=pad_multiple(tc),
                 one_graph=tc.compile,
             )
         )
@@ -420,8 +424,9 @@ def _precision(cfg: Config, info: distributed.DistInfo, vocab: int) -> str:
     tc = cfg.train
     shape = (tc.max_tokens, cfg.model.d_model, cfg.model.d_ff)
     return distributed.decide_on_rank0(
-        lambda: resolve_precision(tc.precision, info.device, shape, tc.cpu_kernels,
-                                   cfg.cache_dir, vocab),
+        lambda: resolve_precision(
+            tc.precision, info.device, shape, tc.cpu_kernels, cfg.cache_dir, vocab
+        ),
         "resolving train.precision",
     )
 

@@ -442,8 +442,10 @@ def data_summary(prepared) -> dict[str, Any]:
         "hf_path": None if local else data.get("hf_path"),
         "hf_name": None if local else data.get("hf_name"),
         "local_dir": Path(directory).name if local and directory else None,
-        "corpora": [{"name": str(c.get("name")), "pairs": int(c.get("pairs", 0))}
-                    for c in train.get("corpora") or []],  # fmt: skip
+        "corpora": [
+            {"name": str(c.get("name")), "pairs": int(c.get("pairs", 0))}
+            for c in train.get("corpora") or []
+        ],
         "read": (train.get("clean") or {}).get("read"),
         "pairs": {r: (counts.get(r) or {}).get("pairs") for r in ("train", "valid", "test")},
         "splits": {role: str(splits.get(role)) for role in ("valid", "test")},
