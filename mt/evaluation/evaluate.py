@@ -30,13 +30,9 @@ log = logging.getLogger(__name__)
 
 
 def read_lines(path: str | Path) -> list[str]:
-    """The lines of a UTF-8 text file, split on ``\n`` only (a BOM or U+2028 stays in the text).
-
-    sacreBLEU's own command line reads files the same way, so scores match its published ones.
-
-    Raises:
-        mt.files.TextError: a line that is not UTF-8 or holds a NUL byte (file and line named).
-    """
+    """The lines of a UTF-8 text file, split on ``\n`` only (a BOM or U+2028 stays in the text),
+    as sacreBLEU's own command line reads them, so scores match its published ones;
+    ``mt.files.TextError`` names the file and line that is not UTF-8 or holds a NUL byte."""
     with open(path, "rb") as f:
         return list(files.read_lines(f, str(path)))
 
@@ -44,12 +40,9 @@ def read_lines(path: str | Path) -> list[str]:
 def score_files(
     hyp: str | Path, ref: str | Path | list, langpair: str | None = None, **kwargs: Any
 ) -> dict[str, Any]:
-    """Score a translation file against one or several reference files.
-
-    A reference that is not a file but a sacreBLEU test-set name (``wmt14/full``) stands for
-    that set's references for ``langpair`` (``de-en``) from sacreBLEU's cache. ``kwargs`` go to
-    :func:`score`.
-    """
+    """Score a translation file against one or several reference files (:func:`score` takes
+    ``kwargs``). A reference that is not a file but a sacreBLEU test-set name (``wmt14/full``)
+    stands for that set's references for ``langpair`` (``de-en``) from sacreBLEU's cache."""
     refs_given = [ref] if isinstance(ref, (str, Path)) else list(ref)
     if not refs_given:
         raise ValueError("mt-evaluate hyp=FILE needs ref=FILE (or ref=[FILE1,FILE2])")
