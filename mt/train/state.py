@@ -1,9 +1,7 @@
 """Where a training run stands, and what must hold for it to go on: one home for run state.
 
-- :class:`TrainState` (step, epoch, position in the epoch, best value, patience, wall time) and
-  what a checkpoint of the run holds (:func:`training_state`), RNG states included
-  (:func:`rng_state`, :func:`set_rng_state`), so that a resumed run draws what the uninterrupted
-  one drew.
+- :class:`TrainState` and what a checkpoint of the run holds (:func:`training_state`), RNG
+  states included (:func:`rng_state`), so that a resumed run draws what the uninterrupted did.
 - The batch plan of an epoch (:func:`data_plan`, :func:`train_sampler`; each epoch's pairs and
   sampler, :class:`TrainBatches`) and the checks a resume makes: a checkpoint's model fits the
   configuration (:func:`check_compatible`), its position in an epoch means the same under

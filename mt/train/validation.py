@@ -92,10 +92,8 @@ def valid_hypotheses(
 
 def validation_search(cfg: Config) -> DecodeConfig:
     """The search validation decodes with: greedy (``train.valid_beam`` null, the default), or
-    beam search of ``train.valid_beam`` beams with the test's settings (``decode.alpha``,
-    ``max_len_a``/``max_len_b``, ``batch_size``/``max_tokens`` and the shortlist
-    as ``decode.*`` gives them); one hypothesis per sentence, never sampled (the choice of a
-    checkpoint must not depend on a draw)."""
+    ``train.valid_beam`` beams with the test's ``decode.*`` settings; one hypothesis per
+    sentence, never sampled (the choice of a checkpoint must not depend on a draw)."""
     beam = cfg.train.valid_beam
     if beam is not None and beam < 1:
         raise ValueError(f"train.valid_beam must be a beam size >= 1 or null, got {beam}")
