@@ -45,6 +45,11 @@ def rand_tokens(B: int, L: int, seed: int) -> torch.Tensor:
     return torch.randint(4, V, (B, L), generator=g)
 
 
+def reorder(enc, cache, index: torch.Tensor):
+    """Rows ``index`` of the encoder output and of the cache, kept row-aligned."""
+    return enc.select(index), cache.select(index, index)
+
+
 @pytest.mark.parametrize(
     "preset, paper",
     [(dict(), 65e6), (dict(d_model=1024, d_ff=4096, h=16, dropout=0.3), 213e6)],
@@ -246,7 +251,7 @@ def test_incremental_decoding_after_reorder():
     for t in range(3):
         model.decode(tgt[:, t : t + 1], enc, cache)
     index = torch.tensor([2, 0, 0, 1])
-    enc, cache = model.reorder(enc, cache, index)
+    enc, cache = reorder(enc, cache, index)
     new_tgt = tgt[index]
     new_tgt[1, 3:] = rand_tokens(1, 3, 9)  # rows 1 and 2 share a prefix, then diverge
     steps = [model.decode(new_tgt[:, t : t + 1], enc, cache) for t in range(3, 6)]
@@ -388,7 +393,7 @@ def test_incremental_decoding_past_cache_capacity():
     with torch.inference_mode():
         steps = [model.decode(tgt[:, t : t + 1], enc, cache) for t in range(18)]
         index = torch.tensor([1, 0, 1])  # a reorder after the growth, then two more steps
-        enc, cache = model.reorder(enc, cache, index)
+        enc, cache = reorder(enc, cache, index)
         steps = [s[index] for s in steps]
         steps += [model.decode(tgt[index, t : t + 1], enc, cache) for t in range(18, 20)]
         full = model(src[index], tgt[index])
@@ -405,21 +410,21 @@ def test_shared_encoder_rows_equal_full_reorder():
     expand = torch.arange(2).repeat_interleave(K)
     with torch.inference_mode():
         enc_g, cache_g = model.encode(src), model.new_cache()  # 2 encoder rows for 6 decoder rows
-        enc_f, cache_f = model.reorder(model.encode(src), model.new_cache(), expand)
+        enc_f, cache_f = reorder(model.encode(src), model.new_cache(), expand)
         for t in range(3):
             a = model.decode(tgt[:, t : t + 1], enc_g, cache_g)
             b = model.decode(tgt[:, t : t + 1], enc_f, cache_f)
             assert torch.allclose(a, b, atol=1e-5)
         beams = torch.tensor([2, 2, 0, 4, 3, 3])  # reorder within each sentence
         cache_g = cache_g.select(beams)  # the encoder rows stay
-        enc_f, cache_f = model.reorder(enc_f, cache_f, beams)
+        enc_f, cache_f = reorder(enc_f, cache_f, beams)
         a, attn_a = model.decode(tgt[:, 3:4], enc_g, cache_g, need_attn=True)
         b, attn_b = model.decode(tgt[:, 3:4], enc_f, cache_f, need_attn=True)
         assert torch.allclose(a, b, atol=1e-5) and torch.allclose(attn_a, attn_b, atol=1e-6)
         # drop sentence 0 and reorder the beams of sentence 1
         rows, sents = torch.tensor([5, 3, 3]), torch.tensor([1])
         enc_g, cache_g = enc_g.select(sents), cache_g.select(rows, sents)
-        enc_f, cache_f = model.reorder(enc_f, cache_f, rows)
+        enc_f, cache_f = reorder(enc_f, cache_f, rows)
         a = model.decode(tgt[rows, 4:5], enc_g, cache_g)
         b = model.decode(tgt[rows, 4:5], enc_f, cache_f)
         assert enc_g.memory.size(0) == 1 and torch.allclose(a, b, atol=1e-5)

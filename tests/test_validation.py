@@ -96,7 +96,7 @@ def test_valid_bleu_uses_the_configured_bleu_tokenizer(real_data, tmp_path, monk
     computed again by sacreBLEU itself), not always with 13a."""
     import sacrebleu
 
-    from mt.train.validation import valid_bleu
+    from mt.train.validation import valid_scores
 
     monkeypatch.setenv("MT_DATA_DIR", str(real_data))
     cfg = load_config([*OVERRIDES, f"run_dir={tmp_path / 'run'}", "eval.bleu_tokenize=char"])
@@ -104,7 +104,7 @@ def test_valid_bleu_uses_the_configured_bleu_tokenizer(real_data, tmp_path, monk
     model = model_for(cfg, prepared.vocab_size)
     hyps = valid_hypotheses(model, prepared, cfg, torch.device("cpu"))
     refs = prepared.references("valid")[: len(hyps)]
-    got = valid_bleu(model, prepared, cfg, torch.device("cpu"))
+    got = valid_scores(model, prepared, cfg, torch.device("cpu"))["valid_bleu"]
     assert got == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs], tokenize="char").score)
     assert got != pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score)
 

@@ -1,9 +1,7 @@
 """Stage 6, ``mt-evaluate``: translations scored with sacreBLEU (``mt.evaluation.metrics``).
 
-Scores are computed on detokenized text against the raw references, with sacreBLEU's defaults:
-BLEU with the 13a tokenizer and chrF (character 6-grams, beta 2). Each score is reported with
-its sacreBLEU signature, which says exactly how it was computed (and so whether two numbers can
-be compared).
+Scores are computed on detokenized text against the raw references (sacreBLEU's defaults: BLEU
+13a, chrF), each with the signature that says how it was computed.
 
 ``mt-evaluate`` has two modes:
 
@@ -25,46 +23,26 @@ from pathlib import Path
 from typing import Any
 
 from mt import files
-from mt.evaluation.metrics import eval_kwargs, score
+from mt.evaluation.metrics import eval_kwargs, is_testset, score, testset_references
 from mt.schema import Config
 
 log = logging.getLogger(__name__)
 
 
 def read_lines(path: str | Path) -> list[str]:
-    """The lines of a UTF-8 text file, split on ``\n`` only (a BOM or U+2028 stays in the text).
-
-    sacreBLEU's own command line reads files the same way, so scores match its published ones.
-
-    Raises:
-        mt.files.TextError: a line that is not UTF-8 or holds a NUL byte (file and line named).
-    """
+    """The lines of a UTF-8 text file, split on ``\n`` only (a BOM or U+2028 stays in the text),
+    as sacreBLEU's own command line reads them, so scores match its published ones;
+    ``mt.files.TextError`` names the file and line that is not UTF-8 or holds a NUL byte."""
     with open(path, "rb") as f:
         return list(files.read_lines(f, str(path)))
-
-
-def write_lines(path: str | Path, lines: list[str]) -> None:
-    """Write one line per item (UTF-8, ``\n`` after each, a line break inside an item becomes
-    a space) atomically."""
-    files.write_lines(path, lines)
-
-
-def write_json(path: str | Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as indented JSON atomically."""
-    files.write_json(path, data)
 
 
 def score_files(
     hyp: str | Path, ref: str | Path | list, langpair: str | None = None, **kwargs: Any
 ) -> dict[str, Any]:
-    """Score a translation file against one or several reference files.
-
-    A reference that is not a file but a sacreBLEU test-set name (``wmt14/full``) stands for
-    that set's references for ``langpair`` (``de-en``) from sacreBLEU's cache. ``kwargs`` go to
-    :func:`score`.
-    """
-    from mt.evaluation.metrics import is_testset, testset_references
-
+    """Score a translation file against one or several reference files (:func:`score` takes
+    ``kwargs``). A reference that is not a file but a sacreBLEU test-set name (``wmt14/full``)
+    stands for that set's references for ``langpair`` (``de-en``) from sacreBLEU's cache."""
     refs_given = [ref] if isinstance(ref, (str, Path)) else list(ref)
     if not refs_given:
         raise ValueError("mt-evaluate hyp=FILE needs ref=FILE (or ref=[FILE1,FILE2])")
@@ -104,15 +82,8 @@ def _print_scores(result: dict[str, Any]) -> None:
 
 
 def evaluate_main(cfg: Config) -> dict[str, Any]:
-    """``mt-evaluate``: score ``hyp=`` against ``ref=``, or decode and score a run's split.
-
-    Args:
-        cfg: the configuration (``hyp``, ``ref``, ``output``; or ``run_dir``, ``split``,
-            ``checkpoint``, ``decode``, ``data``...).
-
-    Returns:
-        The results dict (what results.json / ``output=`` holds).
-    """
+    """``mt-evaluate``: score ``hyp=`` against ``ref=``, or decode and score a run's split;
+    returns the results (what results.json / ``output=`` holds)."""
     args = cfg.eval
     if args.hyp is not None:
         if args.ref is None:
@@ -121,7 +92,7 @@ def evaluate_main(cfg: Config) -> dict[str, Any]:
         result = score_files(args.hyp, args.ref, langpair, **eval_kwargs(cfg))
         _print_scores(result)
         if args.output:
-            write_json(args.output, result)
+            files.write_json(args.output, result)
             log.info("scores written to %s", args.output)
         return result
     return evaluate_run(cfg)
@@ -171,8 +142,9 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     hyps = tokenizer.decode(out_ids, side="tgt")
 
-    write_lines(run_dir / "translations" / f"{args.split}.txt", hyps)
+    files.write_lines(run_dir / "translations" / f"{args.split}.txt", hyps)
     result = score(hyps, refs, **eval_kwargs(cfg))
+    shortlist = [decode.shortlist, decode.shortlist_k, decode.shortlist_frequent]
     result.update(
         split=args.split,
         checkpoint=str(ckpt_path),
@@ -182,16 +154,15 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
         max_len_a=decode.max_len_a,
         max_len_b=decode.max_len_b,
         precision=decode.precision,
-        shortlist=decode.shortlist and [decode.shortlist, decode.shortlist_k,
-                                        decode.shortlist_frequent],  # fmt: skip
+        shortlist=decode.shortlist and shortlist,
         device=str(device),
         decode_seconds=round(seconds, 3),
         sent_per_s=round(len(src_ids) / max(seconds, 1e-9), 2),
         tgt_tok_per_s=round(sum(map(len, out_ids)) / max(seconds, 1e-9), 1),
         torch_threads=torch.get_num_threads(),
     )
-    write_json(run_dir / f"results.{args.split}.json", result)  # each split keeps its own
-    write_json(run_dir / "results.json", result)  # the latest evaluation (report, sweeps)
+    files.write_json(run_dir / f"results.{args.split}.json", result)  # each split keeps its own
+    files.write_json(run_dir / "results.json", result)  # the latest evaluation (report, sweeps)
     log.info("%s on %s: %s", ckpt_path.name, args.split,
              " | ".join(f"{k} {v['score']:.2f}" for k, v in result["scores"].items()))  # fmt: skip
     if args.report:

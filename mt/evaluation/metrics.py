@@ -4,10 +4,8 @@ signature, and the tokenized, compound-split BLEU that WMT14 en-de papers report
 - :func:`score` is what validation, ``mt-evaluate`` and the tests call: hypotheses against one or
   several reference streams, the scores with their signatures (settings from ``cfg.eval``:
   :func:`eval_kwargs`).
-
 - :func:`corpus_scores` runs any subset of ``METRICS`` (``eval.metrics``) with sacreBLEU; BLEU
-  takes ``eval.bleu_tokenize`` (13a, intl, zh, char, ...). Each result carries sacreBLEU's
-  signature, which says exactly how the number was computed.
+  takes ``eval.bleu_tokenize`` (13a, intl, zh, char, ...).
 - :func:`compound_split_bleu` is the score of "Attention Is All You Need" and of fairseq's
   ``compound_split_bleu.sh`` / tensor2tensor's ``get_ende_bleu.sh``: hypotheses and references
   Moses-tokenized (here ``sacremoses``, as ``tokenizer.perl -l LANG``, escaping on), every ``-``
@@ -35,6 +33,7 @@ _COMPOUND = re.compile(r"(\S)-(\S)")  # perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT##
 
 
 def _metric(name: str, bleu_tokenize: str):
+    """sacreBLEU's metric for ``name``, one of :data:`METRICS` (checked by the caller)."""
     from sacrebleu.metrics import BLEU, CHRF, TER
 
     if name == "bleu":
@@ -43,21 +42,15 @@ def _metric(name: str, bleu_tokenize: str):
         return CHRF()
     if name == "chrf++":
         return CHRF(word_order=2)
-    if name == "ter":
-        return TER()
-    raise ValueError(f"eval.metrics: unknown metric {name!r}; expected a subset of {METRICS}")
+    return TER()
 
 
 def corpus_scores(
     hyps: list[str], streams: list[list[str]], metrics=("bleu", "chrf"), bleu_tokenize="13a"
 ) -> dict[str, dict[str, Any]]:
-    """``{metric: {"score", "signature", "details"}}`` for each name in ``metrics``.
-
-    Args:
-        hyps: one detokenized translation per segment.
-        streams: reference streams, each with one reference per segment.
-        metrics: names from :data:`METRICS`.
-        bleu_tokenize: sacreBLEU's BLEU tokenizer (``13a`` is the WMT standard).
+    """``{metric: {"score", "signature", "details"}}`` for each name in ``metrics`` (of
+    :data:`METRICS`): one detokenized translation per segment against reference streams, each
+    with one reference per segment; ``bleu_tokenize`` is sacreBLEU's (``13a``: WMT's standard).
     """
     unknown = [m for m in metrics if m not in METRICS]
     if unknown:
@@ -80,17 +73,9 @@ def split_compounds(line: str) -> str:
 
 
 def compound_split_bleu(hyps: list[str], refs: list[str], lang: str) -> dict[str, Any]:
-    """Tokenized BLEU with compound splitting (see the module docstring).
-
-    Args:
-        hyps: detokenized translations.
-        refs: raw references (one stream).
-        lang: the target language, for the Moses tokenizer's rules.
-
-    Returns:
-        ``{"score", "details", "note"}``; ``note`` says the score is not comparable with
-        sacreBLEU.
-    """
+    """Tokenized BLEU with compound splitting (see the module docstring) of detokenized
+    translations against raw references (one stream), with the Moses rules of ``lang``:
+    ``{"score", "details", "note"}``, ``note`` saying it is not comparable with sacreBLEU."""
     from sacrebleu.metrics import BLEU
     from sacremoses import MosesTokenizer
 
@@ -109,33 +94,19 @@ def compound_split_bleu(hyps: list[str], refs: list[str], lang: str) -> dict[str
 def score(
     hyps: list[str],
     refs: list[str] | list[list[str]],
-    chrf: bool = True,
     metrics: list[str] | None = None,
     bleu_tokenize: str = "13a",
     compound_split_lang: str | None = None,
 ) -> dict[str, Any]:
-    """Corpus BLEU (13a) and chrF (or ``metrics``) of detokenized hypotheses against raw refs.
+    """Corpus BLEU and chrF (or ``metrics``, names from :data:`METRICS`) of detokenized
+    hypotheses against raw references: one per segment, or several reference *streams* (each
+    with one reference per segment, sacreBLEU's convention). ``compound_split_lang``: also the
+    papers' tokenized compound-split BLEU with that language's Moses tokenizer (first stream).
 
-    Args:
-        hyps: one translation per segment.
-        refs: one reference per segment, or several reference *streams* (each a list with one
-            reference per segment, sacreBLEU's convention).
-        chrf: also compute chrF (the slower of the two; validation during training may skip it,
-            and then ``chrf`` and ``chrf_signature`` are None). Ignored when ``metrics`` is set.
-        metrics: names from :data:`mt.evaluation.metrics.METRICS` (``eval.metrics``); default BLEU,
-        chrF.
-        bleu_tokenize: sacreBLEU's BLEU tokenizer (``eval.bleu_tokenize``).
-        compound_split_lang: also the papers' tokenized compound-split BLEU with the Moses
-            tokenizer of this language (``eval.compound_split_bleu``; first stream only).
-
-    Returns:
-        ``{"bleu": float, "chrf": float, "signature": str (BLEU's), "chrf_signature": str,
-        "bleu_details": "BLEU = 20.80 54.4/26.6/... (BP = ...)", "n_sentences": int,
-        "scores": {metric: {"score", "signature", "details"}}}`` (a metric not asked for is
-        None), plus ``"compound_split_bleu": {"score", "details", "note"}`` when asked for.
-
-    Raises:
-        ValueError: when a reference stream and the hypotheses differ in length.
+    Returns ``{"bleu", "chrf", "signature" (BLEU's), "chrf_signature", "bleu_details",
+    "n_sentences", "scores": {metric: {"score", "signature", "details"}}}`` (a metric not asked
+    for is None), plus ``"compound_split_bleu": {"score", "details", "note"}`` when asked for.
+    A reference stream of another length than the hypotheses is a ValueError.
     """
     streams = [list(refs)] if not refs or isinstance(refs[0], str) else [list(r) for r in refs]
     if not hyps:
@@ -145,9 +116,8 @@ def score(
             raise ValueError(
                 f"{len(hyps)} hypotheses but reference stream {i + 1} has {len(stream)} lines"
             )
-    if metrics is None:
-        metrics = ["bleu", "chrf"] if chrf else ["bleu"]
-    scores = corpus_scores(list(hyps), streams, list(metrics), bleu_tokenize)
+    metrics = ["bleu", "chrf"] if metrics is None else list(metrics)
+    scores = corpus_scores(list(hyps), streams, metrics, bleu_tokenize)
     bleu, chrf_score = scores.get("bleu", {}), scores.get("chrf", {})
     result = {
         "bleu": bleu.get("score"),
@@ -180,12 +150,9 @@ def is_testset(name: str) -> bool:
 
 
 def testset_references(name: str, langpair: str) -> list[Path]:
-    """The reference files of sacreBLEU test set ``name`` for ``langpair`` from its cache.
-
-    Raises:
-        ValueError: an unknown language pair, or references not in the cache (with the command
-            that fetches them; nothing is downloaded here).
-    """
+    """The reference files of sacreBLEU test set ``name`` for ``langpair`` from its cache;
+    ValueError for an unknown pair, or references not in the cache (naming the command that
+    fetches them: nothing is downloaded here)."""
     from sacrebleu.dataset import DATASETS
 
     dataset = DATASETS[name]

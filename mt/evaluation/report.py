@@ -17,10 +17,7 @@ A report is built from what a run leaves on disk, so it needs no model and no da
 Example translations need the sources and references, and the attention heatmap needs a model;
 the caller passes both in (``examples``, ``attention``), typically ``mt.evaluation.evaluate`` with
 ``mt.decode.translate.Translator``. Every piece is optional: a missing file or an empty series
-skips its
-section and the report still builds.
-
-matplotlib is imported lazily (Agg backend), so ``import mt.evaluation.report`` costs nothing.
+skips its section. matplotlib is imported lazily, so ``import mt.evaluation.report`` is cheap.
 """
 
 from __future__ import annotations
@@ -45,10 +42,8 @@ MAX_EXAMPLES = 5  # example translations shown in the report
 
 
 def load_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Read a JSONL metrics file; a missing file gives ``[]`` and a corrupt line is skipped.
-
-    A run killed mid-write can leave a truncated last line, so bad lines are logged, not fatal.
-    """
+    """Read a JSONL metrics file; a missing file gives ``[]``, and a corrupt line (a run killed
+    mid-write leaves a truncated one) is logged and skipped."""
     path = Path(path)
     if not path.is_file():
         return []
@@ -87,23 +82,16 @@ def stage_times(run_dir: str | Path, records: Sequence[Mapping[str, Any]]) -> di
     for record in records:
         if isinstance(record.get("stage"), str) and _is_number(record.get("seconds")):
             times[record["stage"]] = float(record["seconds"])
-    path = Path(run_dir) / "timings.json"
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError:
-            log.warning("%s: not JSON, skipped", path)
-            data = {}
-        for stage, seconds in data.items() if isinstance(data, dict) else ():
-            if _is_number(seconds):
-                times[str(stage)] = float(seconds)
+    for stage, seconds in _read_json(Path(run_dir) / "timings.json").items():
+        if _is_number(seconds):
+            times[str(stage)] = float(seconds)
     return times
 
 
 def record_stage_time(run_dir: str | Path, stage: str, seconds: float) -> None:
     """Add ``stage``'s wall time to ``run_dir/timings.json`` (written atomically)."""
     path = Path(run_dir) / "timings.json"
-    times = _read_json(path) if path.is_file() else {}
+    times = _read_json(path)
     times[stage] = round(float(seconds), 3)
     write_json(path, times, indent=1)
 
@@ -126,9 +114,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- figures
 
 
-def wall_series(
-    records: Sequence[Mapping[str, Any]], key: str
-) -> tuple[np.ndarray, np.ndarray]:
+def wall_series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
     """``(minutes, values)`` of ``key``: minutes of training (``wall``) when each value was logged.
 
     A record without its own ``wall`` (validation records of runs before it was logged) gets
@@ -435,29 +421,16 @@ def _examples_section(
     return lines + [""]
 
 
-def _attention_arg(attention: Any) -> tuple[list[str], list[str], Any]:
-    if isinstance(attention, Mapping):
-        return list(attention["src_tokens"]), list(attention["tgt_tokens"]), attention["matrix"]
-    src_tokens, tgt_tokens, matrix = attention
-    return list(src_tokens), list(tgt_tokens), matrix
-
-
 def write_report(
     run_dir: str | Path,
     examples: Mapping[str, Sequence[str]] | None = None,
     attention: Any = None,
 ) -> Path:
-    """Build ``run_dir/report.md`` and its PNG figures from the files of a run.
+    """Build ``run_dir/report.md`` (returned) and its PNG figures from the files of a run.
 
-    Args:
-        run_dir: the run directory (see the module docstring for the files read).
-        examples: optional ``{"sources": [...], "references": [...]}`` of the scored split, line
-            by line; ``"hypotheses"`` may be given too, else ``translations/<split>.txt`` is read.
-        attention: optional heatmap input, ``{"src_tokens", "tgt_tokens", "matrix" (T, S)}`` or
-            the tuple ``(src_tokens, tgt_tokens, matrix)`` (see ``plot_attention``).
-
-    Returns:
-        The path of ``report.md``.
+    ``examples``: ``{"sources": [...], "references": [...]}`` of the scored split, line by line,
+    and ``"hypotheses"`` (else ``translations/<split>.txt`` is read). ``attention``: the heatmap
+    input ``(src_tokens, tgt_tokens, matrix (T, S))`` (``mt.decode.alignment.plot_attention``).
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -503,7 +476,7 @@ def write_report(
         from mt.decode.alignment import plot_attention
 
         try:
-            src_tokens, tgt_tokens, matrix = _attention_arg(attention)
+            src_tokens, tgt_tokens, matrix = attention
             png = plot_attention(src_tokens, tgt_tokens, matrix, run_dir / "attention.png")
         except (ValueError, KeyError, TypeError) as err:
             log.warning("attention heatmap skipped: %s", err)

@@ -3,12 +3,10 @@
 A sweep's trials are the run directories under its sweep directory (``mt-train -m ...`` puts
 each trial in ``<hydra.sweep.dir>/<job number>``, see ``mt.cli``). A training trial holds
 ``config.yaml`` and ``metrics.jsonl``; a decoding trial (``mt-evaluate -m split=valid ...``)
-holds ``results.json``. The table shows the settings that differ between trials (the sweep's
-overrides), the best validation BLEU (greedy, on the valid split: never a test set), the best
-valid loss, the updates done, the minutes of training, the median throughput, the test scores
-of the trials that were evaluated (``train.evaluate``: shown, never ranked by) and the best
-trial. :class:`SweepSummary` writes ``summary.md`` and ``summary.png`` into the sweep directory
-when the sweep ends; ``scripts/sweep.py`` prints the same table for any sweep directory.
+holds ``results.json``. The table shows the settings that differ between trials and each
+trial's figures (valid BLEU ranks them, never a test set: test scores of ``train.evaluate``
+are shown only). :class:`SweepSummary` writes ``summary.md`` and ``summary.png`` into the sweep
+directory when the sweep ends; ``scripts/sweep.py`` prints the same table for any sweep directory.
 """
 
 from __future__ import annotations
@@ -20,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from hydra.experimental.callback import Callback
 
+from mt.evaluation.report import load_metrics, plot_lines
 from mt.files import write_text
 
 log = logging.getLogger(__name__)
@@ -35,16 +35,6 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
         else:
             flat[name] = value
     return flat
-
-
-def _records(path: Path) -> list[dict]:
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
 
 
 def decode_trial(run_dir: Path) -> dict | None:
@@ -74,7 +64,7 @@ def trial(run_dir: Path) -> dict | None:
         return decode_trial(run_dir) if (run_dir / "results.json").is_file() else None
     import yaml
 
-    records = _records(metrics)
+    records = load_metrics(metrics)
     valid = [r for r in records if "valid_loss" in r]
     train = [r for r in records if "loss" in r]
     config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
@@ -116,12 +106,8 @@ def trials(sweep_dir: Path) -> list[dict]:
 def table(found: list[dict]) -> str:
     """A Markdown table of the trials, best valid BLEU first, with the varied settings and the
     figures of the trials' kind (training or decoding); training trials mark the best."""
-    keys = sorted({k for t in found for k in t["config"]})
-    varied = [
-        k
-        for k in keys
-        if len({json.dumps(t["config"].get(k)) for t in found}) > 1 and k not in ("run_dir",)
-    ]
+    keys = sorted({k for t in found for k in t["config"]} - {"run_dir"})
+    varied = [k for k in keys if len({json.dumps(t["config"].get(k)) for t in found}) > 1]
     figures = list(dict.fromkeys(name for t in found for name in t["figures"]))
     training = any("curve" in t for t in found)
     head = ["run", *varied, *figures] + (["best"] if training else [])
@@ -138,8 +124,6 @@ def table(found: list[dict]) -> str:
 
 def plot(found: list[dict], path: Path) -> Path | None:
     """Validation BLEU against updates, one line per training trial (None: nothing to draw)."""
-    from mt.evaluation.report import plot_lines
-
     curves = []
     for t in found:
         if t.get("curve"):
@@ -168,13 +152,7 @@ def summarize(sweep_dir: str | Path) -> str | None:
     return text
 
 
-try:  # Hydra's callback API (hydra-core >= 1.1)
-    from hydra.experimental.callback import Callback as _Callback
-except ImportError:  # pragma: no cover
-    _Callback = object
-
-
-class SweepSummary(_Callback):
+class SweepSummary(Callback):
     """A Hydra callback (``hydra.callbacks`` in conf/config.yaml): when a multirun ends, the
     summary of its sweep directory is written and logged."""
 

@@ -1,11 +1,10 @@
 """Multi-head attention (paper section 3.2), self and encoder-decoder, with a key/value cache.
 
-``Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V``. The formula itself is one small module,
-:class:`ScaledDotProduct` (the *core*), held by every attention layer as ``core``: it calls
-``torch.nn.functional.scaled_dot_product_attention`` (fused kernels where the hardware has them)
-and writes the formula out (:func:`attention`) when the caller asks for the weights, which SDPA
-does not return. ``mt.fast`` replaces the cores of a training copy with faster ones for a
-device; this file is the paper. Masks are boolean, True = may attend (see ``mt.model.masks``).
+``Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V`` is one small module, :class:`ScaledDotProduct`
+(the *core*, each layer's ``core``): SDPA (fused kernels where the hardware has them), or the
+formula written out (:func:`attention`) when the caller wants the weights, which SDPA does not
+return. ``mt.fast`` swaps the cores of a training copy for faster ones. Masks are boolean,
+True = may attend (``mt.model.masks``).
 
 Shape letters: B batch, H heads, T query length, S key length, D = d_model, d_k = D / H.
 """
@@ -32,20 +31,12 @@ def attention(
     dropout_p: float = 0.0,
     dropout: Callable[[torch.Tensor, float], torch.Tensor] = F.dropout,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``softmax(q k^T / sqrt(d_k)) v``, written out.
+    """``softmax(q k^T / sqrt(d_k)) v`` written out: q (B, H, T, d_k), k/v (B, H, S, d_k) ->
+    the (B, H, T, d_k) output and the (B, H, T, S) weights (before dropout).
 
-    Args:
-        q: (B, H, T, d_k) queries.
-        k: (B, H, S, d_k) keys.
-        v: (B, H, S, d_k) values.
-        mask: bool, broadcastable to (B, H, T, S); True = may attend (or an additive float
-            mask: 0 = may attend, -inf = may not). None: attend everywhere.
-        is_causal: apply the subsequent mask (query i sees keys <= i; needs T == S, no mask).
-        dropout_p: dropout on the attention weights (0.0 in eval mode).
-        dropout: ``(weights, p) -> weights``, the dropout function (``F.dropout``).
-
-    Returns:
-        (B, H, T, d_k) output and the (B, H, T, S) weights (before dropout).
+    ``mask`` broadcasts to (B, H, T, S): bool, True = may attend, or additive float (0 / -inf);
+    None: attend everywhere. ``is_causal``: query i sees keys <= i (T == S, no mask).
+    ``dropout`` is ``(weights, p) -> weights`` (``mt.fast`` passes its own kernel).
     """
     weights = attention_weights(q, k, mask, is_causal)
     out = (dropout(weights, dropout_p) if dropout_p > 0 else weights) @ v
@@ -55,8 +46,7 @@ def attention(
 def attention_weights(
     q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None, is_causal: bool = False
 ) -> torch.Tensor:
-    """``softmax(q k^T / sqrt(d_k))`` under ``mask`` / ``is_causal`` (as :func:`attention`
-    takes them): the (B, H, T, S) weights."""
+    """The (B, H, T, S) weights of :func:`attention`."""
     # In place on the fresh product: neither step's gradient needs the scores themselves.
     scores = (q @ k.transpose(-2, -1)).mul_(1 / math.sqrt(q.size(-1)))  # (B, H, T, S)
     if is_causal:
@@ -82,11 +72,7 @@ class ScaledDotProduct(nn.Module):
         dropout_p: float = 0.0,
         need_weights: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """q (B, H, T, d_k), k/v (B, H, S, d_k), mask as :func:`attention` takes it.
-
-        Returns:
-            (B, H, T, d_k) output, and the (B, H, T, S) weights or None.
-        """
+        """:func:`attention`'s output, and its weights or None (``need_weights`` False)."""
         if need_weights:
             return attention(q, k, v, mask, is_causal, dropout_p)
         out = F.scaled_dot_product_attention(
@@ -116,11 +102,8 @@ class _MultiHead(nn.Module):
 
 
 class SelfAttention(_MultiHead):
-    """Multi-head self-attention with one fused Q/K/V projection.
-
-    With ``cache`` the new keys/values are appended to it and the queries attend to everything
-    cached so far: incremental decoding.
-    """
+    """Multi-head self-attention with one fused Q/K/V projection. With ``cache`` (incremental
+    decoding) the new keys/values are appended to it and the queries see everything cached."""
 
     def __init__(self, d_model: int, h: int, attention_dropout: float) -> None:
         super().__init__(d_model, h, attention_dropout)
@@ -136,7 +119,7 @@ class SelfAttention(_MultiHead):
         is_causal: bool = False,
         cache: SelfAttentionCache | None = None,
     ) -> torch.Tensor:
-        """Args: x (B, T, D); mask broadcastable to (B, H, T, S_total). Returns (B, T, D)."""
+        """x (B, T, D), mask broadcastable to (B, H, T, S_total) -> (B, T, D)."""
         B, T, D = x.shape
         # (B, T, 3D) -> (B, T, 3, H, d_k) -> (3, B, H, T, d_k)
         q, k, v = self.qkv(x).view(B, T, 3, self.h, self.d_k).permute(2, 0, 3, 1, 4).unbind(0)
@@ -173,11 +156,8 @@ class CrossAttention(_MultiHead):
         cache: CrossAttentionCache | None = None,
         need_weights: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Args: x (B, T, D); memory (n, S, D); mask (n, 1, 1, S), where B = G * n (G >= 1).
-
-        Returns:
-            (B, T, D) output, and the (B, H, T, S) weights when ``need_weights`` else None.
-        """
+        """x (B, T, D), memory (n, S, D), mask (n, 1, 1, S), B = G * n -> (B, T, D) output,
+        and the (B, H, T, S) weights when ``need_weights`` else None."""
         B, T, D = x.shape
         n, S = memory.shape[:2]
         G = B // n  # query rows per memory row (beams of one sentence share its memory)
@@ -202,8 +182,5 @@ class CrossAttention(_MultiHead):
             return cache.k, cache.v
         n, S = memory.shape[:2]
         # (n, S, 2D) -> (n, S, 2, H, d_k) -> (2, n, H, S, d_k)
-        kv = self.kv(memory).view(n, S, 2, self.h, self.d_k).permute(2, 0, 3, 1, 4)
-        k, v = kv.unbind(0)
-        if cache is not None:
-            k, v = cache.store(k, v)
-        return k, v
+        k, v = self.kv(memory).view(n, S, 2, self.h, self.d_k).permute(2, 0, 3, 1, 4).unbind(0)
+        return (k, v) if cache is None else cache.store(k, v)

@@ -1,12 +1,8 @@
-"""The decoder's incremental state: typed per-layer key/value caches with the row operations
-that search needs.
-
-Incremental decoding feeds the decoder one new token per row and step. Each decoder layer then
-needs the keys/values of every earlier position of its self-attention (a growing buffer) and
-the keys/values of the encoder output for its encoder-decoder attention (computed once). Beam
-search moves rows around: a surviving hypothesis takes the state of its parent
-(:meth:`DecoderCache.select`, :meth:`DecoderCache.copy_rows`), and a sentence whose search has
-ended is dropped (``sents``).
+"""The decoder's incremental state: per-layer key/value caches with the row operations that
+search needs: self-attention's keys/values of every earlier position (a growing buffer) and
+the encoder output's for encoder-decoder attention (computed once). Beam search moves rows:
+a surviving hypothesis takes its parent's state (:meth:`DecoderCache.select`,
+:meth:`DecoderCache.copy_rows`), and a sentence whose search has ended is dropped (``sents``).
 
 Rows: the self-attention caches hold one row per hypothesis (B = G * n rows); the
 encoder-decoder caches hold one row per sentence (n rows), shared by its G hypotheses.
@@ -20,15 +16,12 @@ import torch
 
 
 class SelfAttentionCache:
-    """Keys and values of the positions decoded so far, in preallocated buffers.
+    """Keys and values of the positions decoded so far, in preallocated buffers: new positions
+    are written in place (no re-concatenation of the whole prefix each step), and the capacity
+    doubles when it runs out.
 
-    New positions are written in place (no re-concatenation of the whole prefix each step);
-    the capacity doubles when it runs out.
-
-    Attributes:
-        k, v: (B, H, C, d_k) buffers, or None before the first step.
-        length: how many of the C positions are filled.
-        dtype: what the buffers hold (None: the dtype of the keys/values given).
+    ``k``, ``v``: (B, H, C, d_k) buffers, or None before the first step; ``length``: how many of
+    the C positions are filled; ``dtype``: what the buffers hold (None: the keys/values' own).
     """
 
     __slots__ = ("k", "v", "length", "dtype")
@@ -43,36 +36,21 @@ class SelfAttentionCache:
         self.k, self.v, self.length, self.dtype = k, v, length, dtype
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the keys/values (B, H, T, d_k) of T new positions.
-
-        Returns:
-            (B, H, length + T, d_k) views of the keys/values of every position so far.
-        """
+        """Store the keys/values (B, H, T, d_k) of T new positions; returns (B, H, length + T,
+        d_k) views of every position so far."""
         if self.dtype is not None and k.dtype != self.dtype:
             k, v = k.to(self.dtype), v.to(self.dtype)
         past, end = self.length, self.length + k.size(2)
-        B, H, _, d_k = k.shape
-        self.reserve(end, B, H, d_k, k.dtype, k.device)
-        self.k[:, :, past:end], self.v[:, :, past:end] = k, v
-        self.length = end
-        return self.filled()
-
-    def reserve(
-        self, end: int, B: int, H: int, d_k: int, dtype: torch.dtype, device=None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Room for positions up to ``end`` (exclusive) in buffers of ``dtype``: where they are
-        shorter (or none yet), new ones of (B, H, max(end, 2 * length, 16), d_k), the filled
-        positions copied over. Returns the whole buffers; whoever writes positions into them
-        sets ``length``."""
-        if self.k is None or self.k.size(2) < end or self.k.dtype != dtype:
-            past = self.length
-            capacity = max(end, 2 * past, 16)
-            new_k = torch.empty(B, H, capacity, d_k, dtype=dtype, device=device)
+        if self.k is None or self.k.size(2) < end or self.k.dtype != k.dtype:
+            B, H, _, d_k = k.shape
+            new_k = torch.empty(B, H, max(end, 2 * past, 16), d_k, dtype=k.dtype, device=k.device)
             new_v = torch.empty_like(new_k)
             if past:
                 new_k[:, :, :past], new_v[:, :, :past] = self.filled()
             self.k, self.v = new_k, new_v
-        return self.k, self.v
+        self.k[:, :, past:end], self.v[:, :, past:end] = k, v
+        self.length = end
+        return self.filled()
 
     def filled(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, H, length, d_k) views of the filled positions."""
@@ -162,18 +140,8 @@ class LayerCache:
 
 
 class DecoderCache:
-    """The incremental state of a whole decoder: one :class:`LayerCache` per layer.
-
-    Args:
-        n_layers: decoder layers.
-        dtype: what the caches hold (None: the dtype of the keys/values, e.g. bfloat16 under
-            autocast).
-
-    Example:
-        >>> cache = DecoderCache(2)
-        >>> cache.length
-        0
-    """
+    """The incremental state of a whole decoder: one :class:`LayerCache` per layer, holding
+    ``dtype`` (None: the keys/values' own, e.g. bfloat16 under autocast)."""
 
     def __init__(self, n_layers: int, dtype: torch.dtype | None = None) -> None:
         self.layers = [LayerCache(dtype=dtype) for _ in range(n_layers)]

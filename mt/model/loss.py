@@ -10,13 +10,9 @@ and the loss of one position is the cross entropy ``-sum_k q(k) log p(k)``, i.e.
 
     loss = (1 - eps - eps / (V - 1)) * nll + eps / (V - 1) * (-sum_k log p(k))
 
-Positions whose target is padding contribute nothing. Both sums are returned: the smoothed loss
-(what is optimised) and the plain negative log-likelihood (what perplexity is computed from).
-The caller normalises, e.g. by the number of target tokens of the whole update.
-
-This is the formula as written; ``mt.fast.loss`` computes the same sums from the logits (or
-from the decoder output and the projection) without the (N, V) log-probabilities, and its tests
-hold the two equal in values and gradients.
+Padding positions contribute nothing. Both sums are returned (the smoothed loss is optimised,
+the NLL gives perplexity); the caller normalises. ``mt.fast.loss`` computes the same sums
+without the (N, V) log-probabilities; its tests hold the two equal in values and gradients.
 """
 
 from __future__ import annotations
@@ -29,17 +25,9 @@ from mt.vocab import PAD
 def label_smoothed_nll_loss(
     lprobs: torch.Tensor, target: torch.Tensor, eps: float, ignore_index: int = PAD
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed label-smoothed cross entropy and summed NLL over the non-padding positions.
-
-    Args:
-        lprobs: (N, V) log-probabilities (log_softmax of the logits; float32 recommended).
-        target: (N,) reference token ids.
-        eps: smoothing mass in [0, 1); 0 gives plain cross entropy.
-        ignore_index: target id whose positions are ignored (padding).
-
-    Returns:
-        ``(loss_sum, nll_sum)``, two scalar tensors (sums, not means).
-    """
+    """``(loss_sum, nll_sum)``: summed label-smoothed cross entropy and NLL (scalars, sums not
+    means) of ``lprobs`` (N, V) (float32 recommended) against ``target`` (N,), over the
+    positions whose target is not ``ignore_index``; ``eps`` in [0, 1), 0: plain cross entropy."""
     if lprobs.dim() != 2 or target.dim() != 1 or lprobs.size(0) != target.size(0):
         raise ValueError(
             f"expected lprobs (N,V) and target (N,), got {tuple(lprobs.shape)} and "

@@ -27,31 +27,14 @@ class RealPositions(NamedTuple):
 
 
 def pad_mask(tokens: torch.Tensor) -> torch.Tensor:
-    """Key padding mask: ``mask[b, 0, 0, j] = tokens[b, j] != PAD``.
-
-    Args:
-        tokens: (B, S) token ids.
-
-    Returns:
-        (B, 1, 1, S) bool, True at real (non-pad) key positions.
-    """
+    """Key padding mask of tokens (B, S): (B, 1, 1, S) bool, ``mask[b, 0, 0, j] = tokens[b, j]
+    != PAD``."""
     return (tokens != PAD)[:, None, None, :]
 
 
 def subsequent_mask(
     T: int, device: torch.device | str | None = None, past: int = 0
 ) -> torch.Tensor:
-    """Causal ("subsequent") mask: ``mask[0, 0, i, j] = j <= past + i``.
-
-    Query i is the target position ``past + i``: it sees the ``past`` cached positions and the
-    new ones up to itself (``past = 0``: the usual lower-triangular mask).
-
-    Args:
-        T: new target positions (queries).
-        device: where to build the mask.
-        past: positions decoded before these (incremental decoding).
-
-    Returns:
-        (1, 1, T, past + T) bool.
-    """
+    """Causal ("subsequent") mask of T new queries after ``past`` decoded positions: (1, 1, T,
+    past + T) bool, ``mask[0, 0, i, j] = j <= past + i`` (``past = 0``: lower-triangular)."""
     return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(diagonal=past)[None, None]

@@ -15,13 +15,8 @@
   (``attention_dropout``, default = ``dropout``). ``dropout=0`` turns all of them off.
 
 ``encode``/``decode`` are separate so search can cache the encoder output; ``decode`` with a
-:class:`mt.model.kv_cache.DecoderCache` (``new_cache()``) decodes incrementally (keys/values of the
-target prefix are kept per layer, the encoder-decoder keys/values are computed once). Masks are
-boolean, True = may attend.
-
-This file is the paper and nothing else: training's speed (oneDNN products, other attention
-cores, the fused loss, 16-bit dropout masks) is applied to a copy of the model from outside, by
-``mt.fast.for_training``; decoding runs this model as written (``mt.decode``).
+:class:`mt.model.kv_cache.DecoderCache` (``new_cache()``) decodes incrementally. Training's
+speed is applied to a copy from outside (``mt.fast.for_training``); decoding runs this as written.
 
 Shape letters: B batch, S source length, T target length, D d_model, V vocab_size.
 """
@@ -58,11 +53,8 @@ class EncoderOut(NamedTuple):
 
 
 def sinusoidal_positions(max_positions: int, d_model: int) -> torch.Tensor:
-    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)).
-
-    Returns:
-        (max_positions, d_model) float32 table (computed in float64 for accuracy).
-    """
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)): the
+    (max_positions, d_model) float32 table (computed in float64 for accuracy)."""
     pos = torch.arange(max_positions, dtype=torch.float64)[:, None]  # (P, 1)
     two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (D/2,)
     angle = pos / torch.pow(10000.0, two_i / d_model)  # (P, D/2)
@@ -191,11 +183,6 @@ class Transformer(nn.Module):
         return self.embed if self.src_embed is None else self.src_embed
 
     @property
-    def tgt_embedding(self) -> nn.Parameter:
-        """The target embedding table."""
-        return self.embed
-
-    @property
     def output_weight(self) -> nn.Parameter:
         """The pre-softmax projection, tied to the target embedding."""
         return self.embed
@@ -211,16 +198,9 @@ class Transformer(nn.Module):
         return self.dropout(x + self.pe[start : start + L])
 
     def encode(self, src: torch.Tensor, real: RealPositions | None = None) -> EncoderOut:
-        """Encode a right-padded source batch.
-
-        Args:
-            src: (B, S) ids (tokens + EOS, PAD-padded).
-            real: the batch's real positions when the caller knows them (training batches,
-                ``mt.data.batches.Batch.real``): a source without padding then needs no mask.
-
-        Returns:
-            EncoderOut(memory (B, S, D), src_mask (B, 1, 1, S) or None).
-        """
+        """Encode a right-padded source batch: src (B, S) ids (tokens + EOS, PAD-padded) ->
+        memory (B, S, D) and its key mask. With ``real`` (training batches,
+        ``mt.data.batches.Batch.real``) a source without padding needs no mask (None)."""
         mask = None if real is not None and real.src is None else pad_mask(src)
         x = self._embed(src, self.src_embedding)
         for layer in self.encoder:
@@ -241,24 +221,16 @@ class Transformer(nn.Module):
         project: bool = True,
         vocab: Any = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Decode target tokens given the encoder output.
+        """Logits (B, T, V) of target ids ``tgt_in`` (B, T) (BOS + prefix) given ``enc``.
 
-        Args:
-            tgt_in: (B, T) ids (BOS + prefix). With ``cache`` only the NEW token(s); positions
-                continue from what the cache holds.
-            enc: the output of :meth:`encode`: rows matching ``tgt_in``, or one row per G
-                consecutive rows of ``tgt_in`` (beam search: the K beams of a sentence share
-                its encoder row and encoder-decoder keys/values; see ``DecoderCache.select``).
-            cache: None (decode the whole prefix) or a :class:`DecoderCache` (empty at the
-                first step: :meth:`new_cache`), updated in place with per-layer keys/values.
-            need_attn: also return a layer's cross-attention averaged over heads.
-            attn_layer: which decoder layer's attention ``need_attn`` returns (-1: the last).
-            project: False stops before the projection: the decoder output (B, T, D).
-            vocab: project onto some pieces only: logits (B, T, C) from
-                ``vocab.project(h, output_weight)`` (``mt.decode.shortlist.Shortlist``).
-
-        Returns:
-            logits (B, T, V), or ``(logits, attn (B, T, S))`` with ``need_attn``.
+        ``enc`` holds rows matching ``tgt_in``, or one row per G consecutive rows of ``tgt_in``
+        (the beams of a sentence share its encoder row and encoder-decoder keys/values; see
+        ``DecoderCache.select``). With ``cache`` (:meth:`new_cache`, updated in place)
+        ``tgt_in`` holds only the NEW token(s); positions continue from what the cache holds.
+        ``need_attn``: also return ``attn`` (B, T, S), layer ``attn_layer``'s cross-attention
+        averaged over heads: ``(logits, attn)``. ``project=False`` stops before the projection
+        (the decoder output, (B, T, D)); ``vocab`` projects onto some pieces only: (B, T, C) from
+        ``vocab.project(h, output_weight)`` (``mt.decode.shortlist.Shortlist``).
         """
         T = tgt_in.size(1)
         past = 0 if cache is None else cache.length  # positions decoded so far
@@ -269,7 +241,7 @@ class Transformer(nn.Module):
             self_mask, is_causal = None, False  # one new token sees the whole cached prefix
         else:  # several new tokens after a prefix: new token i sees keys <= past + i
             self_mask, is_causal = subsequent_mask(T, tgt_in.device, past), False
-        x = self._embed(tgt_in, self.tgt_embedding, past)
+        x = self._embed(tgt_in, self.embed, past)
         wanted = attn_layer % len(self.decoder)
         attn = None
         for i, layer in enumerate(self.decoder):
@@ -278,26 +250,10 @@ class Transformer(nn.Module):
             x, weights = layer(x, enc, self_mask, is_causal, layer_cache, want)
             if want:  # (B, H, T, S) -> (B, T, S)
                 attn = weights.mean(dim=1)
-        h = self.decoder_norm(x)
-        if not project:
-            out = h
-        else:
-            out = self.project(h) if vocab is None else vocab.project(h, self.output_weight)
+        out = self.decoder_norm(x)
+        if project:
+            out = self.project(out) if vocab is None else vocab.project(out, self.output_weight)
         return (out, attn) if need_attn else out
-
-    def reorder(
-        self, enc: EncoderOut, cache: DecoderCache | None, index: torch.Tensor
-    ) -> tuple[EncoderOut, DecoderCache | None]:
-        """Select/reorder batch rows of the encoder output and the cache, the encoder output
-        kept row-aligned with the decoder rows.
-
-        Args:
-            index: (B',) long row indices into the current batch.
-
-        Returns:
-            The new ``(enc, cache)``; the inputs are left unchanged.
-        """
-        return enc.select(index), None if cache is None else cache.select(index, index)
 
     def features(
         self, src: torch.Tensor, tgt_in: torch.Tensor, real: RealPositions | None = None
@@ -306,11 +262,9 @@ class Transformer(nn.Module):
         return self.decode(tgt_in, self.encode(src, real), project=False)
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
-        """Pre-softmax projection with the tied embedding: (..., D) -> (..., V).
-
-        The product uses all padded rows (aligned shapes are faster); the padded columns are
-        then sliced off, so they never receive probability.
-        """
+        """Pre-softmax projection with the tied embedding: (..., D) -> (..., V). The product
+        uses all padded rows (aligned shapes are faster); the padded columns are then sliced
+        off, so they never receive probability."""
         logits = F.linear(h, self.output_weight)  # (..., V_padded)
         return logits if self.padded_vocab == self.vocab_size else logits[..., : self.vocab_size]
 
@@ -323,12 +277,10 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Teacher-forced logits: src (B, S), tgt_in (B, T) -> (B, T, V).
 
-        With ``real`` (a batch's real positions, ``mt.data.batches.Batch.real``) only the real
-        target positions are projected: -> (n, V), rows in row-major order (all B*T of them
-        when the target has no padding). Training uses this, so padding costs nothing in the
+        With ``real`` (``mt.data.batches.Batch.real``) only the real target positions are
+        projected: (n, V), row-major. Training uses this, so padding costs nothing in the
         projection and the loss, and nothing waits for the device to find the positions.
-        ``project=False`` stops before the projection: the decoder output of those positions,
-        (n, D) with ``real``, for :meth:`loss`.
+        ``project=False``: the decoder output of those positions, for :meth:`loss`.
         """
         h = self.features(src, tgt_in, real)  # (B, T, D)
         if real is not None:
@@ -341,22 +293,13 @@ class Transformer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed (label-smoothed loss, NLL) of decoder outputs h (n, D) against target (n,):
         ``mt.model.loss.label_smoothed_nll_loss`` of ``log_softmax(project(h))`` in float32.
-
-        The training step's loss (``mt.fast.for_training``) computes the same sums without
-        holding the (n, V) log-probabilities.
-        """
+        (``mt.fast.for_training``'s loss computes the same without the (n, V) log-probs.)"""
         lprobs = F.log_softmax(self.project(h).float(), dim=-1)  # (n, V)
         return label_smoothed_nll_loss(lprobs, target, smoothing)
 
 
 def build_model(model_cfg: ModelConfig | dict, vocab_size: int) -> Transformer:
-    """The Transformer for ``model_cfg`` (a ModelConfig, or the dict a checkpoint stores).
-
-    Example:
-        >>> model = build_model(ModelConfig(N=1, d_model=16, d_ff=32, h=2), vocab_size=50)
-        >>> model(torch.tensor([[5, 6, 3]]), torch.tensor([[2, 7]])).shape
-        torch.Size([1, 2, 50])
-    """
+    """The Transformer for ``model_cfg`` (a ModelConfig, or the dict a checkpoint stores)."""
     if isinstance(model_cfg, dict):
         model_cfg = ModelConfig(**model_cfg)
     if not dataclasses.is_dataclass(model_cfg):

@@ -7,13 +7,10 @@ After update n the average moves towards the weights by ``1 - d_n``::
 The ramp ``(1 + n) / (10 + n)`` (TensorFlow's ``ExponentialMovingAverage`` with
 ``num_updates``, OpenNMT's ``average_decay``) keeps the first updates from dragging the random
 initial weights along: with decay 0.999 the average forgets them within its first few thousand
-updates instead of carrying ``0.999 ** n`` of them. The average is float32 whatever the
-training precision, lives on the weights' device, is saved in every full checkpoint (``ema``)
-and restored on resume, so a resumed run's average is the uninterrupted one's. At the end of a
-run :func:`mt.train.snapshots.ema_into_best` validates it, writes ``ema.pt`` and makes it
-``best.pt`` when it validates at least as well as the best so far (as ``averaged.pt``).
-
-fairseq (``--ema-decay``), Marian (``--exponential-smoothing``) and OpenNMT offer the same.
+updates instead of carrying ``0.999 ** n`` of them (fairseq's ``--ema-decay`` and Marian's
+``--exponential-smoothing`` offer one too). The average is float32, on the weights' device, and
+saved in every full checkpoint (``ema``), so a resumed run's average is the uninterrupted one's;
+:func:`mt.train.snapshots.ema_into_best` ends a run with it.
 """
 
 from __future__ import annotations
@@ -33,12 +30,8 @@ def decay_at(decay: float, n: int) -> float:
 
 
 class WeightEMA:
-    """The moving average of ``params`` (a model's parameters, in ``parameters()`` order).
-
-    Args:
-        params: the trained parameters (shared ones once, as ``Module.parameters()`` gives).
-        decay: the decay once the ramp is past, in (0, 1).
-    """
+    """The moving average of ``params`` (a model's ``parameters()``: shared ones once), with
+    ``decay`` in (0, 1) once the ramp is past."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], decay: float) -> None:
         if not 0.0 < decay < 1.0:

@@ -7,10 +7,6 @@ exclusive ``flock`` on ``run_dir/.lock``, held by the process that writes the ru
 process dies, however it dies, so a lock left by a killed run is free again: the next run takes
 it over and says whose it was (the file records ``host``, ``pid`` and the start time). On NFS,
 Linux maps ``flock`` to POSIX byte-range locks, which the server arbitrates across hosts.
-
-Example:
-    >>> with RunLock(Path("runs/x")):  # doctest: +SKIP
-    ...     train(...)
 """
 
 from __future__ import annotations
@@ -38,20 +34,14 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # it exists, owned by another user
+        pass
     return True
 
 
 class RunLock:
-    """An exclusive, non-blocking lock on a run directory (a context manager).
-
-    Args:
-        run_dir: the directory (created if missing).
-
-    Raises:
-        LockError: on :meth:`acquire`, when another process holds it; the message names the
-            holder's host and pid.
+    """An exclusive, non-blocking lock on ``run_dir`` (created if missing), a context manager.
+    :meth:`acquire` raises LockError, naming the holder's host and pid, when another holds it.
     """
 
     def __init__(self, run_dir: str | Path):

@@ -47,13 +47,8 @@ def exit_status(signum: Optional[int]) -> int:
 
 def install(flag: StopFlag, message: str) -> Optional[Callable[[], None]]:
     """Record SIGTERM, SIGUSR1 and the first SIGINT in ``flag`` (a second SIGINT raises
-    KeyboardInterrupt). Only in the main thread; returns a function restoring the previous
-    handlers, or None when not installed.
-
-    Args:
-        flag: where the signal number is stored.
-        message: logged (as a warning) with the signal's name when one arrives.
-    """
+    KeyboardInterrupt), logging ``message`` with the signal's name. Only in the main thread;
+    returns a function restoring the previous handlers, or None when not installed."""
     if threading.current_thread() is not threading.main_thread():
         return None
 

@@ -10,31 +10,14 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Optional, Protocol
+from typing import Optional
 
 log = logging.getLogger(__name__)
 
 
-class Progress(Protocol):
-    """What the training loop needs of a progress display."""
-
-    def update(self, n: int = 1) -> object: ...
-
-    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None: ...
-
-    def close(self) -> None: ...
-
-
 class LogProgress:
-    """One ``desc: n/total postfix`` log line per ``interval`` seconds (and one at close).
-
-    Args:
-        desc: the loop's name.
-        total: the expected count (None: unknown).
-        initial: the count to start from (a resumed run).
-        interval: seconds between lines.
-        disable: log nothing (DDP ranks other than 0).
-    """
+    """One ``desc: n/total postfix`` log line per ``interval`` seconds (and one at close), the
+    part of tqdm's interface the training loop uses; ``disable``: log nothing (DDP ranks > 0)."""
 
     def __init__(
         self,
@@ -78,7 +61,7 @@ def progress(
     disable: bool = False,
     interval: float = 30.0,
     stream=None,
-) -> Progress:
+):
     """A tqdm bar when ``stream`` (default stderr) is a terminal, else a :class:`LogProgress`."""
     stream = sys.stderr if stream is None else stream
     isatty = getattr(stream, "isatty", None)

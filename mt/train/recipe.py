@@ -131,15 +131,9 @@ class Run:
 
 
 def train(cfg: Config) -> dict[str, Any]:
-    """Train (or resume) the run in ``cfg.run_dir``; under torchrun, one call per rank.
-
-    Args:
-        cfg: the whole configuration.
-
-    Returns:
-        A summary: ``step``, ``epoch``, ``stop`` (why training ended), ``best`` (the best
-        validation metric), ``metric``, ``run_dir``.
-    """
+    """Train (or resume) the run in ``cfg.run_dir``; under torchrun, one call per rank. Returns
+    ``step``, ``epoch``, ``stop`` (why training ended), ``signal``, ``best`` (the best validation
+    value), ``metric`` and ``run_dir``."""
     info = distributed.setup(cfg.train.device, cfg.train.dist_timeout_minutes)
     file_log = None
     restore_signals = None
@@ -308,7 +302,11 @@ def train_loop(run: Run) -> str:
             log.info("epoch %d pairs by corpus: %s", state.epoch, sampler.mix.describe(counts))
         batches = run.prefetch(
             iterate_batches(
-                split, sampler, state.epoch, start=state.batch, pad_multiple=pad_multiple(tc),
+                split,
+                sampler,
+                state.epoch,
+                start=state.batch,
+                pad_multiple=pad_multiple(tc),
                 one_graph=tc.compile,
             )
         )
@@ -427,8 +425,9 @@ def _precision(cfg: Config, info: distributed.DistInfo, vocab: int) -> str:
     tc = cfg.train
     shape = (tc.max_tokens, cfg.model.d_model, cfg.model.d_ff)
     return distributed.decide_on_rank0(
-        lambda: resolve_precision(tc.precision, info.device, shape, tc.cpu_kernels,
-                                   cfg.cache_dir, vocab),
+        lambda: resolve_precision(
+            tc.precision, info.device, shape, tc.cpu_kernels, cfg.cache_dir, vocab
+        ),
         "resolving train.precision",
     )
 

@@ -22,17 +22,7 @@ from typing import Optional
 
 
 def noam_lr(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
-    """The Noam learning rate of update ``step`` (1-based; step 0 is treated as 1).
-
-    Args:
-        step: the update number.
-        d_model: model width.
-        warmup: warm-up updates (> 0).
-        factor: scale of the whole curve.
-
-    Returns:
-        The learning rate.
-    """
+    """The Noam learning rate of update ``step`` (1-based; step 0 is treated as 1)."""
     if warmup <= 0:
         raise ValueError(f"warmup must be positive, got {warmup}")
     step = max(step, 1)
@@ -43,9 +33,7 @@ def noam_factor(
     d_model: int, warmup: int, factor: float = 1.0, lr: Optional[float] = None
 ) -> float:
     """The factor to use: ``factor`` itself, or the one whose peak (at ``warmup``) equals ``lr``."""
-    if lr is None:
-        return factor
-    return lr * (d_model * warmup) ** 0.5
+    return factor if lr is None else lr * (d_model * warmup) ** 0.5
 
 
 def noam_lambda(
@@ -55,10 +43,6 @@ def noam_lambda(
 
     LambdaLR evaluates the function at 0 when created and at k after the k-th
     ``scheduler.step()``; the lr in force for update k+1 is therefore ``noam_lr(k + 1)``.
-
-    Example:
-        >>> opt = torch.optim.Adam(params, lr=1.0)
-        >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, noam_lambda(512, 4000))
     """
     f = noam_factor(d_model, warmup, factor, lr)
 
@@ -69,19 +53,9 @@ def noam_lambda(
 
 
 def cooldown_factor(progress: float, cooldown: float) -> float:
-    """The cool-down multiplier of the rate after spending ``progress`` of the budget.
-
-    Args:
-        progress: share of the budget spent before this update (clamped to [0, 1]).
-        cooldown: final share of the budget over which the rate decays to 0 (0 = off).
-
-    Returns:
-        ``min(1, (1 - progress) / cooldown)``; 1.0 when ``cooldown`` is 0.
-
-    Example:
-        >>> cooldown_factor(0.5, 0.2), cooldown_factor(0.9, 0.2)
-        (1.0, 0.5)
-    """
+    """The cool-down multiplier after spending ``progress`` (clamped to [0, 1]) of the budget:
+    ``min(1, (1 - progress) / cooldown)``, where ``cooldown`` is the final share of the budget
+    over which the rate decays to 0 (0: off, the factor is 1)."""
     if not 0.0 <= cooldown <= 1.0:
         raise ValueError(f"train.cooldown must be in [0, 1], got {cooldown}")
     if cooldown == 0.0:

@@ -54,17 +54,15 @@ def average_into_best(run) -> None:
     validates at least as well as the best single checkpoint (the paper always uses it).
 
     Called once training is over (``last.pt`` holds the trained state): the average is summed
-    in the run's own model, which is left holding it, and validated as every checkpoint was
-    (the same loss path, the same model decoded). A second model, and two checkpoints mapped
-    at a time, would raise the process's peak
-    well above training's at the very end of a run; summed in the model, one checkpoint at a
-    time, the heap in use after averaging is the same as before it (docs/performance.md).
+    in the run's own model, one checkpoint at a time, which is left holding it. A second model
+    and two checkpoints mapped at once would raise the process's peak well above training's at
+    the very end of a run; this way the heap in use after averaging is the same as before it
+    (docs/performance.md).
     """
     paths = periodic_checkpoints(run.ckpt_dir)[-run.cfg.train.average_last :]
     if len(paths) < 2:
         log.warning("average_last: only %d periodic checkpoint(s), nothing to average", len(paths))
         return
-    # Summed in the run's own weights
     avg = average_checkpoints(paths, into=run.raw_model.state_dict())
     save_checkpoint(run.ckpt_dir / "averaged.pt", avg)
     _validate_into_best(run, avg, "avg_", {"averaged": len(paths)},
@@ -74,11 +72,8 @@ def average_into_best(run) -> None:
 def ema_into_best(run) -> None:
     """Validate the moving average of the weights (``train.ema``), write it to ema.pt, and
     make it best.pt when it validates at least as well as the best so far (the best single
-    checkpoint, or the average of the last N when that won).
-
-    Called once training is over, after :func:`average_into_best`: the average is written into
-    the run's own model, which is left holding it, and validated there as every checkpoint was.
-    """
+    checkpoint, or the average of the last N when that won). Called once training is over,
+    after :func:`average_into_best`; the run's own model is left holding the average."""
     run.ema.copy_to(run.raw_model.parameters())
     ckpt = checkpoint_of(run, full=False)
     ckpt.update(ema_decay=run.ema.decay, ema_updates=run.ema.updates)

@@ -1,9 +1,7 @@
 """Where a training run stands, and what must hold for it to go on: one home for run state.
 
-- :class:`TrainState` (step, epoch, position in the epoch, best value, patience, wall time) and
-  what a checkpoint of the run holds (:func:`training_state`), RNG states included
-  (:func:`rng_state`, :func:`set_rng_state`), so that a resumed run draws what the uninterrupted
-  one drew.
+- :class:`TrainState` and what a checkpoint of the run holds (:func:`training_state`), RNG
+  states included (:func:`rng_state`), so that a resumed run draws what the uninterrupted did.
 - The batch plan of an epoch (:func:`data_plan`, :func:`train_sampler`; each epoch's pairs and
   sampler, :class:`TrainBatches`) and the checks a resume makes: a checkpoint's model fits the
   configuration (:func:`check_compatible`), its position in an epoch means the same under
@@ -89,10 +87,7 @@ def check_data_plan(ckpt: dict, cfg: Config, world_size: int, path: Path) -> Non
     The stored batch index counts this rank's batches of the epoch plan that the world size,
     ``train.max_tokens``, the seed and the length limit made; under another plan it would point
     at other pairs (some skipped, some repeated). At an epoch boundary (index 0) any plan is
-    fine: the next epoch starts from its beginning.
-
-    Raises:
-        CheckpointError: mid-epoch, with a different plan (the message says what differs).
+    fine: the next epoch starts from its beginning. The error says what differs.
     """
     data = ckpt.get("data", {})
     stored = data.get("plan")
@@ -233,7 +228,7 @@ def rng_state() -> dict[str, Any]:
     """Every RNG state (python, numpy, torch, cuda) as tensors, lists and numbers."""
     version, internal, gauss = random.getstate()
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    state = {
+    return {
         "python": [version, list(internal), gauss],
         "numpy": [
             np_name,
@@ -245,7 +240,6 @@ def rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
-    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -266,13 +260,9 @@ def has_checkpoints(ckpt_dir: Path) -> bool:
 
 def resume_checkpoint(ckpt_dir: Path) -> tuple[Optional[dict], Optional[Path]]:
     """The training state to resume: ``last.pt``, or when it is unreadable the newest readable
-    periodic checkpoint that holds a training state (with a warning naming both).
-
-    Returns:
-        ``(checkpoint, path)``, or ``(None, None)`` for a new run.
-
-    Raises:
-        CheckpointError: checkpoints exist but none of them can resume the run.
+    periodic checkpoint that holds a training state (with a warning naming both):
+    ``(checkpoint, path)``, ``(None, None)`` for a new run; CheckpointError when checkpoints
+    exist but none of them can resume the run.
     """
     last = ckpt_dir / "last.pt"
     candidates = ([last] if last.is_file() else []) + periodic_checkpoints(ckpt_dir)[::-1]
@@ -301,14 +291,8 @@ def agree_on_resume(ckpt_dir: Path, is_main: bool) -> tuple[Optional[dict], Opti
 
     Rank 0 chooses (as in a single process) and broadcasts the file name and step; each other
     rank loads that file from its own ``ckpt_dir`` and checks the step (or, for a new run, that
-    it sees no checkpoint either). Every rank learns of any rank's failure.
-
-    Returns:
-        ``(checkpoint, path)`` as :func:`resume_checkpoint`, the same on every rank.
-
-    Raises:
-        CheckpointError: on the rank that disagrees (its own reason).
-        mt.distributed.RankError: on the other ranks, with that reason.
+    it sees no checkpoint either). A rank that disagrees raises CheckpointError (its own
+    reason), the others ``mt.distributed.RankError`` with that reason.
     """
     ckpt, path, error = None, None, None
 
@@ -418,10 +402,8 @@ def training_state(
     world_size: int = 1, ema=None,
 ) -> dict[str, Any]:  # fmt: skip
     """A checkpoint dict: the self-describing model part, plus training state when ``full``
-    (with ``ema``, a :class:`mt.train.ema.WeightEMA`, its average too).
-
-    With ``full`` every rank must call this (the RNG states of all ranks are gathered).
-    """
+    (and ``ema``'s average, a :class:`mt.train.ema.WeightEMA`). With ``full`` every rank must
+    call this (the RNG states of all ranks are gathered)."""
     ckpt = model_state(raw_model, cfg.model, prepared.tokenizer, prepared.vocab_size)
     ckpt.update(step=state.step, epoch=state.epoch, best=state.best, best_metric=metric_key(cfg),
                 data_summary=data_summary(prepared))  # fmt: skip
@@ -458,8 +440,10 @@ def data_summary(prepared) -> dict[str, Any]:
         "hf_path": None if local else data.get("hf_path"),
         "hf_name": None if local else data.get("hf_name"),
         "local_dir": Path(directory).name if local and directory else None,
-        "corpora": [{"name": str(c.get("name")), "pairs": int(c.get("pairs", 0))}
-                    for c in train.get("corpora") or []],  # fmt: skip
+        "corpora": [
+            {"name": str(c.get("name")), "pairs": int(c.get("pairs", 0))}
+            for c in train.get("corpora") or []
+        ],
         "read": (train.get("clean") or {}).get("read"),
         "pairs": {r: (counts.get(r) or {}).get("pairs") for r in ("train", "valid", "test")},
         "splits": {role: str(splits.get(role)) for role in ("valid", "test")},
@@ -473,17 +457,8 @@ OPTIMIZER_KEYS = ("beta1", "beta2", "eps", "weight_decay", "decoupled_weight_dec
 SCHEDULE_KEYS = ("lr", "factor", "warmup", "cooldown", "max_steps", "max_minutes")
 
 
-def check_resets(names) -> list[str]:
-    """``train.reset`` checked: a list of names from :data:`RESETS`."""
-    names = [str(n) for n in (names or [])]
-    unknown = [n for n in names if n not in RESETS]
-    if unknown:
-        raise ValueError(f"train.reset: unknown {unknown}; choose from {list(RESETS)}")
-    return names
-
-
 def resets_to_apply(tc, resume: Optional[dict], path: Optional[Path]) -> list[str]:
-    """The parts of ``train.reset`` (checked, :func:`check_resets`) to start afresh now.
+    """The parts of ``train.reset`` (names from :data:`RESETS`) to start afresh now.
 
     A reset is an instruction for one resume, but a requeued job repeats its command line: a
     resume whose ``train.reset`` is the list the checkpoint's own run was started with (its
@@ -491,7 +466,10 @@ def resets_to_apply(tc, resume: Optional[dict], path: Optional[Path]) -> list[st
     to reset) and what it saved already holds the effect. Another list is applied, and so is
     the same one with ``train.reset_again=true``. Logged either way.
     """
-    names = check_resets(tc.reset)
+    names = [str(n) for n in (tc.reset or [])]
+    unknown = [n for n in names if n not in RESETS]
+    if unknown:
+        raise ValueError(f"train.reset: unknown {unknown}; choose from {list(RESETS)}")
     if resume is None or not names:
         return names
     stored = [str(n) for n in (resume.get("train_cfg") or {}).get("reset") or []]

@@ -18,16 +18,11 @@ log = logging.getLogger(__name__)
 
 
 class MetricsLog:
-    """``metrics.jsonl`` (one flushed line per record, appended) and TensorBoard, rank 0 only.
-
-    Args:
-        run_dir: the run directory.
-        resume_step: records from the first one with a larger step on are cut off (they were
-            written after the checkpoint being resumed, and will be written again).
-        enabled: False on ranks other than 0.
-        cfg: ``train.tracking`` says where else records go (None: TensorBoard alone).
-        where: the machine, for MLflow's tags.
-    """
+    """``metrics.jsonl`` (one flushed line per record, appended), TensorBoard and MLflow as
+    ``train.tracking`` says (``cfg`` None: TensorBoard alone), rank 0 only (``enabled``).
+    Records from the first with a step beyond ``resume_step`` on are cut off: they were written
+    after the checkpoint being resumed, and will be written again. ``where`` is the machine,
+    for MLflow's tags."""
 
     def __init__(self, run_dir: Path, resume_step: int, enabled: bool = True, cfg=None,
                  where: Optional[dict] = None):  # fmt: skip

@@ -48,23 +48,19 @@ class UpdateResult:
     figures: torch.Tensor  # (4,) float64: loss, NLL per target token, target tokens, gnorm
 
     @property
-    def loss(self) -> float:
-        """Label-smoothed loss per target token."""
+    def loss(self) -> float:  # label-smoothed, per target token
         return float(self.figures[0])
 
     @property
-    def nll(self) -> float:
-        """Negative log-likelihood per target token."""
+    def nll(self) -> float:  # per target token
         return float(self.figures[1])
 
     @property
-    def ntokens(self) -> int:
-        """Target tokens of the update (all ranks)."""
+    def ntokens(self) -> int:  # target tokens of the update, all ranks
         return int(self.figures[2])
 
     @property
-    def gnorm(self) -> float:
-        """Gradient norm before clipping."""
+    def gnorm(self) -> float:  # before clipping
         return float(self.figures[3])
 
 
@@ -74,9 +70,8 @@ def batch_loss(
     """Summed (label-smoothed loss, NLL) of one batch, in float32 (weight 0 for fillers).
 
     Only the non-pad target positions are projected and scored (``model.loss``: the
-    Transformer's own, or the fast one of the ``mt.fast.TrainingModel`` the step runs); they
-    are selected by the indices ``collate`` found on the host, so nothing here reads the
-    device."""
+    Transformer's own, or ``mt.fast.TrainingModel``'s), selected by the indices ``collate``
+    found on the host, so nothing here reads the device."""
     target = batch.tgt_out.reshape(-1)  # (B*T,)
     if batch.real.tgt is not None:
         target = target.index_select(0, batch.real.tgt)  # (n,)
@@ -111,14 +106,9 @@ def build_optimizer(params, tc, device: torch.device) -> torch.optim.Optimizer:
 class Updater:
     """Applies one optimiser update from a group of batches (gradient accumulation + DDP).
 
-    Args:
-        model: what to call (possibly DDP-wrapped and/or compiled).
-        params: the parameters to clip and check.
-        optimizer, scheduler, scaler: the optimisation state.
-        cfg: the whole configuration (train.* settings are used).
-        world_size: number of DDP ranks.
-        loss_fn: ``(model, batch, eps, precision) -> (loss_sum, nll_sum)``, default
-            :func:`batch_loss` (the benchmark swaps in a textbook one for its baseline).
+    ``model`` is what to call (possibly DDP-wrapped and/or compiled), ``params`` what to clip
+    and check. ``loss_fn``: ``(model, batch, eps, precision) -> (loss_sum, nll_sum)``, default
+    :func:`batch_loss` (the benchmark swaps in a textbook one for its baseline).
     """
 
     def __init__(
@@ -191,9 +181,7 @@ class Updater:
         if self.tc.clip_norm > 0:
             gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.tc.clip_norm)
         else:
-            gnorm = torch.nn.utils.get_total_norm(
-                [p.grad for p in self.params if p.grad is not None]
-            )
+            gnorm = torch.nn.utils.get_total_norm(grads)
         figures = torch.cat([sums[:2] / total, total, gnorm.detach().double().reshape(1)])
         if self._deferred(device):
             return self._step_on_device(figures)
@@ -245,8 +233,7 @@ class Updater:
                 skipped - self._reported, state.step, skipped, streak,
             )  # fmt: skip
             self._reported = skipped
-        if streak >= self.tc.max_nonfinite:
-            raise NonFiniteError(_too_many(streak, self.tc.max_nonfinite))
+        _stop_after(streak, self.tc.max_nonfinite)
 
     def _skip(self, state: TrainState, loss_finite: bool) -> None:
         """Drop a non-finite update (fp16: lower the loss scale); stop after too many.
@@ -257,14 +244,12 @@ class Updater:
         is bounded by the scale's floor instead, ``train.min_loss_scale`` (30 in a row from
         2^16 to the default 1e-4), which ends a run whose gradients overflow at every scale.
         A non-finite loss counts, in fp16 too."""
-        fp16 = self.tc.precision == "fp16"
-        if fp16:
-            self.scaler.update()  # the dynamic loss scale backs off
         self.optimizer.zero_grad(set_to_none=True)
-        if fp16:
+        if self.tc.precision == "fp16":
+            self.scaler.update()  # the dynamic loss scale backs off
             self._check_loss_scale(state, loss_finite)
-        if fp16 and loss_finite:
-            return None
+            if loss_finite:
+                return
         state.nonfinite += 1
         log.warning(
             "non-finite %s at update %d: update skipped (%d consecutive)",
@@ -272,9 +257,7 @@ class Updater:
             state.step + 1,
             state.nonfinite,
         )
-        if state.nonfinite >= self.tc.max_nonfinite:
-            raise NonFiniteError(_too_many(state.nonfinite, self.tc.max_nonfinite))
-        return None
+        _stop_after(state.nonfinite, self.tc.max_nonfinite)
 
     def _check_loss_scale(self, state: TrainState, loss_finite: bool) -> None:
         """fp16, after a skipped update lowered the loss scale: count the overflow streak, log
@@ -300,12 +283,14 @@ class Updater:
         )  # fmt: skip
 
 
-def _too_many(streak: int, limit: int) -> str:
-    return (
-        f"{streak} consecutive updates had a non-finite loss or gradient "
-        f"(train.max_nonfinite={limit}); stopping. Try a lower learning rate "
-        "(train.lr / train.factor), train.clip_norm, or precision=fp32."
-    )
+def _stop_after(streak: int, limit: int) -> None:
+    """Stop (NonFiniteError) when ``streak`` consecutive skipped updates reach ``limit``."""
+    if streak >= limit:
+        raise NonFiniteError(
+            f"{streak} consecutive updates had a non-finite loss or gradient "
+            f"(train.max_nonfinite={limit}); stopping. Try a lower learning rate "
+            "(train.lr / train.factor), train.clip_norm, or precision=fp32."
+        )
 
 
 def _all_finite(flag: torch.Tensor) -> bool:

@@ -92,10 +92,8 @@ def valid_hypotheses(
 
 def validation_search(cfg: Config) -> DecodeConfig:
     """The search validation decodes with: greedy (``train.valid_beam`` null, the default), or
-    beam search of ``train.valid_beam`` beams with the test's settings (``decode.alpha``,
-    ``max_len_a``/``max_len_b``, ``batch_size``/``max_tokens`` and the shortlist
-    as ``decode.*`` gives them); one hypothesis per sentence, never sampled (the choice of a
-    checkpoint must not depend on a draw)."""
+    ``train.valid_beam`` beams with the test's ``decode.*`` settings; one hypothesis per
+    sentence, never sampled (the choice of a checkpoint must not depend on a draw)."""
     beam = cfg.train.valid_beam
     if beam is not None and beam < 1:
         raise ValueError(f"train.valid_beam must be a beam size >= 1 or null, got {beam}")
@@ -124,26 +122,17 @@ def describe_selection(cfg: Config, key: str) -> str:
     return f"{key} ({order} is better) of {describe_search(cfg)} search"
 
 
-def valid_bleu(
-    model: torch.nn.Module, prepared, cfg: Config, device: torch.device, rank: int = 0,
-    world_size: int = 1,
-) -> float:  # fmt: skip
-    """Decode the valid sources (:func:`validation_search`) and score them: the scoring of
-    final evaluation, on the model as written (shared over
-    ranks as :func:`valid_hypotheses`; every rank scores the gathered set)."""
-    return valid_scores(model, prepared, cfg, device, rank, world_size, ["bleu"])["valid_bleu"]
-
-
 def valid_scores(
     model: torch.nn.Module, prepared, cfg: Config, device: torch.device, rank: int = 0,
-    world_size: int = 1, metrics: list[str] | None = None,
+    world_size: int = 1,
 ) -> dict[str, float]:  # fmt: skip
-    """:func:`valid_bleu` for several metrics: ``{"valid_<metric>": score}``; default BLEU,
-    and chrF too where it chooses ``best.pt`` (``train.best_metric=chrf``)."""
+    """``{"valid_<metric>": score}`` of the valid sources decoded by :func:`validation_search`,
+    scored as final evaluation scores, on the model as written (shared over ranks as
+    :func:`valid_hypotheses`; every rank scores the gathered set): BLEU, and chrF too where
+    it chooses ``best.pt`` (``train.best_metric=chrf``)."""
     from mt.evaluation.metrics import score
 
-    if metrics is None:
-        metrics = ["bleu", "chrf"] if cfg.train.best_metric == "chrf" else ["bleu"]
+    metrics = ["bleu", "chrf"] if cfg.train.best_metric == "chrf" else ["bleu"]
     hyps = valid_hypotheses(model, prepared, cfg, device, rank, world_size)
     refs = prepared.references("valid")[: len(hyps)]
     scores = score(hyps, refs, metrics=metrics, bleu_tokenize=cfg.eval.bleu_tokenize)
@@ -157,11 +146,9 @@ def validate(
     """Valid loss, NLL and (with train.eval_bleu) BLEU of ``model`` (:func:`valid_scores`:
     chrF too where it chooses ``best.pt``), decoded by :func:`validation_search`.
 
-    ``loss_model``: what computes the loss (training passes the step's own
-    ``mt.fast.TrainingModel`` over ``model``'s parameters, so the loss is computed the way
-    training computes it); None: ``model`` itself. ``world_size`` > 1: every rank calls this
-    with its ``rank``; the work is shared and every rank returns the values a single process
-    computes.
+    ``loss_model`` computes the loss (training passes its step's ``mt.fast.TrainingModel`` over
+    ``model``'s parameters; None: ``model``). ``world_size`` > 1: every rank calls this with its
+    ``rank``; the work is shared and every rank returns the values a single process computes.
     """
     split = prepared.split("valid")
     loss, nll = valid_loss(loss_model or model, split, cfg, device, rank, world_size)
