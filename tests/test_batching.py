@@ -259,15 +259,50 @@ def test_fast_chunking_equals_the_greedy_reference():
     from mt.data.batches import _chunk, chunk_reference
 
     rng = np.random.default_rng(0)
-    for _ in range(300):
+    for trial in range(400):
         n = int(rng.integers(1, 400))
         max_tokens = int(rng.integers(60, 600))
         src = rng.integers(2, 60, n)
         tgt = rng.integers(2, 60, n)
+        if trial % 2:  # sorted, as the sampler's order is: long runs of one length
+            src, tgt = np.sort(rng.integers(2, 12, n)), np.sort(rng.integers(2, 12, n))[::-1]
+            max_tokens = int(rng.integers(12, 100))
         order = rng.permutation(n)
-        fast = _chunk(order, src, tgt, max_tokens)
+        fast = _chunk(order, np.maximum(src, tgt), max_tokens)
         ref = chunk_reference(order, src, tgt, max_tokens)
         assert [b.tolist() for b in fast] == [b.tolist() for b in ref]
+
+
+@pytest.mark.parametrize("world_size,group,skip", [(1, 1, False), (2, 2, True), (3, 3, False)])
+def test_the_epoch_plan_equals_its_definition(world_size, group, skip):
+    """Each rank's batches of an epoch, as the definition makes them: pairs sorted by
+    ``np.lexsort`` (source length, snake target length, a random tie-break), chunked pair by
+    pair (:func:`chunk_reference`), shuffled whole groups of ``group``, fillers of weight 0,
+    dealt to the ranks."""
+    from mt.data.batches import chunk_reference
+
+    src, tgt = random_lengths(3000, seed=7)
+    max_len, max_tokens, seed = (30 if skip else None), 200, 4
+    for epoch in (0, 1):
+        rng = np.random.default_rng([seed, epoch])
+        idx = np.flatnonzero((src <= max_len) & (tgt <= max_len)) if skip else np.arange(3000)
+        tie = rng.permutation(len(idx))
+        s, t = src[idx], tgt[idx]
+        order = idx[np.lexsort((tie, np.where(s % 2 == 0, t, -t), s))]
+        batches = chunk_reference(order, src[order] + 1, tgt[order] + 1, max_tokens)
+        full = len(batches) // group
+        batches = [batches[g] for i in rng.permutation(full)
+                   for g in range(i * group, (i + 1) * group)] + batches[full * group:]  # fmt: skip
+        short = -len(batches) % world_size
+        cheapest = min(range(len(batches)), key=lambda i: len(batches[i]))
+        weights = [1.0] * len(batches) + [0.0] * short
+        batches += [batches[cheapest]] * short
+        for rank in range(world_size):
+            sampler = BatchSampler(src, tgt, max_tokens, seed=seed, rank=rank,
+                                   world_size=world_size, max_len=max_len, group=group)  # fmt: skip
+            got = sampler.batches(epoch)
+            assert [b.tolist() for b in got] == [b.tolist() for b in batches[rank::world_size]]
+            assert sampler.weights(epoch) == weights[rank::world_size]
 
 
 def test_packed_sort_key_equals_lexsort():
