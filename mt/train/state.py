@@ -18,9 +18,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import random
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -154,9 +156,28 @@ class TrainBatches:
     def __init__(self, prepared, cfg: Config, rank: int = 0, world_size: int = 1) -> None:
         self.prepared, self.cfg, self.rank, self.world_size = prepared, cfg, rank, world_size
         self._samplers: dict[int, BatchSampler] = {}
+        self._ahead: threading.Thread | None = None
+
+    def plan_ahead(self, epoch: int) -> None:
+        """Start making ``epoch``'s batch plan in a background thread: numpy's sorting and
+        gathers release the GIL, so the plan of millions of pairs is made on another core while
+        the model is set up. :meth:`at` waits for it; a failure is met again there."""
+
+        def plan() -> None:
+            with contextlib.suppress(Exception):  # at() makes it again and raises there
+                self._at(epoch)[1].batches(epoch)
+
+        self._ahead = threading.Thread(target=plan, name="mt-plan", daemon=True)
+        self._ahead.start()
 
     def at(self, epoch: int) -> tuple[Any, BatchSampler]:
         """``(split, sampler)`` of ``epoch``: ``iterate_batches(split, sampler, epoch)``."""
+        if self._ahead is not None:
+            self._ahead.join()
+            self._ahead = None
+        return self._at(epoch)
+
+    def _at(self, epoch: int) -> tuple[Any, BatchSampler]:
         split = self.prepared.train_split(epoch)  # one object per encoding (Prepared caches)
         if id(split) not in self._samplers:
             self._samplers[id(split)] = train_sampler(
