@@ -478,6 +478,8 @@ def data_summary(prepared) -> dict[str, Any]:
         "source": "local" if local else "hub",
         "hf_path": None if local else data.get("hf_path"),
         "hf_name": None if local else data.get("hf_name"),
+        # the commit the hub dataset resolved to (meta.json), else the one asked for
+        "revision": None if local else meta.get("revision") or data.get("revision"),
         "local_dir": Path(directory).name if local and directory else None,
         "corpora": [{"name": str(c.get("name")), "pairs": int(c.get("pairs", 0))}
                     for c in train.get("corpora") or []],  # fmt: skip
