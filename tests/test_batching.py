@@ -261,13 +261,16 @@ def test_fast_chunking_is_the_greedy_chunking():
     from mt.data.batches import _chunk
 
     rng = np.random.default_rng(0)
-    for _ in range(300):
+    for trial in range(400):
         n = int(rng.integers(1, 400))
         max_tokens = int(rng.integers(60, 600))
         src = rng.integers(2, 60, n)
         tgt = rng.integers(2, 60, n)
+        if trial % 2:  # sorted, as the sampler's order is: long runs of one length
+            src, tgt = np.sort(rng.integers(2, 12, n)), np.sort(rng.integers(2, 12, n))[::-1]
+            max_tokens = int(rng.integers(12, 100))
         order = rng.permutation(n)
-        batches = _chunk(order, src, tgt, max_tokens)
+        batches = _chunk(order, np.maximum(src, tgt), max_tokens)
         assert np.concatenate(batches).tolist() == order.tolist()
         start = 0
         for batch in batches:
@@ -278,6 +281,50 @@ def test_fast_chunking_is_the_greedy_chunking():
                 longest = max(src[start : end + 1].max(), tgt[start : end + 1].max())
                 assert (len(batch) + 1) * longest > max_tokens
             start = end
+
+
+def greedy_chunks(order, src_len, tgt_len, max_tokens):
+    """The definition, one pair at a time: extend the batch while B x longest <= max_tokens."""
+    batches, start, longest = [], 0, 0
+    for i, m in enumerate(np.maximum(src_len, tgt_len).tolist()):
+        if (i - start + 1) * max(longest, m) > max_tokens:  # close the batch before pair i
+            batches.append(order[start:i])
+            start, longest = i, 0
+        longest = max(longest, m)
+    if start < len(order):
+        batches.append(order[start:])
+    return batches
+
+
+@pytest.mark.parametrize("world_size,group,skip", [(1, 1, False), (2, 2, True), (3, 3, False)])
+def test_the_epoch_plan_equals_its_definition(world_size, group, skip):
+    """Each rank's batches of an epoch, as the definition makes them: pairs sorted by
+    ``np.lexsort`` (source length, snake target length, a random tie-break), chunked pair by
+    pair (:func:`greedy_chunks`), shuffled whole groups of ``group``, fillers of weight 0,
+    dealt to the ranks."""
+
+    src, tgt = random_lengths(3000, seed=7)
+    max_len, max_tokens, seed = (30 if skip else None), 200, 4
+    for epoch in (0, 1):
+        rng = np.random.default_rng([seed, epoch])
+        idx = np.flatnonzero((src <= max_len) & (tgt <= max_len)) if skip else np.arange(3000)
+        tie = rng.permutation(len(idx))
+        s, t = src[idx], tgt[idx]
+        order = idx[np.lexsort((tie, np.where(s % 2 == 0, t, -t), s))]
+        batches = greedy_chunks(order, src[order] + 1, tgt[order] + 1, max_tokens)
+        full = len(batches) // group
+        batches = [batches[g] for i in rng.permutation(full)
+                   for g in range(i * group, (i + 1) * group)] + batches[full * group:]  # fmt: skip
+        short = -len(batches) % world_size
+        cheapest = min(range(len(batches)), key=lambda i: len(batches[i]))
+        weights = [1.0] * len(batches) + [0.0] * short
+        batches += [batches[cheapest]] * short
+        for rank in range(world_size):
+            sampler = BatchSampler(src, tgt, max_tokens, seed=seed, rank=rank,
+                                   world_size=world_size, max_len=max_len, group=group)  # fmt: skip
+            got = sampler.batches(epoch)
+            assert [b.tolist() for b in got] == [b.tolist() for b in batches[rank::world_size]]
+            assert sampler.weights(epoch) == weights[rank::world_size]
 
 
 def test_packed_sort_key_equals_lexsort():

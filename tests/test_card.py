@@ -95,12 +95,31 @@ def test_a_hub_dataset_is_named_and_multi30k_described(evaluated, tmp_path):
     path, ckpt, _ = evaluated
     ckpt = copy.deepcopy(ckpt)
     ckpt["data_summary"].update(name="multi30k", source="hub", hf_path="bentrevett/multi30k",
-                                local_dir=None)  # fmt: skip
+                                local_dir=None, revision="4c8f1a2")  # fmt: skip
     readme, text = _card(tmp_path, ckpt, path)
     card = hub.ModelCard.load(readme)
     assert card.data.datasets == ["bentrevett/multi30k"]
     assert {e.dataset_type for e in card.data.eval_results} == {"bentrevett/multi30k"}
+    assert {e.dataset_revision for e in card.data.eval_results} == {"4c8f1a2"}
+    assert "From bentrevett/multi30k at revision 4c8f1a2, de→en." in text
     assert "Multi30k is image captions" in text
+
+
+def test_the_summary_names_a_hub_datasets_revision():
+    """``data_summary`` from a prepared data's meta.json: a hub dataset's resolved commit (its
+    ``revision``), else the revision asked for (``data.revision``); none for local files."""
+    from types import SimpleNamespace
+
+    from mt.train.state import data_summary
+
+    def summary(meta):
+        return data_summary(SimpleNamespace(meta=meta))["revision"]
+
+    hub_data = {"name": "wmt14", "source": "hf", "hf_path": "wmt/wmt14", "revision": "main"}
+    assert summary({"data": hub_data, "revision": "b199e40"}) == "b199e40"
+    assert summary({"data": hub_data, "revision": None}) == "main"
+    local = {"name": "news", "source": "local", "dir": "/data/news", "revision": "main"}
+    assert summary({"data": local, "revision": None}) is None
 
 
 def test_an_older_checkpoint_finds_its_data_in_the_cache(evaluated, tmp_path):

@@ -170,25 +170,34 @@ def make_src(ids_list: Sequence[Sequence[int]]) -> torch.Tensor:
     return torch.from_numpy(_pad_flat(*_flatten(ids_list), bos=False, eos=True))
 
 
-def _chunk(order: np.ndarray, src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int) -> list:
-    """Greedy batches of ``order``'s pairs (``src_len``/``tgt_len``: their padded-tensor lengths,
-    with EOS/BOS): each batch takes the next pairs while B x longest stays <= max_tokens on both
-    sides, found one batch at a time rather than pair by pair.
+def _chunk(order: np.ndarray, longest: np.ndarray, max_tokens: int) -> list:
+    """Greedy batches of ``order``'s pairs: each batch takes the next pairs while B x longest
+    stays <= max_tokens on both sides, found run by run rather than pair by pair.
 
-    B x longest on both sides is B x the running maximum of m = max(src, tgt). A batch that
-    starts at pair j holds at most max_tokens // m[j] pairs (its longest is >= m[j]), so one
-    window of that many + 1 pairs decides where it ends: before the first k with
-    k x cummax(m)[k] > max_tokens. Every pair fits alone (the sampler skips the others).
-    """
-    m = np.maximum(src_len, tgt_len)
-    n, start, batches = len(m), 0, []
-    while start < n:
-        w = min(n - start, max_tokens // int(m[start]) + 1)
-        over = np.arange(1, w + 1) * np.maximum.accumulate(m[start : start + w]) > max_tokens
-        size = int(over.argmax()) if over[-1] else w  # cummax grows: any "over" => the last
-        batches.append(order[start : start + size])
-        start += size
-    return batches
+    ``longest``: max(source, target) padded length of each of ``order``'s pairs. B x longest
+    on both sides is B x the running maximum of ``longest``, so only its runs of equal values
+    matter: a run of value v in a batch whose maximum becomes M fills it up to max_tokens // M
+    pairs; the rest of the run makes batches of max_tokens // v, the last one left open. Every
+    pair fits alone (the sampler skips the others)."""
+    if len(longest) == 0:
+        return []
+    starts = np.flatnonzero(np.diff(longest, prepend=-1))
+    counts = np.diff(starts, append=len(longest))
+    ends, open_n, open_max, pos = [], 0, 0, 0  # batch ends; the open batch's size and maximum
+    for v, r in zip(longest[starts].tolist(), counts.tolist()):
+        m = max(open_max, v)
+        if open_n >= max_tokens // m:  # not one more pair: close the open batch
+            ends.append(pos)
+            open_n, m = 0, v
+        k = min(r, max_tokens // m - open_n)
+        pos, r, open_n, open_max = pos + k, r - k, open_n + k, m
+        if r:  # the open batch is full; the rest of the run at max_tokens // v a batch
+            cap = max_tokens // v
+            full = (r - 1) // cap
+            ends += range(pos, pos + full * cap + 1, cap)
+            pos, open_n, open_max = pos + r, r - full * cap, v
+    bounds = [0, *ends, pos]
+    return [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def _sort_keys(src: np.ndarray, snake: np.ndarray, tie: np.ndarray) -> np.ndarray:
@@ -288,17 +297,18 @@ class BatchSampler:
         rng = np.random.default_rng([self.seed, epoch])
         idx = self.epoch_pairs(epoch)
         tie = rng.permutation(len(idx))
-        src, tgt = self.src_len[idx], self.tgt_len[idx]
+        every = idx is self.indices and not self.num_skipped  # idx = 0..n-1: no gathers
+        src, tgt = (self.src_len, self.tgt_len) if every else (self.src_len[idx], self.tgt_len[idx])
         # Sort by source length, then target length in a "snake": ascending for even source
         # lengths, descending for odd ones, so a batch that straddles two source lengths joins
         # similar target lengths (less target padding than an ascending sort of both).
         snake = np.where(src % 2 == 0, tgt, -tgt)
-        order = idx[_sort_keys(src, snake, tie)]
+        sort = _sort_keys(src, snake, tie)
+        order = sort if every else idx[sort]
         if self.buckets is not None:
             batches = chunk_by_bucket(order, self.src_len[order], self.tgt_len[order], self.buckets)
         else:
-            batches = _chunk(order, self.src_len[order] + 1, self.tgt_len[order] + 1,
-                             self.max_tokens)  # fmt: skip
+            batches = _chunk(order, np.maximum(src, tgt)[sort] + 1, self.max_tokens)
         if self.group == 1:
             return [batches[i] for i in rng.permutation(len(batches))]
         # Groups of `group` batches adjacent in length, shuffled whole; a short last group goes

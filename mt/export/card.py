@@ -10,7 +10,8 @@ training stopped and the machine (``metrics.jsonl``'s end-of-training record) an
 scores with their sacreBLEU signatures (``results.test.json``, or ``results.json``).
 
 The hub's YAML header carries ``language``, ``license`` (``export.license``), ``datasets`` (hub
-datasets only), ``metrics`` and a ``model-index`` with the scores, the fields the hub reads.
+datasets only), ``metrics`` and a ``model-index`` with the scores (and a hub dataset's revision,
+as the card's text names it), the fields the hub reads.
 Whatever is missing is said to be unknown rather than guessed.
 """
 
@@ -147,6 +148,8 @@ def _header(data: dict, langs: list[str], results: dict, name: str, license: str
             dataset["args"] = pair
         if data.get("hf_name"):
             dataset["config"] = data["hf_name"]
+        if data.get("revision"):
+            dataset["revision"] = data["revision"]
         metrics = [{"type": HUB_METRICS.get(m, (m, m))[0], "value": round(float(s["score"]), 2),
                     "name": HUB_METRICS.get(m, (m, m))[1],
                     "args": {"signature": str(s.get("signature"))}}
@@ -168,7 +171,9 @@ def _data_lines(data: dict) -> list[str]:
     def count(n) -> str:
         return f"{int(n):,}" if isinstance(n, (int, float)) else "unknown"
 
-    lines = [f"From {_corpus_name(data)}, {data.get('src_lang')}→{data.get('tgt_lang')}.", "",
+    revision = f" at revision {data['revision']}" if data.get("revision") else ""
+    lines = [f"From {_corpus_name(data)}{revision}, {data.get('src_lang')}→{data.get('tgt_lang')}.",
+             "",
              "| part | pairs |", "|---|---|"]  # fmt: skip
     for corpus in data.get("corpora") or []:
         lines.append(f"| train: {corpus['name']} | {count(corpus['pairs'])} |")

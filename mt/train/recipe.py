@@ -197,6 +197,8 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     tc = cfg.train
 
     resume, resume_path = agree_on_resume(ckpt_dir, info.is_main)
+    data = TrainBatches(prepared, cfg, info.rank, info.world_size)
+    data.plan_ahead(0 if resume is None else int(resume["state"]["epoch"]))  # a guess on resume
     raw = build_model(cfg.model, prepared.vocab_size)  # same init on every rank (same seed)
     resets = resets_to_apply(tc, resume, resume_path)
     if resume is not None:
@@ -236,7 +238,6 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     # parameters (mt.fast.for_training), with train.master_weights a 16-bit copy following
     # them; compiled, then wrapped in DDP.
     forward = _training_forward(raw, cfg, info)
-    data = TrainBatches(prepared, cfg, info.rank, info.world_size)
     model = compile_step(forward, tc, info.device, _bucket_shapes(data, state.epoch))
     model = distributed.wrap(model, info)
     where = {**machine(info.device), "torch": torch.__version__}  # MLflow's tags

@@ -16,9 +16,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import random
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -149,9 +151,28 @@ class TrainBatches:
     def __init__(self, prepared, cfg: Config, rank: int = 0, world_size: int = 1) -> None:
         self.prepared, self.cfg, self.rank, self.world_size = prepared, cfg, rank, world_size
         self._samplers: dict[int, BatchSampler] = {}
+        self._ahead: threading.Thread | None = None
+
+    def plan_ahead(self, epoch: int) -> None:
+        """Start making ``epoch``'s batch plan in a background thread: numpy's sorting and
+        gathers release the GIL, so the plan of millions of pairs is made on another core while
+        the model is set up. :meth:`at` waits for it; a failure is met again there."""
+
+        def plan() -> None:
+            with contextlib.suppress(Exception):  # at() makes it again and raises there
+                self._at(epoch)[1].batches(epoch)
+
+        self._ahead = threading.Thread(target=plan, name="mt-plan", daemon=True)
+        self._ahead.start()
 
     def at(self, epoch: int) -> tuple[Any, BatchSampler]:
         """``(split, sampler)`` of ``epoch``: ``iterate_batches(split, sampler, epoch)``."""
+        if self._ahead is not None:
+            self._ahead.join()
+            self._ahead = None
+        return self._at(epoch)
+
+    def _at(self, epoch: int) -> tuple[Any, BatchSampler]:
         split = self.prepared.train_split(epoch)  # one object per encoding (Prepared caches)
         if id(split) not in self._samplers:
             self._samplers[id(split)] = train_sampler(
@@ -439,6 +460,8 @@ def data_summary(prepared) -> dict[str, Any]:
         "source": "local" if local else "hub",
         "hf_path": None if local else data.get("hf_path"),
         "hf_name": None if local else data.get("hf_name"),
+        # the commit the hub dataset resolved to (meta.json), else the one asked for
+        "revision": None if local else meta.get("revision") or data.get("revision"),
         "local_dir": Path(directory).name if local and directory else None,
         "corpora": [
             {"name": str(c.get("name")), "pairs": int(c.get("pairs", 0))}
