@@ -66,19 +66,14 @@ def cache_root(checkpoint: str | Path) -> Path:
 def converted_model(
     checkpoint: str | Path,
     compute_type: str,
+    exporter: Any,
     shortlist: tuple[str, int, int] | None = None,
 ) -> tuple[Path, float | None]:
-    """The CTranslate2 model of ``checkpoint`` at ``compute_type``, converted now if it is not
-    cached yet (see the module docstring).
-
-    Args:
-        shortlist: (lexicon file, k, frequent) to write as the vocabulary map, or None.
-
-    Returns:
-        The model directory and the seconds the conversion took (None: it was cached).
-    """
+    """The CTranslate2 model of ``checkpoint`` at ``compute_type``, converted now with
+    ``exporter.export_ct2`` (``mt.export.ct2``) if it is not cached yet (see the module
+    docstring), and the seconds the conversion took (None: it was cached). ``shortlist``:
+    (lexicon file, k, frequent) to write as the vocabulary map, or None."""
     from mt.checkpoint import load_checkpoint, model_cfg_from, tokenizer_blobs
-    from mt.export.ct2 import export_ct2
 
     key = file_digest(checkpoint)
     if shortlist is not None:
@@ -102,8 +97,8 @@ def converted_model(
             lex = load_lexicon(shortlist[0], int(ckpt["vocab_size"]))
             vmap = partial(vocabulary_map, lex, k=shortlist[1], frequent=shortlist[2])
         out = tmp / "model"
-        export_ct2(ckpt, model_cfg_from(ckpt), tokenizer_blobs(ckpt), out, vmap,
-                   quantization=compute_type)  # fmt: skip
+        exporter.export_ct2(ckpt, model_cfg_from(ckpt), tokenizer_blobs(ckpt), out, vmap,
+                            quantization=compute_type)  # fmt: skip
         try:
             out.rename(final)
         except OSError:  # another process put its conversion there first: keep that one
@@ -124,7 +119,7 @@ class CTranslate2Engine:
     """A checkpoint decoded by CTranslate2 (see the module docstring).
 
     Args:
-        checkpoint: the mt checkpoint file.
+        checkpoint: the mt checkpoint file; ``exporter`` converts it (:func:`converted_model`).
         tokenizer: its mt.data.tokenizer.Tokenizer (one joint SentencePiece model).
         max_positions: the model's longest sequence (caps the length limits).
         device, index: ``cpu`` or ``cuda`` and the device index.
@@ -133,14 +128,14 @@ class CTranslate2Engine:
         shortlist: (lexicon file, k, frequent) for a vocabulary map, or None.
     """
 
-    def __init__(self, checkpoint: str | Path, tokenizer: Any, max_positions: int | None,
-                 device: str = "cpu", index: int = 0, compute_type: str = "float32",
-                 inter_threads: int = 1, intra_threads: int = 1,
+    def __init__(self, checkpoint: str | Path, exporter: Any, tokenizer: Any,
+                 max_positions: int | None, device: str = "cpu", index: int = 0,
+                 compute_type: str = "float32", inter_threads: int = 1, intra_threads: int = 1,
                  shortlist: tuple[str, int, int] | None = None) -> None:  # fmt: skip
         import ctranslate2
 
         self.model_dir, self.conversion_seconds = converted_model(
-            checkpoint, compute_type, shortlist
+            checkpoint, compute_type, exporter, shortlist
         )
         self.shortlist = shortlist
         self.translator = ctranslate2.Translator(

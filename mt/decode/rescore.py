@@ -14,6 +14,7 @@ import itertools
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from mt.checkpoint import CheckpointError
 from mt.decode.engine import EngineError
@@ -27,8 +28,9 @@ log = logging.getLogger(__name__)
 CHUNK_LINES = 2048  # sentence pairs read and scored at a time
 
 
-def score_main(cfg: Config) -> dict[str, float]:
-    """Score ``args.tgt`` given ``args.src``; returns the totals.
+def score_main(cfg: Config, exporter: Any = None) -> dict[str, float]:
+    """Score ``args.tgt`` given ``args.src``; returns the totals (``exporter``: see
+    mt.decode.translate.Translator).
 
     Raises:
         SystemExit: a one-line error for a missing setting or file, an unusable checkpoint,
@@ -40,7 +42,7 @@ def score_main(cfg: Config) -> dict[str, float]:
     path = args.checkpoint or Path(cfg.run_dir) / "checkpoints/best.pt"
     try:
         translator = Translator.from_checkpoint(path, resolve_device(cfg.train.device), cfg.decode,
-                                                args, node="score")  # fmt: skip
+                                                args, "score", exporter)  # fmt: skip
     except CheckpointError as err:
         raise SystemExit(f"mt-score: {err}") from None
     try:  # the engine's settings checked (and a conversion made) before any pair is read

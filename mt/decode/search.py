@@ -95,9 +95,7 @@ def length_penalty(length: int, alpha: float) -> float:
     return float(length) ** alpha
 
 
-def max_lengths(
-    src: torch.Tensor, a: float, b: float, model: IncrementalDecoder
-) -> list[int]:
+def max_lengths(src: torch.Tensor, a: float, b: float, model: IncrementalDecoder) -> list[int]:
     """Per-sentence maximum output length ``int(a * src_len + b)``, ``src_len`` without EOS.
 
     Args:

@@ -222,7 +222,7 @@ class Shortlist:
 
     def columns(self, tokens: torch.Tensor) -> torch.Tensor:
         """The columns of vocabulary ids ``tokens`` (each in the shortlist; -1 stays -1)."""
-        col = torch.searchsorted(self.ids[len(SPECIAL):], tokens.clamp(min=0)) + len(SPECIAL)
+        col = torch.searchsorted(self.ids[len(SPECIAL) :], tokens.clamp(min=0)) + len(SPECIAL)
         col = torch.where(tokens < len(SPECIAL), tokens, col)
         return torch.where(tokens < 0, tokens, col)
 

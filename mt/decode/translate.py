@@ -69,11 +69,14 @@ class Translator:
         engine: which engine decodes (mt.decode.engine; None: torch, mt's own search).
         checkpoint: the checkpoint file the model came from (CTranslate2 converts it).
         node: the command's settings node, for messages (``translate``, ``serve``, ``score``).
+        exporter: ``mt.export.ct2`` (its ``check_exportable`` and ``export_ct2``), which
+            converts the checkpoint for CTranslate2; the commands get it from mt.cli, as
+            mt.export sits above mt.decode (None: torch decodes).
     """
 
     def __init__(self, model, tokenizer, device="cpu", decode_cfg: DecodeConfig | None = None,
                  engine: EngineConfig | None = None, checkpoint: str | Path | None = None,
-                 node: str = "translate"):  # fmt: skip
+                 node: str = "translate", exporter: Any = None):  # fmt: skip
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -82,6 +85,7 @@ class Translator:
         self.engine_cfg = engine or EngineConfig(engine="torch")
         self.checkpoint = checkpoint
         self.node = node
+        self.exporter = exporter
         self._ct2: dict[tuple, Any] = {}  # CTranslate2 translators, by shortlist settings
 
     @property
@@ -97,10 +101,11 @@ class Translator:
         decode_cfg: DecodeConfig | None = None,
         engine: EngineConfig | None = None,
         node: str = "translate",
+        exporter: Any = None,
     ) -> Translator:
         """Load a checkpoint written by mt-train, or a list of them as an ensemble (their
         log-probabilities averaged at each step; they must share one tokenizer). ``engine``:
-        who decodes (see mt.decode.engine; None: torch).
+        who decodes (see mt.decode.engine; None: torch); ``exporter``: see the class.
 
         Raises:
             CheckpointError: a file is missing, not a checkpoint, truncated, its model and
@@ -129,17 +134,18 @@ class Translator:
                 f"built for a vocabulary of {ckpt['vocab_size']}: different vocabularies"
             )
         log.info("loaded %s (step %s) on %s", path, ckpt.get("step"), device)
-        return cls(model, tokenizer, device, decode_cfg, engine, path, node)
+        return cls(model, tokenizer, device, decode_cfg, engine, path, node, exporter)
 
     def _model_problem(self) -> str | None:
         """Why CTranslate2 cannot take this model, or None."""
         if self.checkpoint is None:
             return "the model did not come from a checkpoint file"
-        from mt.export.hf import ExportError, check_exportable
-
+        if self.exporter is None:
+            return "no exporter to convert it with: Translator(exporter=mt.export.ct2)"
         try:
-            check_exportable(self.single_model.cfg, self.tokenizer.joint, "ctranslate2")
-        except ExportError as err:
+            self.exporter.check_exportable(self.single_model.cfg, self.tokenizer.joint,
+                                           "ctranslate2")  # fmt: skip
+        except ValueError as err:  # mt.export.hf.ExportError
             return str(err)
         return None
 
@@ -172,7 +178,7 @@ class Translator:
             inter, intra = (1, 1) if choice.device == "cuda" else engines.threads(
                 e.inter_threads, e.intra_threads, torch.get_num_threads())  # fmt: skip
             self._ct2[key] = CTranslate2Engine(
-                self.checkpoint, self.tokenizer, self.max_positions, choice.device,
+                self.checkpoint, self.exporter, self.tokenizer, self.max_positions, choice.device,
                 choice.index, choice.compute_type, inter, intra, shortlist,
             )  # fmt: skip
         return self._ct2[key]
@@ -400,8 +406,9 @@ def translate_stream(
     return n
 
 
-def translate_main(cfg: Config) -> None:
-    """``mt-translate``: stdin or ``input=`` to stdout or ``output=`` with ``checkpoint=``.
+def translate_main(cfg: Config, exporter: Any = None) -> None:
+    """``mt-translate``: stdin or ``input=`` to stdout or ``output=`` with ``checkpoint=``
+    (``exporter``: see Translator).
 
     Exits with a one-line error (no traceback) for an unusable checkpoint, a missing input file
     or a line too long for the model.
@@ -412,7 +419,7 @@ def translate_main(cfg: Config) -> None:
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
     try:
-        translator = Translator.from_checkpoint(path, device, cfg.decode, args)
+        translator = Translator.from_checkpoint(path, device, cfg.decode, args, exporter=exporter)
     except CheckpointError as err:
         raise SystemExit(f"mt-translate: {err}") from None
     cfg = resolve_shortlist(cfg, translator.tokenizer)  # decode.shortlist=train: its file

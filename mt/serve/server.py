@@ -98,7 +98,7 @@ def _check_sampling(options: dict[str, Any]) -> None:
     given = [k for k in SAMPLING if k in options]
     if not options.get("sample"):
         if given:
-            raise BadRequest(422, f"{given} only apply with \"sample\": true")
+            raise BadRequest(422, f'{given} only apply with "sample": true')
         return
     if options.get("nbest", 1) != 1 or "beam_size" in options:
         raise BadRequest(422, "'sample' draws one translation: no 'beam_size', 'nbest' 1")
@@ -134,7 +134,7 @@ def check_sentence(text: Any, where: str, limits: ServeConfig, translator: Trans
 def parse_translate(body: Any, limits: ServeConfig, translator: Translator):
     """``(sentences, options)`` of a /translate body, or BadRequest."""
     if not isinstance(body, dict):
-        raise BadRequest(422, "the body must be a JSON object like {\"text\": [\"...\"]}")
+        raise BadRequest(422, 'the body must be a JSON object like {"text": ["..."]}')
     if "text" not in body:
         raise BadRequest(422, "'text' is missing: a list of sentences")
     text = body["text"]
@@ -162,7 +162,7 @@ async def read_json(request, limits: ServeConfig) -> Any:
         if len(data) > limits.max_body_bytes:
             raise BadRequest(413, f"the body exceeds serve.max_body_bytes={limits.max_body_bytes}")
     if not data.strip():
-        raise BadRequest(400, "the body is empty: send JSON like {\"text\": [\"...\"]}")
+        raise BadRequest(400, 'the body is empty: send JSON like {"text": ["..."]}')
     try:
         text = bytes(data).decode("utf-8")
     except UnicodeDecodeError as err:
@@ -280,7 +280,7 @@ def create_app(translator: Translator, limits: ServeConfig, info: dict[str, Any]
     async def attention(request: Request):
         body = await read_json(request, limits)
         if not isinstance(body, dict) or "text" not in body:
-            raise BadRequest(422, "the body must be a JSON object like {\"text\": \"...\"}")
+            raise BadRequest(422, 'the body must be a JSON object like {"text": "..."}')
         sentence = check_sentence(body["text"], "'text'", limits, translator)
         if not translator.tokenizer.normalize(sentence):
             raise BadRequest(422, "'text' is empty")
@@ -293,8 +293,9 @@ def create_app(translator: Translator, limits: ServeConfig, info: dict[str, Any]
     return app
 
 
-def serve_main(cfg: Config) -> None:
-    """``mt-serve``: load the checkpoint, then serve on ``host:port`` until interrupted."""
+def serve_main(cfg: Config, exporter: Any = None) -> None:
+    """``mt-serve``: load the checkpoint, then serve on ``host:port`` until interrupted
+    (``exporter``: see mt.decode.translate.Translator)."""
     import torch
     import uvicorn
 
@@ -308,7 +309,7 @@ def serve_main(cfg: Config) -> None:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        translator = Translator.from_checkpoint(path, device, cfg.decode, args, node="serve")
+        translator = Translator.from_checkpoint(path, device, cfg.decode, args, "serve", exporter)
     except CheckpointError as err:
         raise SystemExit(f"mt-serve: {err}") from None
     cfg = resolve_shortlist(cfg, translator.tokenizer)  # decode.shortlist=train: its file
