@@ -42,8 +42,8 @@ import torch
 from mt.checkpoint import CheckpointError, load_model
 from mt.data.tokenizer import TokenizerError
 from mt.decode import engine as engines
-from mt.decode.alignment import alignments, attention_map
-from mt.decode.driver import fit_to_model, score_ids, translate_ids, translate_nbest
+from mt.decode.alignment import alignments, attention_map, plot_attention
+from mt.decode.driver import fit_to_model, score_ids, translate_nbest
 from mt.decode.ensemble import Ensemble
 from mt.decode.search import Hypothesis
 from mt.decode.shortlist import resolve_shortlist
@@ -60,11 +60,9 @@ class Translator:
     """A model, its tokenizer and decoding settings: text in, text out.
 
     Args:
-        model: an mt Transformer (eval mode, on ``device``), or an ``mt.decode.ensemble.Ensemble``
-        of
-            them (attention maps and alignments then come from its first member).
+        model: an mt Transformer (eval mode, on ``device``), or an mt.decode.ensemble.Ensemble
+            of them (attention maps and alignments then come from its first member).
         tokenizer: its mt.data.tokenizer.Tokenizer.
-        device: where decoding runs.
         decode_cfg: default search settings (beam 4, alpha 0.6, ... when None).
         engine: which engine decodes (mt.decode.engine; None: torch, mt's own search).
         checkpoint: the checkpoint file the model came from (CTranslate2 converts it).
@@ -90,7 +88,7 @@ class Translator:
 
     @property
     def single_model(self):
-        """The one Transformer used for attention: the model, or an ensemble's first member."""
+        """The Transformer attention is drawn from: the model, or an ensemble's first member."""
         return self.model.members[0] if isinstance(self.model, Ensemble) else self.model
 
     @classmethod
@@ -152,11 +150,8 @@ class Translator:
     def engine(self, cfg: DecodeConfig, prefix: bool = False) -> Any:
         """The engine of a request with settings ``cfg``: None for torch (mt's search), or the
         CTranslate2 engine (mt.decode.ctranslate2_engine), made on first use (the checkpoint
-        converted once). The choice is logged once per engine and reason.
-
-        Raises:
-            mt.decode.engine.EngineError: ``engine=ctranslate2`` with what it cannot run.
-        """
+        converted once). The choice is logged once per engine and reason; EngineError:
+        ``engine=ctranslate2`` with what it cannot run."""
         e = self.engine_cfg
         choice = engines.choose(
             e.engine, e.compute_type, self.device, engines.ct2_available(),
@@ -247,10 +242,9 @@ class Translator:
         prefix: list[str] | None = None,
         **overrides: Any,
     ) -> list[str]:
-        """Translate sentences (best hypothesis each), in input order.
+        """The best translation of each sentence, in input order ("" for an empty one).
 
         Args:
-            sentences: raw source sentences.
             beam_size: 1 = greedy (default: the Translator's decode settings, 4).
             alpha: length penalty (default 0.6).
             first_line: the line number of ``sentences[0]`` in error messages (and, with
@@ -260,74 +254,41 @@ class Translator:
             **overrides: any other DecodeConfig field (``max_len_a``, ``batch_size``,
                 ``too_long``, ``precision``, ...).
 
-        Returns:
-            One translation per sentence; an empty sentence gives "".
-
         Raises:
             ValueError: a sentence longer than ``max_positions`` with ``too_long=error``.
         """
-        cfg = self.settings(beam_size=beam_size, alpha=alpha, nbest=1, **overrides)
-        keep = [i for i, s in enumerate(sentences) if self.tokenizer.normalize(s)]
-        out = [""] * len(sentences)
-        if keep:
-            try:
-                ids = self.encode([sentences[i] for i in keep], cfg)
-            except ValueError as err:
-                raise ValueError(_renumber(str(err), keep, first_line)) from None
-            indices = [first_line - 1 + i for i in keep]
-            forced = self.prefixes(prefix, keep)
-            ct2 = self.engine(cfg, bool(forced and any(forced)))
-            if ct2 is not None:
-                out_ids = [h[0].tokens for h in ct2.translate_nbest(ids, cfg, forced)]
-            else:
-                out_ids = translate_ids(
-                    self.model, ids, cfg, self.device, prefix=forced, indices=indices
-                )
-            texts = self.tokenizer.decode(out_ids)
-            for i, text in zip(keep, texts):
-                out[i] = text
-        return out
+        nbest = self.translate_nbest(sentences, first_line, prefix, beam_size=beam_size,
+                                     alpha=alpha, nbest=1, **overrides)  # fmt: skip
+        return [hyps[0][0] for hyps in nbest]
 
     def attention(self, sentence: str, **overrides: Any) -> tuple[list[str], list[str], Any]:
-        """Translate one sentence and return its encoder-decoder attention.
-
-        Returns:
-            ``(src_pieces (S), tgt_pieces (T), matrix (T, S))``: SentencePiece pieces plus
-            ``</s>`` on both sides; the matrix is the last decoder layer's cross-attention
-            averaged over heads, one row per generated piece.
-        """
+        """Translate one sentence and return its encoder-decoder attention: ``(src_pieces (S),
+        tgt_pieces (T), matrix (T, S))`` (see mt.decode.alignment.attention_map)."""
         cfg = self.settings(**overrides)
         self.encode([sentence], cfg)  # the too_long check
         return attention_map(self.single_model, self.tokenizer, sentence, cfg, self.device)
 
+    def _pairs(self, sentences: list[str], translations: list[str]):
+        """Source and target ids of sentence pairs, cut to the model's ``max_positions``."""
+        tok, limit = self.tokenizer, self.max_positions
+        src = tok.encode([tok.normalize(s) for s in sentences], side="src")
+        tgt = tok.encode([tok.normalize(t) for t in translations], side="tgt")
+        return fit_to_model(src, limit), fit_to_model(tgt, limit, what="target")
+
     def alignments(
         self, sentences: list[str], translations: list[str], layer: int = -1
     ) -> list[str]:
-        """Word alignments of sentence pairs, one Pharaoh line (``i-j ...``) each.
-
-        Args:
-            sentences: source texts; translations: their target texts (e.g. from translate).
-            layer: the decoder layer whose cross-attention (averaged over heads) aligns.
-        """
-        src = self.tokenizer.encode([self.tokenizer.normalize(s) for s in sentences], side="src")
-        tgt = self.tokenizer.encode([self.tokenizer.normalize(t) for t in translations], "tgt")
-        src = fit_to_model(src, self.max_positions, "truncate", what="source")
-        tgt = fit_to_model(tgt, self.max_positions, "truncate", what="target")
+        """Word alignments of sentence pairs, one Pharaoh line (``i-j ...``) each, from decoder
+        layer ``layer``'s cross-attention averaged over heads."""
+        src, tgt = self._pairs(sentences, translations)
         return alignments(self.single_model, self.tokenizer, src, tgt, self.device, layer)
 
     def score(self, sentences: list[str], translations: list[str]) -> list[tuple[float, int]]:
-        """The model's log-probability of each translation given its source.
-
-        Returns:
-            Per pair, ``(log p(translation + EOS | source), tokens scored)``: the sum of the
-            teacher-forced log-probabilities of its pieces and the final EOS.
-        """
-        src = self.tokenizer.encode([self.tokenizer.normalize(s) for s in sentences], side="src")
-        tgt = self.tokenizer.encode([self.tokenizer.normalize(t) for t in translations], "tgt")
+        """Per pair, ``(log p(translation + EOS | source), tokens scored)``: the sum of the
+        teacher-forced log-probabilities of its pieces and the final EOS."""
+        src, tgt = self._pairs(sentences, translations)
         ct2 = self.engine(self.decode_cfg)
         if ct2 is not None:
-            src = fit_to_model(src, self.max_positions, "truncate")
-            tgt = fit_to_model(tgt, self.max_positions, "truncate", what="target")
             per_token = ct2.score(src, tgt, self.decode_cfg)
         else:
             per_token = score_ids(self.model, src, tgt, self.device, self.decode_cfg.batch_size)
@@ -367,15 +328,11 @@ def translate_stream(
     alignment: TextIO | None = None,
     alignment_layer: int = -1,
 ) -> int:
-    """Translate ``src`` line by line into ``dst`` in chunks; returns the number of lines.
-
-    Args:
-        interactive: translate and write each line as soon as it is read (a terminal);
-            otherwise lines are batched in chunks of ``CHUNK_LINES``.
-        prefixes: one target prefix per input line (the start each translation is forced to).
-        alignment: where to write one Pharaoh alignment line per input line (best translation).
-        alignment_layer: the decoder layer whose cross-attention aligns (-1: the last).
-    """
+    """Translate ``src`` line by line into ``dst`` in chunks of ``CHUNK_LINES`` (one line
+    with ``interactive``: a terminal answered as it types); returns the number of lines.
+    ``prefixes``: one forced target start per input line; ``alignment``: where to write a
+    Pharaoh line per input line (of its best translation; ``alignment_layer``: see
+    Translator.alignments)."""
     n, start = 0, time.perf_counter()
     size = 1 if interactive else max(CHUNK_LINES, cfg.batch_size)
     for chunk in chunks(src, size):  # reading a line waits for that line only
@@ -456,7 +413,6 @@ def translate_main(cfg: Config, exporter: Any = None) -> None:
 
 
 def _is_tty(stream) -> bool:
-    """Whether ``stream`` is a terminal (then mt-translate answers each line as it is typed)."""
     try:
         return stream.isatty()
     except (AttributeError, ValueError):
@@ -473,8 +429,6 @@ def _remember_first(lines: Iterable[str], first: list[str], translator) -> Itera
 
 def _draw_attention(translator: Translator, first: list[str], path: str) -> None:
     """Heatmap of the first non-empty input sentence's encoder-decoder attention."""
-    from mt.decode.alignment import plot_attention
-
     if not first:
         log.warning("attention=: the input has no non-empty line; nothing drawn")
         return
