@@ -116,17 +116,9 @@ def converted_model(
 
 
 class CTranslate2Engine:
-    """A checkpoint decoded by CTranslate2 (see the module docstring).
-
-    Args:
-        checkpoint: the mt checkpoint file; ``exporter`` converts it (:func:`converted_model`).
-        tokenizer: its mt.data.tokenizer.Tokenizer (one joint SentencePiece model).
-        max_positions: the model's longest sequence (caps the length limits).
-        device, index: ``cpu`` or ``cuda`` and the device index.
-        compute_type: CTranslate2's compute type (mt.decode.engine.compute_type).
-        inter_threads, intra_threads: CTranslate2's replicas and threads per replica.
-        shortlist: (lexicon file, k, frequent) for a vocabulary map, or None.
-    """
+    """A checkpoint decoded by CTranslate2 (see the module docstring), converted with
+    ``exporter`` (:func:`converted_model`); ``tokenizer`` its one joint SentencePiece model,
+    ``max_positions`` the cap of the length limits, the rest CTranslate2's settings."""
 
     def __init__(self, checkpoint: str | Path, exporter: Any, tokenizer: Any,
                  max_positions: int | None, device: str = "cpu", index: int = 0,
@@ -134,9 +126,7 @@ class CTranslate2Engine:
                  shortlist: tuple[str, int, int] | None = None) -> None:  # fmt: skip
         import ctranslate2
 
-        self.model_dir, self.conversion_seconds = converted_model(
-            checkpoint, compute_type, exporter, shortlist
-        )
+        self.model_dir, _ = converted_model(checkpoint, compute_type, exporter, shortlist)
         self.shortlist = shortlist
         self.translator = ctranslate2.Translator(
             str(self.model_dir), device=device, device_index=index, compute_type=compute_type,
@@ -154,7 +144,7 @@ class CTranslate2Engine:
         return {"max_batch_size": max(1, cfg.batch_size), "batch_type": "examples"}
 
     def _limit(self, n: int, cfg: DecodeConfig) -> int:
-        """mt.decode.search.max_lengths for a source of ``n`` ids (EOS not counted)."""
+        """mt.decode.search.max_lengths of a source of ``n`` ids."""
         cap = self.max_positions or 1 << 30
         return max(1, min(cap, int(cfg.max_len_a * n + cfg.max_len_b)))
 
@@ -238,6 +228,3 @@ class CTranslate2Engine:
             max_input_length=0, **self._batching(cfg),
         )  # fmt: skip
         return [list(r.log_probs) for r in results]
-
-
-__all__ = ["CTranslate2Engine", "cache_root", "converted_model", "file_digest"]
