@@ -85,11 +85,7 @@ class Lexicon:
 
     @classmethod
     def load(cls, path: str | Path) -> Lexicon:
-        """Read a file written by :meth:`save`.
-
-        Raises:
-            ValueError: naming the file, when it is missing or not a lexicon of this format.
-        """
+        """Read a file written by :meth:`save` (ValueError naming it if it is not one)."""
         try:
             state = torch.load(Path(path), map_location="cpu", weights_only=True)
         except (OSError, RuntimeError, EOFError) as err:
@@ -109,15 +105,10 @@ class Lexicon:
         frequent: int,
         prefix: torch.Tensor | None = None,
     ) -> Shortlist:
-        """The candidate target pieces of one batch (see the module docstring): the union of
-        its sentences' lists, and which of them each sentence may use.
-
-        Args:
-            src: (B, S) source ids of the batch (PAD-padded, EOS-ended).
-            k: translations kept per source piece (the most probable).
-            frequent: the most frequent target pieces, kept for every sentence.
-            prefix: (B, P) forced target ids (-1: free), or None.
-        """
+        """The candidate target pieces of one batch ``src`` (B, S) (see the module docstring):
+        the union of its sentences' lists, and which of them each sentence may use; ``k``
+        translations per source piece, ``frequent`` pieces for all, ``prefix`` (B, P) forced
+        target ids (-1: free) or None."""
         offsets, targets = self.offsets.numpy(), self.targets.numpy()
         rows = src.cpu().numpy().astype(np.int64)
         B, V, first = len(rows), self.vocab_size, len(SPECIAL)
@@ -159,15 +150,10 @@ class Lexicon:
 
 class Shortlist:
     """One batch's candidate target pieces: column ``c`` of its logits is vocabulary id
-    ``ids[c]``; ``ids[:4]`` are the special ids 0-3 (so PAD, BOS and EOS keep their columns).
-
-    The batch is projected onto all C pieces; each sentence then keeps only its own
-    (``allowed``), so a sentence's translation does not depend on the batch it is in.
-
-    Args:
-        ids: (C,) int64, the special ids first, then increasing ids.
-        allowed: (B, C) bool, the pieces each sentence of the batch may use; None: all.
-    """
+    ``ids[c]`` (C,), the special ids 0-3 first (so PAD, BOS and EOS keep their columns), then
+    increasing ids. The batch is projected onto all C pieces; each sentence then keeps only
+    its own (``allowed``: (B, C) bool, None: all), so its translation does not depend on the
+    batch it is in."""
 
     def __init__(self, ids: torch.Tensor, allowed: torch.Tensor | None = None) -> None:
         self.ids = ids
@@ -182,12 +168,8 @@ class Shortlist:
         return self.ids.numel()
 
     def project(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Logits (..., C) of decoder outputs ``h`` (..., D) over this batch's pieces.
-
-        Args:
-            weight: the tied output weight (V', D); its rows of these pieces are gathered once
-                per batch and multiplied with ``F.linear`` (in their dtype).
-        """
+        """Logits (..., C) of decoder outputs ``h`` (..., D) over this batch's pieces: their
+        rows of the tied output ``weight`` (V', D) are gathered once per batch."""
         key = (weight.data_ptr(), weight.dtype)
         product = self._products.get(key)
         if product is None:
@@ -240,17 +222,11 @@ def build_lexicon(
     max_products: int = 20_000_000,
     meta: dict[str, Any] | None = None,
 ) -> Lexicon:
-    """IBM Model 1 ``p(t | s)`` by EM over encoded pairs; the ``keep`` best per source piece.
-
-    Args:
-        src, tgt: ``mt.data.store.TokenArray`` of the pairs' source and target ids.
-        vocab_size: V (ids are below it).
-        iterations: EM iterations from the uniform table.
-        keep: translations kept per source piece.
-        max_products: at most this many (source, target) token pairs per iteration (memory:
-            ~60 bytes each); beyond, a fixed random sample of the pairs is used.
-        meta: recorded in the lexicon (languages, tokenizer digest).
-    """
+    """IBM Model 1 ``p(t | s)`` by ``iterations`` of EM from the uniform table, over the pairs'
+    ``src`` and ``tgt`` ids (``mt.data.store.TokenArray``); the ``keep`` best per source piece.
+    ``max_products``: at most this many (source, target) token pairs per iteration (memory:
+    ~60 bytes each); beyond, a fixed random sample of the pairs is used. ``meta`` is recorded
+    in the lexicon (languages, tokenizer digest)."""
     V, n = int(vocab_size), len(src)
     s_len, t_len = np.asarray(src.lengths), np.asarray(tgt.lengths)
     cost = (s_len + 1) * t_len
@@ -307,12 +283,7 @@ def _load(path: str, mtime_ns: int) -> Lexicon:
 
 def load_lexicon(path: str | Path, vocab_size: int | None = None) -> Lexicon:
     """The lexicon at ``path`` (read once per file version), checked against the model's
-    vocabulary size.
-
-    Raises:
-        ValueError: naming ``decode.shortlist``: the file is missing or unreadable, or it was
-            made for another vocabulary size.
-    """
+    vocabulary size (ValueError naming ``decode.shortlist``)."""
     p = Path(path)
     if str(path) == "train":
         raise ValueError(
@@ -377,12 +348,8 @@ def vocabulary_map(lexicon: Lexicon, pieces: list[str], k: int, frequent: int) -
 def resolve_shortlist(cfg: Any, tokenizer: Any, prepared: Any = None) -> Any:
     """``cfg`` (an ``mt.schema.Config``) with ``decode.shortlist=train`` replaced by the path of
     the lexicon of its prepared training data (``prepared``, or prepared here if need be; built
-    on first use); anything else is returned as it is.
-
-    Raises:
-        ValueError: ``tokenizer`` (the checkpoint's) is not the prepared data's, whose ids the
-            lexicon would hold.
-    """
+    on first use). ValueError: ``tokenizer`` (the checkpoint's) is not the prepared data's,
+    whose ids the lexicon would hold."""
     if cfg.decode.shortlist != "train":
         return cfg
     if prepared is None:
@@ -405,16 +372,3 @@ def describe(lexicon: Lexicon) -> str:
     pairs = lexicon.meta.get("pairs")
     made = f", from {pairs:,} pairs" if isinstance(pairs, int) else ""
     return f"{lexicon.targets.numel():,} entries for {lexicon.vocab_size:,} pieces{made}"
-
-
-__all__ = [
-    "Lexicon",
-    "Shortlist",
-    "build_lexicon",
-    "check_settings",
-    "describe",
-    "lexicon_of",
-    "load_lexicon",
-    "resolve_shortlist",
-    "vocabulary_map",
-]
