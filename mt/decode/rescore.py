@@ -13,13 +13,9 @@ import contextlib
 import itertools
 import logging
 import sys
-from pathlib import Path
 from typing import Any
 
-from mt.checkpoint import CheckpointError
-from mt.decode.engine import EngineError
-from mt.decode.translate import Translator, chunks
-from mt.distributed import resolve_device
+from mt.decode.translate import chunks, load_translator
 from mt.files import TextError, atomic_text_output, read_lines
 from mt.schema import Config
 
@@ -39,16 +35,7 @@ def score_main(cfg: Config, exporter: Any = None) -> dict[str, float]:
     args = cfg.score
     if not args.src or not args.tgt:
         raise SystemExit("mt-score: set src=FILE and tgt=FILE (one sentence per line each)")
-    path = args.checkpoint or Path(cfg.run_dir) / "checkpoints/best.pt"
-    try:
-        translator = Translator.from_checkpoint(path, resolve_device(cfg.train.device), cfg.decode,
-                                                args, "score", exporter)  # fmt: skip
-    except CheckpointError as err:
-        raise SystemExit(f"mt-score: {err}") from None
-    try:  # the engine's settings checked (and a conversion made) before any pair is read
-        translator.engine(cfg.decode)
-    except EngineError as err:
-        raise SystemExit(f"mt-score: {err}") from None
+    translator = load_translator(cfg, "score", exporter)
     total, tokens, n = 0.0, 0, 0
     try:
         with contextlib.ExitStack() as stack:

@@ -363,6 +363,27 @@ def translate_stream(
     return n
 
 
+def load_translator(
+    cfg: Config, node: str, exporter: Any = None, prefix: bool = False
+) -> Translator:
+    """The Translator of ``mt-<node>`` (translate, serve, score) from ``<node>.checkpoint``
+    (default: the run's best.pt) on ``train.device``, with ``decode.shortlist=train`` resolved
+    to its lexicon and the engine's settings checked (and a conversion made) before any input
+    is read; an unusable checkpoint or engine setting exits with a one-line error."""
+    args = getattr(cfg, node)
+    path = args.checkpoint or Path(cfg.run_dir) / "checkpoints/best.pt"
+    if cfg.train.threads > 0:
+        torch.set_num_threads(cfg.train.threads)
+    device = resolve_device(cfg.train.device)
+    try:
+        translator = Translator.from_checkpoint(path, device, cfg.decode, args, node, exporter)
+        translator.decode_cfg = resolve_shortlist(cfg, translator.tokenizer).decode
+        translator.engine(translator.decode_cfg, prefix)
+    except (CheckpointError, engines.EngineError) as err:
+        raise SystemExit(f"mt-{node}: {err}") from None
+    return translator
+
+
 def translate_main(cfg: Config, exporter: Any = None) -> None:
     """``mt-translate``: stdin or ``input=`` to stdout or ``output=`` with ``checkpoint=``
     (``exporter``: see Translator).
@@ -371,20 +392,7 @@ def translate_main(cfg: Config, exporter: Any = None) -> None:
     or a line too long for the model.
     """
     args = cfg.translate
-    path = args.checkpoint or Path(cfg.run_dir) / "checkpoints/best.pt"
-    device = resolve_device(cfg.train.device)
-    if cfg.train.threads > 0:
-        torch.set_num_threads(cfg.train.threads)
-    try:
-        translator = Translator.from_checkpoint(path, device, cfg.decode, args, exporter=exporter)
-    except CheckpointError as err:
-        raise SystemExit(f"mt-translate: {err}") from None
-    cfg = resolve_shortlist(cfg, translator.tokenizer)  # decode.shortlist=train: its file
-    translator.decode_cfg = cfg.decode
-    try:  # the engine's settings checked (and a conversion made) before any input is read
-        translator.engine(cfg.decode, bool(args.prefix))
-    except engines.EngineError as err:
-        raise SystemExit(f"mt-translate: {err}") from None
+    translator = load_translator(cfg, "translate", exporter, bool(args.prefix))
     name = args.input or "stdin"
     try:
         with contextlib.ExitStack() as stack:
@@ -400,7 +408,7 @@ def translate_main(cfg: Config, exporter: Any = None) -> None:
             first: list[str] = []
             lines = _remember_first(read_lines(raw, name), first, translator)
             n = translate_stream(
-                translator, lines, dst, cfg.decode, interactive, prefixes, alignment,
+                translator, lines, dst, translator.decode_cfg, interactive, prefixes, alignment,
                 args.alignment_layer,
             )  # fmt: skip
             if args.attention:

@@ -31,9 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException
 
-from mt.decode.engine import EngineError
-from mt.decode.shortlist import resolve_shortlist
-from mt.decode.translate import Translator
+from mt.decode.translate import Translator, load_translator
 from mt.schema import Config, ServeConfig
 from mt.serve.request_queue import Batcher, Job, QueueFull
 
@@ -296,29 +294,12 @@ def create_app(translator: Translator, limits: ServeConfig, info: dict[str, Any]
 def serve_main(cfg: Config, exporter: Any = None) -> None:
     """``mt-serve``: load the checkpoint, then serve on ``host:port`` until interrupted
     (``exporter``: see mt.decode.translate.Translator)."""
-    import torch
     import uvicorn
 
-    from mt.checkpoint import CheckpointError
-
+    translator = load_translator(cfg, "serve", exporter)
     args = cfg.serve
-    path = Path(args.checkpoint) if args.checkpoint else Path(cfg.run_dir) / "checkpoints/best.pt"
-    if cfg.train.threads > 0:
-        torch.set_num_threads(cfg.train.threads)
-    device = cfg.train.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        translator = Translator.from_checkpoint(path, device, cfg.decode, args, "serve", exporter)
-    except CheckpointError as err:
-        raise SystemExit(f"mt-serve: {err}") from None
-    cfg = resolve_shortlist(cfg, translator.tokenizer)  # decode.shortlist=train: its file
-    translator.decode_cfg = cfg.decode
-    try:  # the engine's settings checked (and a conversion made) before serving
-        translator.engine(cfg.decode)
-    except EngineError as err:
-        raise SystemExit(f"mt-serve: {err}") from None
-    app = create_app(translator, cfg.serve, run_info(path, translator))
+    path = args.checkpoint or Path(cfg.run_dir) / "checkpoints/best.pt"
+    app = create_app(translator, args, run_info(path, translator))
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("mt-serve listens on %s: reachable from other machines", args.host)
     log.info("serving %s on http://%s:%d/", path, args.host, args.port)
