@@ -43,15 +43,8 @@ class EnsembleCache:
 
 
 class Ensemble(nn.Module):
-    """Several models behind the search contract (``mt.decode.search.IncrementalDecoder``).
-
-    Args:
-        members: models with ``encode``, ``new_cache`` and ``decode`` over the same vocabulary
-            (``mt.model.transformer.Transformer``).
-
-    Raises:
-        ValueError: no member, or members with different vocabulary sizes.
-    """
+    """Several models over one vocabulary (ValueError otherwise) behind the search contract
+    (``mt.decode.search.IncrementalDecoder``)."""
 
     def __init__(self, members: list[nn.Module]) -> None:
         super().__init__()
@@ -91,10 +84,3 @@ class Ensemble(nn.Module):
             lprobs = F.log_softmax(logits.float(), dim=-1)
             total = lprobs if total is None else total + lprobs
         return total / len(self.members)
-
-    def map(self, fn) -> Ensemble:
-        """The ensemble of ``fn(member)`` (e.g. each member moved to a device)."""
-        return Ensemble([fn(m) for m in self.members])
-
-
-__all__ = ["Ensemble", "EnsembleCache", "EnsembleEncoded"]
