@@ -20,14 +20,10 @@ NEG_INF = float("-inf")
 
 @dataclass
 class Step:
-    """What a strategy decides at one step, for n sentences of K hypotheses each.
-
-    Attributes:
-        done: (i, k, logprob) per finished hypothesis: sentence i's hypothesis k + EOS.
-        beam: (n, K) the parent hypothesis of each continuing one.
-        token: (n, K) its new token.
-        score: (n, K) its summed log-probability (-inf: no hypothesis).
-    """
+    """What a strategy decides at one step, for n sentences of K hypotheses each: ``done``
+    (i, k, logprob) per finished hypothesis (sentence i's hypothesis k + EOS), and for the
+    continuing ones (n, K) their parent hypothesis ``beam``, new ``token`` and summed
+    log-probability ``score`` (-inf: no hypothesis)."""
 
     done: list[tuple[int, int, float]]
     beam: torch.Tensor
@@ -196,6 +192,3 @@ def _one_token_step(scores: torch.Tensor, lprob: torch.Tensor, token: torch.Tens
         done = [(i, 0, float(score[i])) for i in ended.nonzero().squeeze(1).tolist()]
     zero = torch.zeros_like(token)
     return Step(done, zero[:, None], token[:, None], score.masked_fill(ended, NEG_INF)[:, None])
-
-
-__all__ = ["Beam", "Greedy", "Sampling", "Step", "row_max", "row_topk"]
