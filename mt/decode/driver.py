@@ -91,10 +91,7 @@ def resolve_decode(cfg: DecodeConfig, model: Any, device: torch.device | str | N
     in float32: under bf16 autocast every step casts each weight again, and attention over the
     caches runs in bfloat16, which CPUs compute no faster. ``device``: where ``model`` runs
     (default: where its first parameter is; a model without parameters decodes in fp32).
-
-    Raises:
-        ValueError: a precision other than fp32, bf16, fp16 or auto.
-    """
+    ValueError: a precision other than fp32, bf16, fp16 or auto."""
     if cfg.precision not in DECODE_PRECISIONS:
         raise ValueError(f"decode.precision must be one of {DECODE_PRECISIONS}, got "
                          f"{cfg.precision!r}")  # fmt: skip
@@ -111,11 +108,7 @@ def resolve_decode(cfg: DecodeConfig, model: Any, device: torch.device | str | N
 
 def decode_workers(workers: int, device: torch.device | str, batches: int) -> int:
     """How many batches ``decode.workers`` decodes side by side: on a CPU, as asked (0: one per
-    intra-op thread), at most one per batch; elsewhere one.
-
-    Raises:
-        ValueError: a negative ``workers``.
-    """
+    intra-op thread), at most one per batch; elsewhere one (ValueError: a negative count)."""
     if workers < 0:
         raise ValueError(f"decode.workers must be >= 0 (0: one per core), got {workers}")
     if torch.device(device).type != "cpu":
