@@ -40,14 +40,13 @@ import torch
 from mt.data.corpus import DataError, open_corpus, read_lines, split_names
 from mt.data.tokenizer import Tokenizer
 from mt.decode.driver import translate_ids
-from mt.decode.translate import Translator, chunks
+from mt.decode.translate import CHUNK_LINES, Translator, chunks
 from mt.distributed import resolve_device
 from mt.files import atomic_text_output, write_json
 from mt.schema import Config
 
 log = logging.getLogger(__name__)
 
-CHUNK = 2048  # monolingual lines translated at a time
 PROFILE_WORDS = 200  # the most frequent words of each side that tell the languages apart
 SAMPLE_LINES = 2000  # lines of an input file that the language check reads
 _WORD = re.compile(r"\w+", re.UNICODE)
@@ -145,14 +144,9 @@ def mono_lines(paths: list[Path], limit: int = 0) -> Iterator[str]:
 
 
 def backtranslate(cfg: Config) -> dict:
-    """Write the synthetic corpus of ``cfg.backtranslate`` (see the module docstring).
-
-    Returns:
-        What ``<name>.json`` records: inputs, the reverse checkpoint, decoding, counts, seconds.
-
-    Raises:
-        DataError / ValueError: a missing setting or file, an input in the wrong language.
-    """
+    """Write the synthetic corpus of ``cfg.backtranslate`` (see the module docstring); returns
+    what ``<name>.json`` records. DataError / ValueError: a missing setting or file, an input
+    in the wrong language."""
     bt, data = cfg.backtranslate, cfg.data
     for key in ("checkpoint", "input", "output"):
         if not getattr(bt, key):
@@ -175,7 +169,7 @@ def backtranslate(cfg: Config) -> dict:
     counts = {"read": 0, "too_long": 0, "empty_translation": 0, "pairs": 0}
     start = time.perf_counter()
     with atomic_text_output(src_path) as fs, atomic_text_output(tgt_path) as ft:
-        for chunk in chunks(mono_lines(inputs, bt.max_lines), CHUNK):
+        for chunk in chunks(mono_lines(inputs, bt.max_lines), CHUNK_LINES):
             first = counts["read"]
             counts["read"] += len(chunk)
             ids = translator.tokenizer.encode([Tokenizer.normalize(x) for x in chunk], "src")

@@ -15,23 +15,17 @@ import logging
 import sys
 from typing import Any
 
-from mt.decode.translate import chunks, load_translator
+from mt.decode.translate import CHUNK_LINES, chunks, load_translator
 from mt.files import TextError, atomic_text_output, read_lines
 from mt.schema import Config
 
 log = logging.getLogger(__name__)
 
-CHUNK_LINES = 2048  # sentence pairs read and scored at a time
-
 
 def score_main(cfg: Config, exporter: Any = None) -> dict[str, float]:
     """Score ``args.tgt`` given ``args.src``; returns the totals (``exporter``: see
-    mt.decode.translate.Translator).
-
-    Raises:
-        SystemExit: a one-line error for a missing setting or file, an unusable checkpoint,
-            or files with different numbers of lines.
-    """
+    mt.decode.translate.Translator). A missing setting or file, an unusable checkpoint or files
+    with different numbers of lines exit with a one-line error."""
     args = cfg.score
     if not args.src or not args.tgt:
         raise SystemExit("mt-score: set src=FILE and tgt=FILE (one sentence per line each)")
