@@ -8,21 +8,15 @@ decoding needs:
     >>> t.translate(["Ein Hund rennt im Schnee."], beam_size=4)  # doctest: +SKIP
     ['A dog runs in the snow.']
 
-``mt-translate checkpoint=PATH`` reads stdin (or ``input=FILE``) and writes stdout (or
-``output=FILE``), one translation per input line in input order. It reads and translates in
-chunks, so an input of any size is never held in memory at once. An empty line gives an empty
-line. A file and stdin are read alike: lines end at ``"\n"`` (or ``"\r\n"``), a lone ``"\r"``
-stays inside its line, and a line that is not UTF-8 or holds a NUL byte is an error naming it.
-``output=FILE`` appears only complete (written to a temporary file, renamed at the end).
-A line longer than the model's ``max_positions`` is an error naming the line, or with
-``decode.too_long=truncate`` is cut (with a warning). With ``decode.nbest=N > 1`` each input line
-gives N lines ``<line index> ||| <translation> ||| <score>`` (Moses n-best format, index from 0).
-``attention=FILE.png`` draws the first non-empty sentence's encoder-decoder attention;
-``alignment=FILE`` writes a word alignment (Pharaoh ``i-j``) of every sentence; ``prefix=FILE``
-forces the start of each translation (one target prefix per input line); ``checkpoint=[a,b]``
-decodes with an ensemble. From a terminal (or with ``interactive=true``) each line is
-translated as soon as it is read. ``engine=auto|torch|ctranslate2`` (``translate.engine``, and
-``compute_type``, ``inter_threads``, ``intra_threads``) picks who decodes: see mt.decode.engine.
+``mt-translate`` (docs/decoding.md) translates stdin or ``input=FILE`` to stdout or
+``output=FILE`` in chunks, one line per input line in input order (an empty line gives an empty
+line), so an input of any size is never held in memory at once. Lines end at ``"\n"`` (or
+``"\r\n"``; a lone ``"\r"`` stays inside its line); a line that is not UTF-8, holds a NUL or is
+longer than the model's ``max_positions`` (unless ``decode.too_long=truncate``) is an error
+naming it. ``output=FILE`` appears only complete. ``decode.nbest=N > 1`` writes Moses n-best
+lines ``<line index from 0> ||| <translation> ||| <score>``. From a terminal (or with
+``interactive=true``) each line is translated as soon as it is read. ``engine=`` picks who
+decodes: see mt.decode.engine.
 """
 
 from __future__ import annotations
@@ -102,13 +96,9 @@ class Translator:
         exporter: Any = None,
     ) -> Translator:
         """Load a checkpoint written by mt-train, or a list of them as an ensemble (their
-        log-probabilities averaged at each step; they must share one tokenizer). ``engine``:
-        who decodes (see mt.decode.engine; None: torch); ``exporter``: see the class.
-
-        Raises:
-            CheckpointError: a file is missing, not a checkpoint, truncated, its model and
-                vocabulary do not fit together, or ensemble members have different tokenizers.
-        """
+        log-probabilities averaged at each step; they must share one tokenizer). CheckpointError:
+        a file is missing, not a checkpoint, truncated, its model and vocabulary do not fit
+        together, or ensemble members have different tokenizers."""
         if isinstance(path, (list, tuple)) and len(path) == 1:
             path = path[0]
         if isinstance(path, (list, tuple)):
