@@ -1,16 +1,11 @@
 """Back-translation, ``mt-backtranslate``: monolingual target-side text in, a synthetic parallel
-corpus out (Sennrich et al. 2016; Edunov et al. 2018).
+corpus out (Sennrich et al. 2016; Edunov et al. 2018; the commands: docs/data.md).
 
 A reverse model (trained target -> source) translates monolingual text of the target language;
 each translation becomes a synthetic source paired with the real sentence it came from. The
 corpus is written as ``<output>/<name>.<src_lang>`` and ``<output>/<name>.<tgt_lang>`` (a text
 corpus like any other), plus ``<name>.json`` saying how it was made, so the forward model mixes
-it with the real pairs at a weight::
-
-    mt-backtranslate experiment=multi30k_de_en checkpoint=runs/rev/checkpoints/best.pt \\
-        input=[news.en] output=runs/bt decode=sample tag='<BT>'
-    mt-train experiment=multi30k_de_en tokenizer.user_symbols=['<BT>'] \\
-        data.splits.train=[train,{name:$PWD/runs/bt/bt,weight:0.5}]
+it with the real pairs at a weight (``data.splits.train=[train,{name:...,weight:0.5}]``).
 
 The synthetic sources come from ``decode.*``: ``decode=sample`` draws them (unrestricted
 sampling, the best of Edunov et al.'s methods at scale), a beam search with ``noise=true`` adds

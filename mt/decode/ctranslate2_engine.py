@@ -9,13 +9,9 @@ processes converting at once leave one; older conversions of the same file and c
 are removed. Where the checkpoint's directory is not writable, the cache is
 ``$XDG_CACHE_HOME/mt/ct2`` (``~/.cache/mt/ct2``).
 
-The search settings map onto CTranslate2's one for one: ``beam_size``, ``nbest`` as
-``num_hypotheses``, ``alpha`` as ``length_penalty`` (the same ``log p / |Y| ** alpha``,
-mt.decode.search), EOS allowed from the first step (``min_decoding_length=0``), PAD and BOS
-never generated, sampling as ``sampling_topk`` / ``sampling_topp`` / ``sampling_temperature``,
-a target prefix as ``target_prefix``, a shortlist as the vocabulary map (``use_vmap``: a
-batch searches the union of its sentences' lists), ``decode.max_tokens`` as
-``max_batch_size`` with ``batch_type="tokens"``. CTranslate2 has one length limit per call
+The search settings map onto CTranslate2's one for one (``alpha`` is its ``length_penalty``:
+the same ``log p / |Y| ** alpha``, mt.decode.search; a shortlist is its vocabulary map, where
+a batch searches the union of its sentences' lists). CTranslate2 has one length limit per call
 and mt one per sentence (``int(a * src_len + b)``), so sentences are submitted in groups of
 one limit each, all at once (``asynchronous``: the replicas take them side by side).
 """

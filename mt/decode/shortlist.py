@@ -362,13 +362,8 @@ def resolve_shortlist(cfg: Any, tokenizer: Any, prepared: Any = None) -> Any:
             f"({prepared.dir}); give a lexicon file made with its own"
         )
     path = lexicon_of(prepared, cfg.data.src_lang, cfg.data.tgt_lang)
-    log.info("shortlist: %s (%s)", path, describe(load_lexicon(path)))
+    lexicon = load_lexicon(path)
+    log.info("shortlist: %s (%d entries for %d pieces, from %s pairs)", path,
+             lexicon.targets.numel(), lexicon.vocab_size, lexicon.meta.get("pairs"))  # fmt: skip
     decode = dataclasses.replace(cfg.decode, shortlist=str(path))
     return dataclasses.replace(cfg, decode=decode)
-
-
-def describe(lexicon: Lexicon) -> str:
-    """One line for logs: entries, pairs used."""
-    pairs = lexicon.meta.get("pairs")
-    made = f", from {pairs:,} pairs" if isinstance(pairs, int) else ""
-    return f"{lexicon.targets.numel():,} entries for {lexicon.vocab_size:,} pieces{made}"

@@ -205,10 +205,8 @@ class Translator:
         out: list[list[tuple[str, float]]] = [[("", 0.0)] for _ in sentences]
         if not keep:
             return out
-        try:
-            ids = self.encode([sentences[i] for i in keep], cfg)
-        except ValueError as err:  # re-raise naming the caller's line numbers
-            raise ValueError(_renumber(str(err), keep, first_line)) from None
+        every = self.encode(sentences, cfg, first_line)  # errors name the caller's lines
+        ids = [every[i] for i in keep]
         indices = [first_line - 1 + i for i in keep]  # sampling seeds follow the line number
         forced = self.prefixes(prefix, keep)
         ct2 = self.engine(cfg, bool(forced and any(forced)))
@@ -283,17 +281,6 @@ class Translator:
         else:
             per_token = score_ids(self.model, src, tgt, self.device, self.decode_cfg.batch_size)
         return [(sum(lp), len(lp)) for lp in per_token]
-
-
-def _renumber(message: str, keep: list[int], first_line: int) -> str:
-    """Map 'line N' of the non-empty subset back to the caller's numbering."""
-    import re
-
-    match = re.match(r"line (\d+) ", message)
-    if not match:
-        return message
-    original = first_line + keep[int(match.group(1)) - 1]
-    return f"line {original} " + message[match.end() :]
 
 
 def chunks(lines: Iterable[str], size: int) -> Iterator[list[str]]:
