@@ -24,10 +24,12 @@ import os
 import shutil
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from mt.decode.search import Hypothesis, length_penalty
+from mt.decode.shortlist import load_lexicon, vocabulary_map
 from mt.schema import DecodeConfig
 from mt.vocab import BOS, PAD
 
@@ -86,10 +88,6 @@ def converted_model(
         ckpt = load_checkpoint(checkpoint, map_location="cpu")
         vmap = None
         if shortlist is not None:
-            from functools import partial
-
-            from mt.decode.shortlist import load_lexicon, vocabulary_map
-
             lex = load_lexicon(shortlist[0], int(ckpt["vocab_size"]))
             vmap = partial(vocabulary_map, lex, k=shortlist[1], frequent=shortlist[2])
         out = tmp / "model"

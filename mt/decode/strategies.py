@@ -52,12 +52,7 @@ class Beam:
         else:  # the first step: one row per sentence, broadcast to its K (equal) hypotheses
             cand = (scores[:, :, None] + lprobs).view(n, K * V)
         top_score, top_index = row_topk(cand, min(2 * K, K * V))  # (n, 2K), best first
-        return self._choose(top_score, top_index // V, top_index % V)
-
-    def _choose(self, top_score: torch.Tensor, top_beam: torch.Tensor,
-                top_tok: torch.Tensor) -> Step:  # fmt: skip
-        """The Step of a sentence's 2K best candidates (n, 2K), best first: parent, token."""
-        K = self.K
+        top_beam, top_tok = top_index // V, top_index % V
         is_eos = top_tok == EOS
         ranked_in_k = torch.arange(top_score.size(1), device=top_score.device) < K
         finished = is_eos & ranked_in_k & torch.isfinite(top_score)

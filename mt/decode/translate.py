@@ -182,11 +182,7 @@ class Translator:
         """Target ids of the forced prefixes of the sentences ``keep`` (None: no prefixes)."""
         if prefix is None:
             return None
-        texts = [self.tokenizer.normalize(prefix[i]) for i in keep]
-        return [
-            ids if text else []
-            for ids, text in zip(self.tokenizer.encode(texts, side="tgt"), texts)
-        ]
+        return self.tokenizer.encode([self.tokenizer.normalize(prefix[i]) for i in keep], "tgt")
 
     def translate_nbest(
         self,
@@ -232,18 +228,12 @@ class Translator:
     ) -> list[str]:
         """The best translation of each sentence, in input order ("" for an empty one).
 
-        Args:
-            beam_size: 1 = greedy (default: the Translator's decode settings, 4).
-            alpha: length penalty (default 0.6).
-            first_line: the line number of ``sentences[0]`` in error messages (and, with
-                ``sample=True``, the seed of each sentence's draw: ``seed`` and its line).
-            prefix: one target text per sentence that its translation must start with (""
-                for none); the rest is searched as usual.
-            **overrides: any other DecodeConfig field (``max_len_a``, ``batch_size``,
-                ``too_long``, ``precision``, ...).
-
-        Raises:
-            ValueError: a sentence longer than ``max_positions`` with ``too_long=error``.
+        ``beam_size`` (1: greedy), ``alpha`` and ``**overrides`` (any other DecodeConfig field)
+        default to the Translator's decode settings. ``first_line`` is the line number of
+        ``sentences[0]`` in error messages (a sentence longer than ``max_positions`` is a
+        ValueError unless ``too_long=truncate``) and, with ``sample=True``, seeds each
+        sentence's draw with ``seed``. ``prefix``: one target text per sentence that its
+        translation must start with ("" for none).
         """
         nbest = self.translate_nbest(sentences, first_line, prefix, beam_size=beam_size,
                                      alpha=alpha, nbest=1, **overrides)  # fmt: skip

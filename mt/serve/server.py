@@ -11,9 +11,9 @@ Built on FastAPI (Starlette) and uvicorn (``pip install mt[serve]``):
   known), and ``GET /`` the page (type sentences, see translations, n-best, heat map).
 
 Requests go through :class:`mt.serve.request_queue.Batcher`: those arriving together are decoded
-together. Every bad input is a 4xx with ``{"error": message}`` naming what was wrong and the limit (the
-``serve.*`` settings); the server keeps running. It binds 127.0.0.1 unless told otherwise and
-never reads a path from a request: the only file it serves is its own page.
+together. Every bad input is a 4xx with ``{"error": message}`` naming what was wrong and the
+limit (the ``serve.*`` settings); the server keeps running. It binds 127.0.0.1 unless told
+otherwise and never reads a path from a request: the only file it serves is its own page.
 """
 
 from __future__ import annotations
