@@ -162,6 +162,7 @@ def backtranslate(cfg: Config) -> dict:
     src_path, tgt_path = out / f"{bt.name}.{data.src_lang}", out / f"{bt.name}.{data.tgt_lang}"
     longest = translator.max_positions - 1
     counts = {"read": 0, "too_long": 0, "empty_translation": 0, "pairs": 0}
+    search = translator.settings(nbest=1)
     start = time.perf_counter()
     with atomic_text_output(src_path) as fs, atomic_text_output(tgt_path) as ft:
         for chunk in chunks(mono_lines(inputs, bt.max_lines), CHUNK_LINES):
@@ -171,9 +172,9 @@ def backtranslate(cfg: Config) -> dict:
             fits = [i for i, x in enumerate(ids) if len(x) <= longest]
             counts["too_long"] += len(chunk) - len(fits)
             # the line number seeds each sentence's draw: the same corpus however it is cut
-            texts = [chunk[i] for i in fits]
-            outs = _translate(translator, [ids[i] for i in fits], [first + i for i in fits])
-            for i, line, synthetic in zip(fits, texts, outs):
+            out = translate_ids(translator.model, [ids[i] for i in fits], search,
+                                translator.device, indices=[first + i for i in fits])  # fmt: skip
+            for i, synthetic in zip(fits, translator.tokenizer.decode(out)):
                 synthetic = printable(synthetic)
                 if not synthetic.strip():
                     counts["empty_translation"] += 1
@@ -184,7 +185,7 @@ def backtranslate(cfg: Config) -> dict:
                 if bt.tag:
                     synthetic = f"{bt.tag} {synthetic}"
                 fs.write(synthetic + "\n")
-                ft.write(line + "\n")
+                ft.write(chunk[i] + "\n")
                 counts["pairs"] += 1
             rate = counts["read"] / (time.perf_counter() - start)
             log.info("%d lines back-translated (%.1f lines/s)", counts["read"], rate)
@@ -209,16 +210,6 @@ def backtranslate(cfg: Config) -> dict:
         else "",
     )  # fmt: skip
     return record
-
-
-def _translate(translator: Translator, ids: list[list[int]], indices: list[int]) -> list[str]:
-    """Translations of the source ``ids``, sentence ``k``'s draw seeded by ``indices[k]`` (its
-    place in the monolingual text), whatever the batching."""
-    if not ids:
-        return []
-    cfg = translator.settings(nbest=1)
-    out = translate_ids(translator.model, ids, cfg, translator.device, indices=indices)
-    return translator.tokenizer.decode(out)
 
 
 def backtranslate_main(cfg: Config) -> None:
