@@ -74,13 +74,8 @@ class Ensemble(nn.Module):
     ) -> torch.Tensor:
         """(B, T) target ids -> (B, T, V) averaged log-probabilities (used as logits); with
         ``vocab`` (a shortlist), over its C columns."""
-        total = None
-        for i, member in enumerate(self.members):
-            state = None if cache is None else cache.caches[i]
-            if vocab is None:
-                logits = member.decode(tgt_in, enc[i], state)
-            else:
-                logits = member.decode(tgt_in, enc[i], state, vocab=vocab)
-            lprobs = F.log_softmax(logits.float(), dim=-1)
-            total = lprobs if total is None else total + lprobs
-        return total / len(self.members)
+        states = [None] * len(self.members) if cache is None else cache.caches
+        shortlist = {} if vocab is None else {"vocab": vocab}  # stub members take no vocab
+        lprobs = [F.log_softmax(m.decode(tgt_in, e, c, **shortlist).float(), dim=-1)
+                  for m, e, c in zip(self.members, enc, states)]  # fmt: skip
+        return sum(lprobs) / len(self.members)
