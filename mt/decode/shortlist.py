@@ -73,14 +73,7 @@ class Lexicon:
 
     def save(self, path: str | Path) -> None:
         """Write atomically (``torch.load(weights_only=True)`` reads it back)."""
-        state = {
-            "format": FORMAT,
-            "offsets": self.offsets,
-            "targets": self.targets,
-            "probs": self.probs,
-            "frequent": self.frequent,
-            "meta": dict(self.meta),
-        }
+        state = {"format": FORMAT, **vars(self)}
         atomic_path(path, lambda f: torch.save(state, f))
 
     @classmethod
