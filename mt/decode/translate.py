@@ -53,17 +53,13 @@ CHUNK_LINES = 2048  # lines read, translated and written at a time by mt-transla
 class Translator:
     """A model, its tokenizer and decoding settings: text in, text out.
 
-    Args:
-        model: an mt Transformer (eval mode, on ``device``), or an mt.decode.ensemble.Ensemble
-            of them (attention maps and alignments then come from its first member).
-        tokenizer: its mt.data.tokenizer.Tokenizer.
-        decode_cfg: default search settings (beam 4, alpha 0.6, ... when None).
-        engine: which engine decodes (mt.decode.engine; None: torch, mt's own search).
-        checkpoint: the checkpoint file the model came from (CTranslate2 converts it).
-        node: the command's settings node, for messages (``translate``, ``serve``, ``score``).
-        exporter: ``mt.export.ct2`` (its ``check_exportable`` and ``export_ct2``), which
-            converts the checkpoint for CTranslate2; the commands get it from mt.cli, as
-            mt.export sits above mt.decode (None: torch decodes).
+    ``model`` is an mt Transformer (eval mode, on ``device``) or an mt.decode.ensemble.Ensemble
+    of them (attention maps and alignments then come from its first member); ``decode_cfg``
+    the default search (DecodeConfig's when None); ``engine`` who decodes (mt.decode.engine;
+    None: torch). CTranslate2 converts ``checkpoint``, the file the model came from, with
+    ``exporter``: ``mt.export.ct2`` (its ``check_exportable`` and ``export_ct2``), which the
+    commands get from mt.cli, as mt.export sits above mt.decode (None: torch decodes).
+    ``node``: the command's settings node, for messages (``translate``, ``serve``, ``score``).
     """
 
     def __init__(self, model, tokenizer, device="cpu", decode_cfg: DecodeConfig | None = None,
