@@ -46,7 +46,6 @@ class Beam:
         """scores (n, K) of the live hypotheses; lprobs (n, K or 1, V) of their next tokens
         (one row per sentence at the first step, when its K hypotheses are the same)."""
         n, K, V = scores.size(0), self.K, lprobs.size(-1)
-        # score(y_1..y_t) = score(y_1..y_t-1) + log p(y_t | y_<t, x), hypothesis k and token v
         if lprobs.size(1) == K:  # in place: the log-probabilities are not needed after
             cand = lprobs.add_(scores[:, :, None]).view(n, K * V)
         else:  # the first step: one row per sentence, broadcast to its K (equal) hypotheses
@@ -56,10 +55,9 @@ class Beam:
         is_eos = top_tok == EOS
         ranked_in_k = torch.arange(top_score.size(1), device=top_score.device) < K
         finished = is_eos & ranked_in_k & torch.isfinite(top_score)
-        done = []
-        if bool(finished.any()):
-            for i, j in finished.nonzero().tolist():
-                done.append((i, int(top_beam[i, j]), float(top_score[i, j])))
+        done = [
+            (i, int(top_beam[i, j]), float(top_score[i, j])) for i, j in finished.nonzero().tolist()
+        ]
         # The K best candidates not ending in EOS: rank order, EOS ones moved last (stable).
         keep = torch.argsort(is_eos.to(torch.int8), dim=1, stable=True)[:, :K]  # (n, K)
         beam, token, score = (t.gather(1, keep) for t in (top_beam, top_tok, top_score))
