@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache, partial
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -154,7 +153,7 @@ class Shortlist:
         if allowed is not None:
             bias = torch.zeros(allowed.shape, device=allowed.device)
             self.bias = bias.masked_fill_(~allowed, float("-inf"))
-        self._products: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self._rows: dict[tuple, torch.Tensor] = {}  # project's rows, by weight
         self._bias_rows: tuple[tuple[int, ...], torch.Tensor] | None = None  # bias_rows' last
 
     def __len__(self) -> int:
@@ -164,11 +163,10 @@ class Shortlist:
         """Logits (..., C) of decoder outputs ``h`` (..., D) over this batch's pieces: their
         rows of the tied output ``weight`` (V', D) are gathered once per batch."""
         key = (weight.data_ptr(), weight.dtype)
-        product = self._products.get(key)
-        if product is None:
-            product = partial(_linear, weight.index_select(0, self.ids).contiguous())
-            self._products[key] = product
-        return product(h)
+        if key not in self._rows:
+            self._rows[key] = weight.index_select(0, self.ids).contiguous()
+        rows = self._rows[key]
+        return F.linear(h.to(rows.dtype), rows)
 
     def restrict(self, logits: torch.Tensor, sents: list[int], width: int) -> torch.Tensor:
         """``logits`` (n * width, T, C) of the rows of sentences ``sents`` (``width`` rows
@@ -200,10 +198,6 @@ class Shortlist:
         col = torch.searchsorted(self.ids[len(SPECIAL) :], tokens.clamp(min=0)) + len(SPECIAL)
         col = torch.where(tokens < len(SPECIAL), tokens, col)
         return torch.where(tokens < 0, tokens, col)
-
-
-def _linear(rows: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    return F.linear(h.to(rows.dtype), rows)
 
 
 def build_lexicon(
