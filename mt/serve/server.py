@@ -30,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException
 
+from mt.checkpoint import load_checkpoint
 from mt.decode.translate import Translator, load_translator
 from mt.schema import Config, ServeConfig
 from mt.serve.request_queue import Batcher, Job, QueueFull
@@ -173,8 +174,6 @@ async def read_json(request, limits: ServeConfig) -> Any:
 def run_info(checkpoint: str | Path, translator: Translator) -> dict[str, Any]:
     """What /info reports: checkpoint step, model shape and size, languages and BLEU of its run
     (``config.yaml`` and ``results.json`` beside ``checkpoints/``) when present."""
-    from mt.checkpoint import load_checkpoint
-
     ckpt = load_checkpoint(checkpoint)
     info: dict[str, Any] = {
         "checkpoint": Path(checkpoint).name,
