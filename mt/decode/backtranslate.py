@@ -53,12 +53,7 @@ def add_noise(
 ) -> list[str]:  # fmt: skip
     """Edunov et al. (2018)'s noise on a synthetic source: a shuffle in which no word moves
     ``shuffle`` or more positions (positions + U(0, shuffle), sorted), then each word deleted
-    with probability ``drop`` (one is always kept) and replaced by ``filler`` with ``blank``.
-
-    Example:
-        >>> add_noise("a b c d".split(), np.random.default_rng(0), 0.0, 0.0, 1.0)
-        ['a', 'b', 'c', 'd']
-    """
+    with probability ``drop`` (one is always kept) and replaced by ``filler`` with ``blank``."""
     if not words:
         return []
     order = np.argsort(np.arange(len(words)) + rng.uniform(0, shuffle, len(words)), kind="stable")

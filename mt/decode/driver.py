@@ -211,15 +211,12 @@ def translate_nbest(
     """Search many sentences in length-sorted batches: ``decode_cfg.nbest`` (at most
     ``beam_size``) hypotheses per sentence, best first, in input order.
 
-    Args:
-        model: the Transformer (already on ``device``, in eval mode), or an ensemble.
-        src_ids: source ids per sentence, without EOS; sources longer than the model's
-            ``max_positions`` are truncated with a warning (callers with a stricter policy
-            check first with :func:`fit_to_model`).
-        decode_cfg: the search, batching, precision and shortlist (mt.decode.shortlist).
-        min_len, prefix: see mt.decode.search.generate (prefix: target ids per sentence).
-        indices: per sentence, its position in the whole input (sampling seeds; default
-            0, 1, ...), so a sentence's sample does not depend on how the input is split.
+    ``model`` (on ``device``, in eval mode) may be an ensemble; ``src_ids`` have no EOS, and
+    those longer than its ``max_positions`` are truncated with a warning (callers with a
+    stricter policy check first with :func:`fit_to_model`); ``min_len`` and ``prefix`` (target
+    ids per sentence): see mt.decode.search.generate. ``indices``: per sentence, its position
+    in the whole input (sampling seeds; default 0, 1, ...), so a sentence's sample does not
+    depend on how the input is split.
     """
     src_ids = fit_to_model(src_ids, model.max_positions, "truncate")
     precision = resolve_decode(decode_cfg, model, device).precision

@@ -49,16 +49,11 @@ assert SPECIAL.tolist() == [0, 1, 2, 3]  # columns 0-3 are ids 0-3
 
 @dataclass
 class Lexicon:
-    """The most probable translations of each source piece and the target pieces by frequency.
-
-    Attributes:
-        offsets: (V + 1,) int64; source piece ``s``'s translations are
-            ``targets[offsets[s]:offsets[s + 1]]``, most probable first.
-        targets: (E,) int64 target piece ids.
-        probs: (E,) float32 ``p(t | s)`` of each entry.
-        frequent: (F,) int64 target pieces, most frequent in the training targets first.
-        meta: how it was made (pairs used, EM iterations, languages, tokenizer digest).
-    """
+    """The most probable translations of each source piece and the target pieces by frequency:
+    source piece ``s``'s translations are ``targets[offsets[s]:offsets[s + 1]]`` (int64, most
+    probable first) with ``probs`` ``p(t | s)`` (float32); ``frequent`` the target pieces, most
+    frequent in the training targets first; ``meta`` how it was made (pairs used, EM
+    iterations, languages, tokenizer digest)."""
 
     offsets: torch.Tensor
     targets: torch.Tensor
