@@ -174,12 +174,6 @@ class Translator:
         ids = self.tokenizer.encode([self.tokenizer.normalize(s) for s in sentences], side="src")
         return fit_to_model(ids, self.max_positions, cfg.too_long, first_line, "input")
 
-    def prefixes(self, prefix: list[str] | None, keep: list[int]) -> list[list[int]] | None:
-        """Target ids of the forced prefixes of the sentences ``keep`` (None: no prefixes)."""
-        if prefix is None:
-            return None
-        return self.tokenizer.encode([self.tokenizer.normalize(prefix[i]) for i in keep], "tgt")
-
     def translate_nbest(
         self,
         sentences: list[str],
@@ -200,7 +194,11 @@ class Translator:
         every = self.encode(sentences, cfg, first_line)  # errors name the caller's lines
         ids = [every[i] for i in keep]
         indices = [first_line - 1 + i for i in keep]  # sampling seeds follow the line number
-        forced = self.prefixes(prefix, keep)
+        forced = None
+        if prefix is not None:
+            forced = self.tokenizer.encode(
+                [self.tokenizer.normalize(prefix[i]) for i in keep], "tgt"
+            )
         ct2 = self.engine(cfg, bool(forced and any(forced)))
         if ct2 is not None:
             results: list[list[Hypothesis]] = ct2.translate_nbest(ids, cfg, forced)
