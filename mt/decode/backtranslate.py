@@ -167,9 +167,11 @@ def backtranslate(cfg: Config) -> dict:
             fits = [i for i, x in enumerate(ids) if len(x) <= longest]
             counts["too_long"] += len(chunk) - len(fits)
             # the line number seeds each sentence's draw: the same corpus however it is cut
-            out = translate_ids(translator.model, [ids[i] for i in fits], search,
-                                translator.device, indices=[first + i for i in fits])  # fmt: skip
-            for i, synthetic in zip(fits, translator.tokenizer.decode(out)):
+            indices = [first + i for i in fits]
+            out_ids = translate_ids(
+                translator.model, [ids[i] for i in fits], search, translator.device, indices=indices
+            )
+            for i, synthetic in zip(fits, translator.tokenizer.decode(out_ids)):
                 synthetic = printable(synthetic)
                 if not synthetic.strip():
                     counts["empty_translation"] += 1
