@@ -326,11 +326,15 @@ def search(
     """The search ``cfg`` asks for (sampling, greedy when ``beam_size == 1``, else beam);
     n-best lists either way. ``seeds``: per sentence, for sampling; ``shortlist``: the batch's
     candidate pieces (see :func:`generate`)."""
+    a, b = cfg.max_len_a, cfg.max_len_b
     if cfg.sample:
         seeds = seeds if seeds is not None else list(range(src.size(0)))
-        strategy = Sampling(seeds, cfg.temperature, cfg.top_k, cfg.top_p)
-    else:
-        strategy = Beam(cfg.beam_size) if cfg.beam_size > 1 else Greedy()
-    nbest = min(cfg.nbest, cfg.beam_size) if isinstance(strategy, Beam) else 1
-    return generate(model, src, strategy, cfg.max_len_a, cfg.max_len_b, nbest, min_len,
-                    cfg.alpha, prefix, shortlist=shortlist)  # fmt: skip
+        hyps = sample(model, src, seeds, cfg.temperature, cfg.top_k, cfg.top_p, a, b,
+                      min_len, cfg.alpha, prefix, shortlist)  # fmt: skip
+        return [[h] for h in hyps]
+    if cfg.beam_size <= 1:
+        hyps = greedy_search(model, src, a, b, min_len, cfg.alpha, prefix, shortlist)
+        return [[h] for h in hyps]
+    nbest = min(cfg.nbest, cfg.beam_size)
+    return beam_search(model, src, cfg.beam_size, cfg.alpha, a, b, nbest, min_len, prefix,
+                       shortlist)  # fmt: skip
