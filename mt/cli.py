@@ -239,8 +239,9 @@ def _train(cfg: Config) -> float | None:
 
 def _translate(cfg: Config) -> None:
     from mt.decode.translate import translate_main
+    from mt.export import ct2  # the CTranslate2 engine's converter (mt.export is above)
 
-    translate_main(cfg)
+    translate_main(cfg, ct2)
 
 
 def _evaluate(cfg: Config) -> None:
@@ -259,9 +260,10 @@ def _export(cfg: Config) -> None:
 
 
 def _serve(cfg: Config) -> None:
+    from mt.export import ct2  # the CTranslate2 engine's converter (mt.export is above)
     from mt.serve.server import serve_main
 
-    serve_main(cfg)
+    serve_main(cfg, ct2)
 
 
 prepare_main = _hydra_app(_prepare, "prepare")
@@ -274,8 +276,9 @@ serve_main = _hydra_app(_serve, "serve")
 
 def _score(cfg: Config) -> None:
     from mt.decode.rescore import score_main
+    from mt.export import ct2  # the CTranslate2 engine's converter (mt.export is above)
 
-    score_main(cfg)
+    score_main(cfg, ct2)
 
 
 score_main = _hydra_app(_score, "score")

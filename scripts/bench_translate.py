@@ -74,6 +74,7 @@ def worker(args) -> dict:
         torch.set_num_threads(args.threads)
         from mt.decode.driver import translate_ids
         from mt.decode.translate import Translator
+        from mt.export import ct2 as exporter
         from mt.schema import EngineConfig
 
         name = setting.split("+")[0]
@@ -81,7 +82,7 @@ def worker(args) -> dict:
                             compute_type="auto" if name in ("default", "torch") else name,
                             inter_threads=args.inter_threads,
                             intra_threads=args.intra_threads)  # fmt: skip
-        t = Translator.from_checkpoint(args.checkpoint, "cpu", cfg, ecfg)
+        t = Translator.from_checkpoint(args.checkpoint, "cpu", cfg, ecfg, exporter=exporter)
         tok = t.tokenizer
         ct2 = t.engine(cfg)
 
@@ -93,8 +94,9 @@ def worker(args) -> dict:
         import ctranslate2
 
         from mt.decode.ctranslate2_engine import converted_model
+        from mt.export import ct2 as exporter
 
-        model_dir, _ = converted_model(args.checkpoint, _compute(args.setting), shortlist)
+        model_dir, _ = converted_model(args.checkpoint, _compute(args.setting), exporter, shortlist)
         tok = Tokenizer.load([model_dir / "spm.model"])  # the conversion's, mt's own
         translator = ctranslate2.Translator(str(model_dir), device="cpu",
                                             compute_type=_compute(args.setting),
@@ -147,11 +149,12 @@ def _one(args, setting: str, beam: int) -> dict:
 def conversion_seconds(checkpoint: str, compute_type: str, work: Path, shortlist=None) -> float:
     """The seconds of mt's first-call conversion, made from a fresh copy of ``checkpoint``."""
     from mt.decode.ctranslate2_engine import converted_model
+    from mt.export import ct2 as exporter
 
     fresh = Path(tempfile.mkdtemp(prefix="convert-", dir=work))
     try:
         shutil.copy(checkpoint, fresh / "model.pt")
-        _, seconds = converted_model(fresh / "model.pt", compute_type, shortlist)
+        _, seconds = converted_model(fresh / "model.pt", compute_type, exporter, shortlist)
     finally:
         shutil.rmtree(fresh, ignore_errors=True)
     return seconds
@@ -162,6 +165,7 @@ def run_translate(args, rec) -> None:
     from bench_common import environment
 
     from mt.decode.ctranslate2_engine import converted_model
+    from mt.export import ct2 as exporter
 
     if not args.checkpoint or not args.input:
         raise SystemExit("bench translate needs --checkpoint and --input")
@@ -178,9 +182,9 @@ def run_translate(args, rec) -> None:
         rec.emit({"bench": "translate", "impl": f"conversion {compute}",
                   "seconds": round(conversion_seconds(args.checkpoint, compute, work), 3),
                   "checkpoint": args.checkpoint, **env})  # fmt: skip
-        converted_model(args.checkpoint, compute)  # the model every setting then loads
+        converted_model(args.checkpoint, compute, exporter)  # the model every setting then loads
         if args.shortlist:
-            converted_model(args.checkpoint, compute, shortlist)
+            converted_model(args.checkpoint, compute, exporter, shortlist)
     for beam in args.beams:
         runs: dict[str, list[dict]] = {k: [] for k in chosen}
         for r in range(args.rounds):

@@ -54,9 +54,7 @@ def test_a_cuda_device_never_reaches_cpu_code(monkeypatch):
     ("model", dict(model_problem="model.norm=pre")),
     ("prefix", dict(beam_size=4, prefix=True)),
 ])  # fmt: skip
-def test_what_ctranslate2_cannot_run_falls_back_under_auto_and_is_an_error_when_asked(
-    what, kwargs
-):
+def test_what_ctranslate2_cannot_run_falls_back_under_auto_and_is_an_error_when_asked(what, kwargs):
     fallback = choose("auto", "auto", "cpu", True, **kwargs)
     assert fallback.engine == "torch"
     with pytest.raises(EngineError, match="score.engine=ctranslate2: .*use score.engine=torch"):
@@ -89,6 +87,7 @@ from test_translate import make_tokenizer, sentences  # noqa: E402
 
 from mt.decode import ctranslate2_engine  # noqa: E402
 from mt.decode.translate import Translator  # noqa: E402
+from mt.export import ct2 as exporter  # noqa: E402
 
 
 def sharp_checkpoint(path, tokenizer, seed: int = 0):
@@ -123,7 +122,8 @@ DECODE = DecodeConfig(beam_size=4, alpha=1.0, max_len_a=1.0, max_len_b=6, batch_
 @pytest.fixture(scope="module")
 def both(ckpt):
     torch_t = Translator.from_checkpoint(ckpt, "cpu", DECODE, EngineConfig(engine="torch"))
-    ct2_t = Translator.from_checkpoint(ckpt, "cpu", DECODE, EngineConfig(engine="ctranslate2"))
+    ct2_t = Translator.from_checkpoint(ckpt, "cpu", DECODE, EngineConfig(engine="ctranslate2"),
+                                       exporter=exporter)  # fmt: skip
     return torch_t, ct2_t
 
 
@@ -214,20 +214,18 @@ def test_conversion_is_cached_and_a_changed_checkpoint_converts_again(tmp_path, 
     tokenizer = make_tokenizer(tmp_path, 60)
     path = sharp_checkpoint(tmp_path / "model.pt", tokenizer)
     calls = []
-    import mt.export.ct2 as ct2_export
-
-    export = ct2_export.export_ct2
-    monkeypatch.setattr(ct2_export, "export_ct2",
+    export = exporter.export_ct2
+    monkeypatch.setattr(exporter, "export_ct2",
                         lambda *a, **k: calls.append(1) or export(*a, **k))  # fmt: skip
-    first, seconds = ctranslate2_engine.converted_model(path, "int8")
+    first, seconds = ctranslate2_engine.converted_model(path, "int8", exporter)
     assert seconds is not None and calls == [1] and (first / "model.bin").is_file()
     assert first.parent == tmp_path / "model.pt.ct2"  # beside the checkpoint
-    again, seconds = ctranslate2_engine.converted_model(path, "int8")
+    again, seconds = ctranslate2_engine.converted_model(path, "int8", exporter)
     assert (again, seconds, calls) == (first, None, [1])  # not converted again
-    other, _ = ctranslate2_engine.converted_model(path, "float32")  # another compute type: its own
+    other, _ = ctranslate2_engine.converted_model(path, "float32", exporter)  # its own
     assert other != first and calls == [1, 1]
     sharp_checkpoint(path, tokenizer, seed=1)  # the same file name, other weights
-    changed, seconds = ctranslate2_engine.converted_model(path, "int8")
+    changed, seconds = ctranslate2_engine.converted_model(path, "int8", exporter)
     assert changed != first and seconds is not None and calls == [1, 1, 1]
     assert not first.exists() and other.exists()  # the stale int8 conversion is gone
     assert not list(changed.parent.glob(".tmp-*"))  # nothing half-written left
@@ -236,8 +234,8 @@ def test_conversion_is_cached_and_a_changed_checkpoint_converts_again(tmp_path, 
 def test_a_second_translator_reuses_the_conversion(ckpt, caplog):
     with caplog.at_level(logging.INFO, logger="mt.decode.ctranslate2_engine"):
         for _ in range(2):
-            t = Translator.from_checkpoint(ckpt, "cpu", DECODE, EngineConfig(engine="ctranslate2",
-                                                                             compute_type="int8"))
+            engine = EngineConfig(engine="ctranslate2", compute_type="int8")
+            t = Translator.from_checkpoint(ckpt, "cpu", DECODE, engine, exporter=exporter)
             t.translate(["ein mann"])
     assert sum("converted for CTranslate2" in r.message for r in caplog.records) <= 1
 
@@ -247,7 +245,7 @@ def test_a_second_translator_reuses_the_conversion(ckpt, caplog):
 
 def test_auto_logs_its_choice_once_and_each_fall_back_in_one_line(ckpt, caplog, monkeypatch):
     engines.tell.cache_clear()
-    t = Translator.from_checkpoint(ckpt, "cpu", DECODE, EngineConfig())
+    t = Translator.from_checkpoint(ckpt, "cpu", DECODE, EngineConfig(), exporter=exporter)
     with caplog.at_level(logging.INFO, logger="mt.decode.engine"):
         t.translate(["ein mann"])
         t.translate(["ein hund"])
@@ -262,7 +260,8 @@ def test_auto_logs_its_choice_once_and_each_fall_back_in_one_line(ckpt, caplog, 
     monkeypatch.setattr(engines, "ct2_available", lambda: False)
     with caplog.at_level(logging.INFO, logger="mt.decode.engine"):
         assert t.translate(["ein mann"]) == Translator.from_checkpoint(
-            ckpt, "cpu", DECODE).translate(["ein mann"])
+            ckpt, "cpu", DECODE
+        ).translate(["ein mann"])
     assert "decoding with torch: ctranslate2 is not installed" in caplog.text
 
 
@@ -277,13 +276,23 @@ def test_translate_main_with_each_engine(ckpt, tmp_path):
         out = tmp_path / f"out.{engine}"
         translate_main(Config(decode=DECODE, translate=TranslateConfig(
             checkpoint=str(ckpt), input=str(tmp_path / "in"), output=str(out),
-            engine=engine)))  # fmt: skip
+            engine=engine)), exporter)  # fmt: skip
         outs[engine] = out.read_text()
     assert outs["torch"] == outs["ctranslate2"] == outs["auto"]
     with pytest.raises(SystemExit, match="^mt-translate: translate.compute_type=float16: on a CPU"):
         translate_main(Config(decode=DECODE, translate=TranslateConfig(
             checkpoint=str(ckpt), input=str(tmp_path / "in"), output=str(tmp_path / "x"),
-            engine="ctranslate2", compute_type="float16")))  # fmt: skip
+            engine="ctranslate2", compute_type="float16")), exporter)  # fmt: skip
+
+
+def test_without_an_exporter_torch_decodes_and_ctranslate2_is_refused(ckpt):
+    """mt.export sits above mt.decode: the commands get the converter from mt.cli."""
+    engines.tell.cache_clear()
+    auto = Translator.from_checkpoint(ckpt, "cpu", DECODE, EngineConfig())
+    assert auto.engine(DECODE) is None
+    asked = Translator.from_checkpoint(ckpt, "cpu", DECODE, EngineConfig(engine="ctranslate2"))
+    with pytest.raises(EngineError, match="no exporter to convert it with"):
+        asked.engine(DECODE)
 
 
 def test_score_main_through_ctranslate2(ckpt, tmp_path):
@@ -298,7 +307,7 @@ def test_score_main_through_ctranslate2(ckpt, tmp_path):
         cfg = Config(decode=DECODE, score=ScoreConfig(
             checkpoint=str(ckpt), src=str(tmp_path / "src"), tgt=str(tmp_path / "tgt"),
             output=str(tmp_path / f"out.{engine}"), engine=engine))  # fmt: skip
-        totals[engine] = score_main(cfg)
+        totals[engine] = score_main(cfg, exporter)
     assert totals["torch"]["tokens"] == totals["ctranslate2"]["tokens"]
     assert totals["torch"]["logprob"] == pytest.approx(totals["ctranslate2"]["logprob"], abs=1e-3)
 
@@ -314,7 +323,7 @@ def test_serve_through_ctranslate2(ckpt):
     answers = {}
     for engine in ("torch", "ctranslate2"):
         limits = ServeConfig(engine=engine)
-        t = Translator.from_checkpoint(ckpt, "cpu", DECODE, limits, node="serve")
+        t = Translator.from_checkpoint(ckpt, "cpu", DECODE, limits, "serve", exporter)
         with TestClient(create_app(t, limits)) as client:
             r = client.post("/translate", json={"text": lines, "beam_size": 3, "nbest": 2})
             assert r.status_code == 200, r.text

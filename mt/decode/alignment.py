@@ -31,20 +31,9 @@ from mt.vocab import BOS
 def cross_attention(
     model: torch.nn.Module, src_ids: list[int], out_ids: list[int], device="cpu", layer: int = -1
 ) -> torch.Tensor:
-    """Encoder-decoder attention of one sentence pair.
-
-    Teacher-forces ``BOS + out_ids`` and returns decoder layer ``layer``'s cross-attention
-    averaged over heads (``model.decode(..., need_attn=True)``).
-
-    Args:
-        src_ids: source ids without EOS (S - 1 of them).
-        out_ids: output ids without BOS/EOS (T - 1 of them).
-        layer: the decoder layer (-1: the last).
-
-    Returns:
-        (T, S) weights on the CPU: rows predict ``out_ids + [EOS]``, columns are
-        ``src_ids + [EOS]``.
-    """
+    """Decoder layer ``layer``'s cross-attention averaged over heads, ``BOS + out_ids``
+    teacher-forced (``model.decode(..., need_attn=True)``): (T, S) weights on the CPU, rows
+    predicting ``out_ids + [EOS]`` (ids without BOS/EOS), columns ``src_ids + [EOS]``."""
     src = make_src([list(src_ids)]).to(device)  # (1, S)
     tgt_in = torch.tensor([[BOS, *out_ids]], dtype=torch.long, device=device)  # (1, T)
     _, attn = model.decode(tgt_in, model.encode(src), None, need_attn=True, attn_layer=layer)
@@ -54,18 +43,10 @@ def cross_attention(
 def attention_map(
     model: torch.nn.Module, tokenizer, sentence: str, decode_cfg: DecodeConfig, device="cpu"
 ) -> tuple[list[str], list[str], Any]:
-    """Translate one sentence and return its attention, for heatmaps.
-
-    Args:
-        tokenizer: an mt.data.tokenizer.Tokenizer (``encode``, ``normalize``, ``model(side)``).
-        sentence: raw source text (cut to the model's ``max_positions``).
-        decode_cfg: the search settings.
-
-    Returns:
-        ``(src_pieces (S), tgt_pieces (T), matrix (T, S))``: SentencePiece pieces plus ``</s>``
-        on both sides; the last decoder layer's cross-attention averaged over heads (see
-        :func:`cross_attention`), one row per generated piece.
-    """
+    """Translate one raw ``sentence`` (cut to the model's ``max_positions``) and return its
+    attention, for heatmaps: ``(src_pieces (S), tgt_pieces (T), matrix (T, S))``, the
+    SentencePiece pieces plus ``</s>`` on both sides and the last decoder layer's
+    cross-attention (:func:`cross_attention`), one row per generated piece."""
     (src_ids,) = tokenizer.encode([tokenizer.normalize(sentence)], side="src")
     (src_ids,) = fit_to_model([src_ids], model.max_positions, "truncate")
     (out_ids,) = translate_ids(model, [src_ids], replace(decode_cfg, nbest=1), device)
@@ -90,19 +71,11 @@ def word_index(pieces: list[str]) -> list[int]:
 def align(
     matrix: torch.Tensor, src_words: list[int], tgt_words: list[int]
 ) -> list[tuple[int, int]]:
-    """Word alignment from a (T, S) attention matrix over pieces.
-
-    Each target piece (the rows but the last, EOS) links to the source piece it attends to most
-    among the real source pieces (the columns but the last, EOS); the links of pieces become
-    links of their words.
-
-    Args:
-        matrix: (T, S) attention, T = len(tgt_words) + 1, S = len(src_words) + 1.
-        src_words, tgt_words: the word of each source / target piece (:func:`word_index`).
-
-    Returns:
-        Sorted unique (source word, target word) pairs.
-    """
+    """Sorted unique (source word, target word) pairs from a (T, S) attention ``matrix`` over
+    pieces (T = len(tgt_words) + 1, S = len(src_words) + 1; the words of the pieces: see
+    :func:`word_index`). Each target piece (the rows but the last, EOS) links to the source
+    piece it attends to most among the real source pieces (the columns but the last, EOS); the
+    links of pieces become links of their words."""
     if not src_words or not tgt_words:
         return []
     best = matrix[: len(tgt_words), : len(src_words)].argmax(dim=1).tolist()  # (T-1,)
@@ -137,9 +110,6 @@ def alignments(
     return lines
 
 
-__all__ = ["align", "alignments", "attention_map", "cross_attention", "pharaoh", "word_index"]
-
-
 def pyplot():
     """matplotlib's pyplot on the non-interactive Agg backend (imported on first use)."""
     import matplotlib
@@ -153,21 +123,9 @@ def pyplot():
 def plot_attention(
     src_tokens: Sequence[str], tgt_tokens: Sequence[str], matrix: Any, path: str | Path
 ) -> Path:
-    """Draw encoder-decoder attention as a heatmap (the picture known from the paper).
-
-    Args:
-        src_tokens: the S source pieces (columns), e.g. SentencePiece pieces plus ``</s>``.
-        tgt_tokens: the T generated pieces (rows).
-        matrix: (T, S) attention weights, each row a distribution over the source, e.g. the last
-            decoder layer's cross-attention averaged over heads. A numpy array or a torch tensor.
-        path: the PNG file to write.
-
-    Returns:
-        ``path`` as a ``Path``.
-
-    Raises:
-        ValueError: when the matrix is not (len(tgt_tokens), len(src_tokens)).
-    """
+    """Draw encoder-decoder attention as a heatmap (the picture known from the paper) into the
+    PNG file ``path``: the (T, S) ``matrix`` (numpy or torch; ValueError if it is not that
+    shape) with the S ``src_tokens`` as columns and the T ``tgt_tokens`` as rows."""
     if hasattr(matrix, "detach"):  # a torch tensor, without importing torch here
         matrix = matrix.detach().float().cpu().numpy()
     weights = np.asarray(matrix, dtype=np.float64)

@@ -1,16 +1,11 @@
 """Back-translation, ``mt-backtranslate``: monolingual target-side text in, a synthetic parallel
-corpus out (Sennrich et al. 2016; Edunov et al. 2018).
+corpus out (Sennrich et al. 2016; Edunov et al. 2018; the commands: docs/data.md).
 
 A reverse model (trained target -> source) translates monolingual text of the target language;
 each translation becomes a synthetic source paired with the real sentence it came from. The
 corpus is written as ``<output>/<name>.<src_lang>`` and ``<output>/<name>.<tgt_lang>`` (a text
 corpus like any other), plus ``<name>.json`` saying how it was made, so the forward model mixes
-it with the real pairs at a weight::
-
-    mt-backtranslate experiment=multi30k_de_en checkpoint=runs/rev/checkpoints/best.pt \\
-        input=[news.en] output=runs/bt decode=sample tag='<BT>'
-    mt-train experiment=multi30k_de_en tokenizer.user_symbols=['<BT>'] \\
-        data.splits.train=[train,{name:$PWD/runs/bt/bt,weight:0.5}]
+it with the real pairs at a weight (``data.splits.train=[train,{name:...,weight:0.5}]``).
 
 The synthetic sources come from ``decode.*``: ``decode=sample`` draws them (unrestricted
 sampling, the best of Edunov et al.'s methods at scale), a beam search with ``noise=true`` adds
@@ -40,14 +35,13 @@ import torch
 from mt.data.corpus import DataError, open_corpus, read_lines, split_names
 from mt.data.tokenizer import Tokenizer
 from mt.decode.driver import translate_ids
-from mt.decode.translate import Translator, chunks
+from mt.decode.translate import CHUNK_LINES, Translator, chunks
 from mt.distributed import resolve_device
 from mt.files import atomic_text_output, write_json
 from mt.schema import Config
 
 log = logging.getLogger(__name__)
 
-CHUNK = 2048  # monolingual lines translated at a time
 PROFILE_WORDS = 200  # the most frequent words of each side that tell the languages apart
 SAMPLE_LINES = 2000  # lines of an input file that the language check reads
 _WORD = re.compile(r"\w+", re.UNICODE)
@@ -59,12 +53,7 @@ def add_noise(
 ) -> list[str]:  # fmt: skip
     """Edunov et al. (2018)'s noise on a synthetic source: a shuffle in which no word moves
     ``shuffle`` or more positions (positions + U(0, shuffle), sorted), then each word deleted
-    with probability ``drop`` (one is always kept) and replaced by ``filler`` with ``blank``.
-
-    Example:
-        >>> add_noise("a b c d".split(), np.random.default_rng(0), 0.0, 0.0, 1.0)
-        ['a', 'b', 'c', 'd']
-    """
+    with probability ``drop`` (one is always kept) and replaced by ``filler`` with ``blank``."""
     if not words:
         return []
     order = np.argsort(np.arange(len(words)) + rng.uniform(0, shuffle, len(words)), kind="stable")
@@ -145,14 +134,9 @@ def mono_lines(paths: list[Path], limit: int = 0) -> Iterator[str]:
 
 
 def backtranslate(cfg: Config) -> dict:
-    """Write the synthetic corpus of ``cfg.backtranslate`` (see the module docstring).
-
-    Returns:
-        What ``<name>.json`` records: inputs, the reverse checkpoint, decoding, counts, seconds.
-
-    Raises:
-        DataError / ValueError: a missing setting or file, an input in the wrong language.
-    """
+    """Write the synthetic corpus of ``cfg.backtranslate`` (see the module docstring); returns
+    what ``<name>.json`` records. DataError / ValueError: a missing setting or file, an input
+    in the wrong language."""
     bt, data = cfg.backtranslate, cfg.data
     for key in ("checkpoint", "input", "output"):
         if not getattr(bt, key):
@@ -173,18 +157,21 @@ def backtranslate(cfg: Config) -> dict:
     src_path, tgt_path = out / f"{bt.name}.{data.src_lang}", out / f"{bt.name}.{data.tgt_lang}"
     longest = translator.max_positions - 1
     counts = {"read": 0, "too_long": 0, "empty_translation": 0, "pairs": 0}
+    search = translator.settings(nbest=1)
     start = time.perf_counter()
     with atomic_text_output(src_path) as fs, atomic_text_output(tgt_path) as ft:
-        for chunk in chunks(mono_lines(inputs, bt.max_lines), CHUNK):
+        for chunk in chunks(mono_lines(inputs, bt.max_lines), CHUNK_LINES):
             first = counts["read"]
             counts["read"] += len(chunk)
             ids = translator.tokenizer.encode([Tokenizer.normalize(x) for x in chunk], "src")
             fits = [i for i, x in enumerate(ids) if len(x) <= longest]
             counts["too_long"] += len(chunk) - len(fits)
             # the line number seeds each sentence's draw: the same corpus however it is cut
-            texts = [chunk[i] for i in fits]
-            outs = _translate(translator, [ids[i] for i in fits], [first + i for i in fits])
-            for i, line, synthetic in zip(fits, texts, outs):
+            indices = [first + i for i in fits]
+            out_ids = translate_ids(
+                translator.model, [ids[i] for i in fits], search, translator.device, indices=indices
+            )
+            for i, synthetic in zip(fits, translator.tokenizer.decode(out_ids)):
                 synthetic = printable(synthetic)
                 if not synthetic.strip():
                     counts["empty_translation"] += 1
@@ -195,7 +182,7 @@ def backtranslate(cfg: Config) -> dict:
                 if bt.tag:
                     synthetic = f"{bt.tag} {synthetic}"
                 fs.write(synthetic + "\n")
-                ft.write(line + "\n")
+                ft.write(chunk[i] + "\n")
                 counts["pairs"] += 1
             rate = counts["read"] / (time.perf_counter() - start)
             log.info("%d lines back-translated (%.1f lines/s)", counts["read"], rate)
@@ -220,16 +207,6 @@ def backtranslate(cfg: Config) -> dict:
         else "",
     )  # fmt: skip
     return record
-
-
-def _translate(translator: Translator, ids: list[list[int]], indices: list[int]) -> list[str]:
-    """Translations of the source ``ids``, sentence ``k``'s draw seeded by ``indices[k]`` (its
-    place in the monolingual text), whatever the batching."""
-    if not ids:
-        return []
-    cfg = translator.settings(nbest=1)
-    out = translate_ids(translator.model, ids, cfg, translator.device, indices=indices)
-    return translator.tokenizer.decode(out)
 
 
 def backtranslate_main(cfg: Config) -> None:

@@ -9,13 +9,9 @@ processes converting at once leave one; older conversions of the same file and c
 are removed. Where the checkpoint's directory is not writable, the cache is
 ``$XDG_CACHE_HOME/mt/ct2`` (``~/.cache/mt/ct2``).
 
-The search settings map onto CTranslate2's one for one: ``beam_size``, ``nbest`` as
-``num_hypotheses``, ``alpha`` as ``length_penalty`` (the same ``log p / |Y| ** alpha``,
-mt.decode.search), EOS allowed from the first step (``min_decoding_length=0``), PAD and BOS
-never generated, sampling as ``sampling_topk`` / ``sampling_topp`` / ``sampling_temperature``,
-a target prefix as ``target_prefix``, a shortlist as the vocabulary map (``use_vmap``: a
-batch searches the union of its sentences' lists), ``decode.max_tokens`` as
-``max_batch_size`` with ``batch_type="tokens"``. CTranslate2 has one length limit per call
+The search settings map onto CTranslate2's one for one (``alpha`` is its ``length_penalty``:
+the same ``log p / |Y| ** alpha``, mt.decode.search; a shortlist is its vocabulary map, where
+a batch searches the union of its sentences' lists). CTranslate2 has one length limit per call
 and mt one per sentence (``int(a * src_len + b)``), so sentences are submitted in groups of
 one limit each, all at once (``asynchronous``: the replicas take them side by side).
 """
@@ -28,10 +24,12 @@ import os
 import shutil
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from mt.decode.search import Hypothesis, length_penalty
+from mt.decode.shortlist import load_lexicon, vocabulary_map
 from mt.schema import DecodeConfig
 from mt.vocab import BOS, PAD
 
@@ -66,19 +64,14 @@ def cache_root(checkpoint: str | Path) -> Path:
 def converted_model(
     checkpoint: str | Path,
     compute_type: str,
+    exporter: Any,
     shortlist: tuple[str, int, int] | None = None,
 ) -> tuple[Path, float | None]:
-    """The CTranslate2 model of ``checkpoint`` at ``compute_type``, converted now if it is not
-    cached yet (see the module docstring).
-
-    Args:
-        shortlist: (lexicon file, k, frequent) to write as the vocabulary map, or None.
-
-    Returns:
-        The model directory and the seconds the conversion took (None: it was cached).
-    """
+    """The CTranslate2 model of ``checkpoint`` at ``compute_type``, converted now with
+    ``exporter.export_ct2`` (``mt.export.ct2``) if it is not cached yet (see the module
+    docstring), and the seconds the conversion took (None: it was cached). ``shortlist``:
+    (lexicon file, k, frequent) to write as the vocabulary map, or None."""
     from mt.checkpoint import load_checkpoint, model_cfg_from, tokenizer_blobs
-    from mt.export.ct2 import export_ct2
 
     key = file_digest(checkpoint)
     if shortlist is not None:
@@ -95,15 +88,11 @@ def converted_model(
         ckpt = load_checkpoint(checkpoint, map_location="cpu")
         vmap = None
         if shortlist is not None:
-            from functools import partial
-
-            from mt.decode.shortlist import load_lexicon, vocabulary_map
-
             lex = load_lexicon(shortlist[0], int(ckpt["vocab_size"]))
             vmap = partial(vocabulary_map, lex, k=shortlist[1], frequent=shortlist[2])
         out = tmp / "model"
-        export_ct2(ckpt, model_cfg_from(ckpt), tokenizer_blobs(ckpt), out, vmap,
-                   quantization=compute_type)  # fmt: skip
+        exporter.export_ct2(ckpt, model_cfg_from(ckpt), tokenizer_blobs(ckpt), out, vmap,
+                            quantization=compute_type)  # fmt: skip
         try:
             out.rename(final)
         except OSError:  # another process put its conversion there first: keep that one
@@ -121,27 +110,17 @@ def converted_model(
 
 
 class CTranslate2Engine:
-    """A checkpoint decoded by CTranslate2 (see the module docstring).
+    """A checkpoint decoded by CTranslate2 (see the module docstring), converted with
+    ``exporter`` (:func:`converted_model`); ``tokenizer`` its one joint SentencePiece model,
+    ``max_positions`` the cap of the length limits, the rest CTranslate2's settings."""
 
-    Args:
-        checkpoint: the mt checkpoint file.
-        tokenizer: its mt.data.tokenizer.Tokenizer (one joint SentencePiece model).
-        max_positions: the model's longest sequence (caps the length limits).
-        device, index: ``cpu`` or ``cuda`` and the device index.
-        compute_type: CTranslate2's compute type (mt.decode.engine.compute_type).
-        inter_threads, intra_threads: CTranslate2's replicas and threads per replica.
-        shortlist: (lexicon file, k, frequent) for a vocabulary map, or None.
-    """
-
-    def __init__(self, checkpoint: str | Path, tokenizer: Any, max_positions: int | None,
-                 device: str = "cpu", index: int = 0, compute_type: str = "float32",
-                 inter_threads: int = 1, intra_threads: int = 1,
+    def __init__(self, checkpoint: str | Path, exporter: Any, tokenizer: Any,
+                 max_positions: int | None, device: str = "cpu", index: int = 0,
+                 compute_type: str = "float32", inter_threads: int = 1, intra_threads: int = 1,
                  shortlist: tuple[str, int, int] | None = None) -> None:  # fmt: skip
         import ctranslate2
 
-        self.model_dir, self.conversion_seconds = converted_model(
-            checkpoint, compute_type, shortlist
-        )
+        self.model_dir, _ = converted_model(checkpoint, compute_type, exporter, shortlist)
         self.shortlist = shortlist
         self.translator = ctranslate2.Translator(
             str(self.model_dir), device=device, device_index=index, compute_type=compute_type,
@@ -159,7 +138,7 @@ class CTranslate2Engine:
         return {"max_batch_size": max(1, cfg.batch_size), "batch_type": "examples"}
 
     def _limit(self, n: int, cfg: DecodeConfig) -> int:
-        """mt.decode.search.max_lengths for a source of ``n`` ids (EOS not counted)."""
+        """mt.decode.search.max_lengths of a source of ``n`` ids."""
         cap = self.max_positions or 1 << 30
         return max(1, min(cap, int(cfg.max_len_a * n + cfg.max_len_b)))
 
@@ -243,6 +222,3 @@ class CTranslate2Engine:
             max_input_length=0, **self._batching(cfg),
         )  # fmt: skip
         return [list(r.log_probs) for r in results]
-
-
-__all__ = ["CTranslate2Engine", "cache_root", "converted_model", "file_digest"]

@@ -40,22 +40,10 @@ def fit_to_model(
     first_line: int = 1,
     what: str = "source",
 ) -> list[list[int]]:
-    """Check sources against the model's length limit (``ids + EOS <= limit``).
-
-    Args:
-        src_ids: source ids without EOS.
-        limit: the model's ``max_positions`` (None: no limit).
-        policy: ``truncate`` cuts the ids to ``limit - 1`` (with one warning counting them);
-            ``error`` raises, naming the first line that is too long.
-        first_line: line number of ``src_ids[0]``, for the error message.
-        what: what the lines are, for the warning.
-
-    Returns:
-        The (possibly truncated) ids.
-
-    Raises:
-        ValueError: naming the first line that is too long, when ``policy == "error"``.
-    """
+    """``src_ids`` (without EOS) checked against the model's ``max_positions`` ``limit``
+    (``ids + EOS <= limit``; None: no limit). ``policy``: ``truncate`` cuts the ids to
+    ``limit - 1`` (one warning counting the ``what`` lines); ``error`` raises ValueError naming
+    the first line too long (``first_line``: the number of ``src_ids[0]``)."""
     if policy not in ("error", "truncate"):
         raise ValueError(f"decode.too_long must be error or truncate, got {policy!r}")
     if limit is None:
@@ -74,16 +62,9 @@ def fit_to_model(
 
 
 def make_batches(lengths: list[int], batch_size: int, max_tokens: int = 0) -> list[list[int]]:
-    """Group sentence indices, longest first, by sentence count and padded source tokens.
-
-    Args:
-        lengths: source lengths (without EOS).
-        batch_size: at most this many sentences per batch.
-        max_tokens: at most this many padded source tokens (EOS included) per batch (0: off).
-
-    Returns:
-        Lists of indices into ``lengths``; every index appears exactly once.
-    """
+    """Batches of indices into ``lengths`` (source lengths without EOS), longest first, each of
+    at most ``batch_size`` sentences and ``max_tokens`` padded source tokens, EOS included
+    (0: no limit); every index appears exactly once."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     batches: list[list[int]] = []
     current: list[int] = []
@@ -110,10 +91,7 @@ def resolve_decode(cfg: DecodeConfig, model: Any, device: torch.device | str | N
     in float32: under bf16 autocast every step casts each weight again, and attention over the
     caches runs in bfloat16, which CPUs compute no faster. ``device``: where ``model`` runs
     (default: where its first parameter is; a model without parameters decodes in fp32).
-
-    Raises:
-        ValueError: a precision other than fp32, bf16, fp16 or auto.
-    """
+    ValueError: a precision other than fp32, bf16, fp16 or auto."""
     if cfg.precision not in DECODE_PRECISIONS:
         raise ValueError(f"decode.precision must be one of {DECODE_PRECISIONS}, got "
                          f"{cfg.precision!r}")  # fmt: skip
@@ -130,11 +108,7 @@ def resolve_decode(cfg: DecodeConfig, model: Any, device: torch.device | str | N
 
 def decode_workers(workers: int, device: torch.device | str, batches: int) -> int:
     """How many batches ``decode.workers`` decodes side by side: on a CPU, as asked (0: one per
-    intra-op thread), at most one per batch; elsewhere one.
-
-    Raises:
-        ValueError: a negative ``workers``.
-    """
+    intra-op thread), at most one per batch; elsewhere one (ValueError: a negative count)."""
     if workers < 0:
         raise ValueError(f"decode.workers must be >= 0 (0: one per core), got {workers}")
     if torch.device(device).type != "cpu":
@@ -190,12 +164,12 @@ def side_by_side(
     Decoding spends much of a step in Python between small products, under the interpreter's
     lock: two threads decoding side by side then mostly wait for each other, and two thread
     workers can be slower than one worker of two intra-op threads. So where
-    :func:`forks_workers`, the workers are
-    processes forked from this one (the model and the inputs inherited, nothing pickled
-    but batch indices and hypotheses), each on one thread, as CTranslate2's ``inter_threads``
-    and Marian's CPU workers are threads of their own; elsewhere threads (where the products
-    dominate a step, workers of one thread each still outrun one worker of several threads;
-    docs/performance.md). Restored after."""
+    :func:`forks_workers`, the workers are processes forked from this one (the model and the
+    inputs inherited, nothing pickled but batch indices and hypotheses), each on one thread,
+    as CTranslate2's ``inter_threads`` and Marian's CPU workers are threads of their own;
+    elsewhere threads (where the products dominate a step, workers of one thread each still
+    outrun one worker of several threads; docs/performance.md). The thread count is restored
+    after."""
     global _JOB
     total = torch.get_num_threads()
     each = max(1, total // workers)
@@ -234,23 +208,15 @@ def translate_nbest(
     prefix: list[list[int]] | None = None,
     indices: list[int] | None = None,
 ) -> list[list[Hypothesis]]:
-    """Search many sentences in length-sorted batches; n-best lists in input order.
+    """Search many sentences in length-sorted batches: ``decode_cfg.nbest`` (at most
+    ``beam_size``) hypotheses per sentence, best first, in input order.
 
-    Args:
-        model: the Transformer (already on ``device``, in eval mode), or an ensemble.
-        src_ids: source ids per sentence, without EOS (``make_src`` appends it); sources
-            longer than the model's ``max_positions`` are truncated with a warning (callers
-            with a stricter policy check first with :func:`fit_to_model`).
-        decode_cfg: beam size, alpha, lengths, sampling, batch size / max tokens, the
-            precision and the shortlist (a lexicon file: see mt.decode.shortlist).
-        device: where the batches go.
-        min_len: EOS is forbidden until this many tokens are out.
-        prefix: per sentence, target ids forced at the start of the output.
-        indices: per sentence, its position in the whole input (sampling seeds; default
-            0, 1, ...), so a sentence's sample does not depend on how the input is split.
-
-    Returns:
-        ``decode_cfg.nbest`` (at most ``beam_size``) hypotheses per sentence, best first.
+    ``model`` (on ``device``, in eval mode) may be an ensemble; ``src_ids`` have no EOS, and
+    those longer than its ``max_positions`` are truncated with a warning (callers with a
+    stricter policy check first with :func:`fit_to_model`); ``min_len`` and ``prefix`` (target
+    ids per sentence): see mt.decode.search.generate. ``indices``: per sentence, its position
+    in the whole input (sampling seeds; default 0, 1, ...), so a sentence's sample does not
+    depend on how the input is split.
     """
     src_ids = fit_to_model(src_ids, model.max_positions, "truncate")
     precision = resolve_decode(decode_cfg, model, device).precision
@@ -309,18 +275,10 @@ def score_ids(
     device: torch.device | str = "cpu",
     batch_size: int = 64,
 ) -> list[list[float]]:
-    """Teacher-forced log-probabilities of given outputs, token by token.
-
-    Args:
-        model: the Transformer (eval mode, on ``device``) or an ensemble; anything whose
-            ``decode(tgt_in, enc, None)`` gives (B, T, V) scores for a whole prefix.
-        src_ids: source ids without EOS.
-        tgt_ids: target ids without BOS/EOS.
-
-    Returns:
-        Per sentence, ``log p(y_t | y_<t, x)`` for each target token and the final EOS
-        (``len(tgt) + 1`` values), in input order.
-    """
+    """Teacher-forced ``log p(y_t | y_<t, x)`` of each target token and the final EOS
+    (``len(tgt) + 1`` values per sentence, in input order) of targets ``tgt_ids`` (without
+    BOS/EOS) given sources ``src_ids`` (without EOS). ``model``: anything whose
+    ``decode(tgt_in, enc, None)`` gives (B, T, V) scores for a whole prefix (eval mode)."""
     src_ids = fit_to_model(src_ids, model.max_positions, "truncate")
     tgt_ids = fit_to_model(tgt_ids, model.max_positions, "truncate", what="target")
     out: list[list[float]] = [[] for _ in src_ids]
@@ -339,16 +297,3 @@ def score_ids(
         for row, i in enumerate(batch):
             out[i] = picked[row, : len(tgt_ids[i]) + 1].tolist()
     return out
-
-
-__all__ = [
-    "decode_workers",
-    "fit_to_model",
-    "make_batches",
-    "resolve_decode",
-    "sample_seed",
-    "score_ids",
-    "side_by_side",
-    "translate_ids",
-    "translate_nbest",
-]

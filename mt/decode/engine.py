@@ -44,14 +44,8 @@ class EngineError(ValueError):
 
 @dataclass(frozen=True)
 class Choice:
-    """An engine for a request.
-
-    Attributes:
-        engine: ``torch`` or ``ctranslate2``.
-        reason: why, in a few words (the log line).
-        device: CTranslate2's device (``cpu`` or ``cuda``) and ``index`` its device index.
-        compute_type: CTranslate2's compute type (None for torch).
-    """
+    """An engine for a request: ``torch`` or ``ctranslate2``, why (the log line), and
+    CTranslate2's device (``cpu`` or ``cuda``), device index and compute type."""
 
     engine: str
     reason: str
@@ -97,17 +91,11 @@ def choose(
 ) -> Choice:
     """The engine of one request (see the module docstring).
 
-    Args:
-        engine, compute: the ``<node>.engine`` and ``<node>.compute_type`` settings.
-        device: where torch decodes (CTranslate2 takes the same device).
-        ct2_available: whether ``ctranslate2`` imports here.
-        beam_size, sample, prefix: the request's search (``decode.*``; prefix: forced starts).
-        ensemble: several checkpoints.
-        model_problem: why the model cannot be exported to CTranslate2, or None.
-        node: the settings' node, for messages.
-
-    Raises:
-        EngineError: an unknown setting, or ``engine=ctranslate2`` with what it cannot run.
+    ``engine`` and ``compute`` are the ``<node>.engine`` and ``<node>.compute_type`` settings;
+    CTranslate2 takes torch's ``device``; ``beam_size``, ``sample``, ``prefix`` (forced
+    starts) are the request's search; ``model_problem`` says why the model cannot be converted
+    for CTranslate2 (None: it can). Raises EngineError for an unknown setting, or for
+    ``engine=ctranslate2`` with what it cannot run.
     """
     if engine not in ENGINES:
         raise EngineError(f"{node}.engine={engine}: expected one of {', '.join(ENGINES)}")
@@ -139,7 +127,6 @@ def choose(
 
 @functools.cache
 def ct2_available() -> bool:
-    """Whether ``ctranslate2`` imports here."""
     try:
         import ctranslate2  # noqa: F401
     except ImportError:
@@ -165,7 +152,3 @@ def threads(inter: int, intra: int, total: int) -> tuple[int, int]:
 def tell(engine: str, reason: str) -> None:
     """Log a choice once per process (each distinct engine and reason)."""
     log.info("decoding with %s: %s", engine, reason)
-
-
-__all__ = ["Choice", "EngineError", "choose", "compute_type", "ct2_available", "tell",
-           "threads"]  # fmt: skip

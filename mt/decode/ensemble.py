@@ -43,15 +43,8 @@ class EnsembleCache:
 
 
 class Ensemble(nn.Module):
-    """Several models behind the search contract (``mt.decode.search.IncrementalDecoder``).
-
-    Args:
-        members: models with ``encode``, ``new_cache`` and ``decode`` over the same vocabulary
-            (``mt.model.transformer.Transformer``).
-
-    Raises:
-        ValueError: no member, or members with different vocabulary sizes.
-    """
+    """Several models over one vocabulary (ValueError otherwise) behind the search contract
+    (``mt.decode.search.IncrementalDecoder``)."""
 
     def __init__(self, members: list[nn.Module]) -> None:
         super().__init__()
@@ -81,20 +74,8 @@ class Ensemble(nn.Module):
     ) -> torch.Tensor:
         """(B, T) target ids -> (B, T, V) averaged log-probabilities (used as logits); with
         ``vocab`` (a shortlist), over its C columns."""
-        total = None
-        for i, member in enumerate(self.members):
-            state = None if cache is None else cache.caches[i]
-            if vocab is None:
-                logits = member.decode(tgt_in, enc[i], state)
-            else:
-                logits = member.decode(tgt_in, enc[i], state, vocab=vocab)
-            lprobs = F.log_softmax(logits.float(), dim=-1)
-            total = lprobs if total is None else total + lprobs
-        return total / len(self.members)
-
-    def map(self, fn) -> Ensemble:
-        """The ensemble of ``fn(member)`` (e.g. each member moved to a device)."""
-        return Ensemble([fn(m) for m in self.members])
-
-
-__all__ = ["Ensemble", "EnsembleCache", "EnsembleEncoded"]
+        states = [None] * len(self.members) if cache is None else cache.caches
+        shortlist = {} if vocab is None else {"vocab": vocab}  # stub members take no vocab
+        lprobs = [F.log_softmax(m.decode(tgt_in, e, c, **shortlist).float(), dim=-1)
+                  for m, e, c in zip(self.members, enc, states)]  # fmt: skip
+        return sum(lprobs) / len(self.members)

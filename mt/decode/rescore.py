@@ -13,40 +13,23 @@ import contextlib
 import itertools
 import logging
 import sys
-from pathlib import Path
+from typing import Any
 
-from mt.checkpoint import CheckpointError
-from mt.decode.engine import EngineError
-from mt.decode.translate import Translator, chunks
-from mt.distributed import resolve_device
+from mt.decode.translate import CHUNK_LINES, chunks, load_translator
 from mt.files import TextError, atomic_text_output, read_lines
 from mt.schema import Config
 
 log = logging.getLogger(__name__)
 
-CHUNK_LINES = 2048  # sentence pairs read and scored at a time
 
-
-def score_main(cfg: Config) -> dict[str, float]:
-    """Score ``args.tgt`` given ``args.src``; returns the totals.
-
-    Raises:
-        SystemExit: a one-line error for a missing setting or file, an unusable checkpoint,
-            or files with different numbers of lines.
-    """
+def score_main(cfg: Config, exporter: Any = None) -> dict[str, float]:
+    """Score ``args.tgt`` given ``args.src``; returns the totals (``exporter``: see
+    mt.decode.translate.Translator). A missing setting or file, an unusable checkpoint or files
+    with different numbers of lines exit with a one-line error."""
     args = cfg.score
     if not args.src or not args.tgt:
         raise SystemExit("mt-score: set src=FILE and tgt=FILE (one sentence per line each)")
-    path = args.checkpoint or Path(cfg.run_dir) / "checkpoints/best.pt"
-    try:
-        translator = Translator.from_checkpoint(path, resolve_device(cfg.train.device), cfg.decode,
-                                                args, node="score")  # fmt: skip
-    except CheckpointError as err:
-        raise SystemExit(f"mt-score: {err}") from None
-    try:  # the engine's settings checked (and a conversion made) before any pair is read
-        translator.engine(cfg.decode)
-    except EngineError as err:
-        raise SystemExit(f"mt-score: {err}") from None
+    translator = load_translator(cfg, "score", exporter)
     total, tokens, n = 0.0, 0, 0
     try:
         with contextlib.ExitStack() as stack:

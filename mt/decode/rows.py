@@ -17,12 +17,8 @@ from mt.vocab import BOS
 
 
 class Rows:
-    """The live hypotheses of a batch (see the module docstring).
-
-    Args:
-        model: the search's model (``encode``, ``new_cache``; see mt.decode.search).
-        src: (B, S) source ids.
-        K: hypotheses per sentence.
+    """The live hypotheses of a batch ``src`` (B, S), K per sentence, and ``model``'s state
+    (see the module docstring).
 
     Attributes:
         sents: the sentence (index into ``src``) of each live group of K rows.
@@ -92,15 +88,10 @@ class Rows:
 
 
 def rows_for(beam: torch.Tensor) -> torch.Tensor:
-    """The row (within its sentence) each new hypothesis takes, copying the fewest caches.
-
-    Args:
-        beam: (n, K) the parent hypothesis (row) of each new hypothesis.
-
-    Returns:
-        (n, K) a permutation of 0..K-1 per sentence: a parent's first child takes the parent's
-        row; the other children take, in order, the rows whose hypotheses have no child.
-    """
+    """The row (within its sentence) each new hypothesis takes, copying the fewest caches:
+    from ``beam`` (n, K), the parent hypothesis (row) of each, a permutation of 0..K-1 per
+    sentence where a parent's first child takes the parent's row and the other children take,
+    in order, the rows whose hypotheses have no child."""
     n, K = beam.shape
     rows = torch.arange(K, device=beam.device)
     same = beam[:, :, None] == beam[:, None, :]  # (n, K, K): hypotheses j, j' share a parent

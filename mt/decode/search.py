@@ -76,13 +76,8 @@ class IncrementalDecoder(Protocol):
 
 @dataclass
 class Hypothesis:
-    """One output of the search.
-
-    Attributes:
-        tokens: output ids without BOS and EOS.
-        score: sum of token log-probabilities divided by the length penalty.
-        logprob: the plain sum of token log-probabilities (EOS included when generated).
-    """
+    """One output of the search: ``tokens`` without BOS and EOS, ``score`` its summed token
+    log-probabilities (``logprob``, EOS included when generated) over the length penalty."""
 
     tokens: list[int]
     score: float
@@ -95,19 +90,10 @@ def length_penalty(length: int, alpha: float) -> float:
     return float(length) ** alpha
 
 
-def max_lengths(
-    src: torch.Tensor, a: float, b: float, model: IncrementalDecoder
-) -> list[int]:
-    """Per-sentence maximum output length ``int(a * src_len + b)``, ``src_len`` without EOS.
-
-    Args:
-        src: (B, S) source ids, each row ``ids + EOS`` right-padded with PAD.
-        a, b: the coefficients (``decode.max_len_a``, ``decode.max_len_b``).
-        model: its ``max_positions`` caps the lengths (None: no cap).
-
-    Returns:
-        B lengths, each at least 1 and at most the model's ``max_positions``.
-    """
+def max_lengths(src: torch.Tensor, a: float, b: float, model: IncrementalDecoder) -> list[int]:
+    """Per-sentence maximum output length ``int(a * src_len + b)`` of ``src`` (B, S) (rows
+    ``ids + EOS``, PAD-padded; ``src_len`` without EOS), at least 1, at most the model's
+    ``max_positions``."""
     src_len = ((src != PAD).sum(dim=1) - 1).clamp(min=0).tolist()
     cap = model.max_positions or 1 << 30
     return [max(1, min(cap, int(a * n + b))) for n in src_len]
@@ -119,14 +105,6 @@ def _hyp(tokens: torch.Tensor, logprob: float, length: int, alpha: float) -> Hyp
 
 
 # ---- the loop ------------------------------------------------------------------------------
-
-
-def _logits(model: IncrementalDecoder, rows: Rows, shortlist: Shortlist | None) -> torch.Tensor:
-    """The next step's logits of each model row: (N, 1, V), or (N, 1, C) over a shortlist's
-    columns."""
-    if shortlist is None:
-        return model.decode(rows.last, rows.enc, rows.cache)
-    return model.decode(rows.last, rows.enc, rows.cache, vocab=shortlist)
 
 
 def _next_lprobs(
@@ -143,8 +121,10 @@ def _next_lprobs(
     (>= 0) for this step, every other token is forbidden. With a ``shortlist`` the last
     dimension is its columns (C), and ``prefix`` holds columns.
     """
-    logits = _logits(model, rows, shortlist)
-    if shortlist is not None:
+    if shortlist is None:
+        logits = model.decode(rows.last, rows.enc, rows.cache)
+    else:  # (N, 1, C) over the shortlist's columns
+        logits = model.decode(rows.last, rows.enc, rows.cache, vocab=shortlist)
         logits = shortlist.restrict(logits, rows.sents, rows.width)
     lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)  # (N, V)
     lprobs[:, PAD] = NEG_INF
@@ -193,19 +173,14 @@ def generate(
         model: see :class:`IncrementalDecoder` (in eval mode: dropout is the caller's choice).
         src: (B, S) source ids (``ids + EOS``, PAD-padded).
         strategy: which candidates survive each step; ``strategy.K`` hypotheses per sentence.
-        max_len_a, max_len_b: maximum output length ``int(a * src_len + b)``.
-        nbest: hypotheses returned per sentence (at most K).
-        min_len: EOS is forbidden until this many tokens are out.
-        alpha: length penalty exponent (``|Y| ** alpha``; see the module docstring).
+        max_len_a, max_len_b, alpha, min_len: see the module docstring.
+        nbest: hypotheses returned per sentence (at most K), best first, in input order.
         prefix: per sentence, output tokens forced at the start (the rest is searched).
         settle: end a sentence once no live hypothesis can enter its n-best list (the same
             result, fewer steps; see the module docstring). False: only at ``K`` finished
             hypotheses or the maximum length (fairseq's stop).
         shortlist: search only this batch's candidate pieces (``mt.decode.shortlist``; the
             model's ``decode`` takes it as ``vocab``); None: the whole vocabulary.
-
-    Returns:
-        For each sentence (input order), up to ``nbest`` hypotheses, best first.
     """
     K = strategy.K
     if not 1 <= nbest <= K:
@@ -292,20 +267,8 @@ def greedy_search(
     prefix: list[list[int]] | None = None,
     shortlist: Shortlist | None = None,
 ) -> list[Hypothesis]:
-    """Greedy decoding of a batch: the most probable token at each step.
-
-    Args:
-        model: see :class:`IncrementalDecoder`.
-        src: (B, S) source ids (``ids + EOS``, PAD-padded).
-        max_len_a, max_len_b: maximum output length ``int(a * src_len + b)``.
-        min_len: EOS is forbidden until this many tokens are out.
-        alpha: length penalty exponent for the reported score (0: plain log-probability).
-        prefix: per sentence, output tokens forced at the start.
-        shortlist: the batch's candidate pieces (see :func:`generate`), or None.
-
-    Returns:
-        One hypothesis per sentence, in input order.
-    """
+    """The most probable token at each step: one hypothesis per sentence (see :func:`generate`;
+    ``alpha`` only scales the reported score)."""
     hyps = generate(model, src, Greedy(), max_len_a, max_len_b, 1, min_len, alpha, prefix,
                     shortlist=shortlist)  # fmt: skip
     return [h[0] for h in hyps]
@@ -323,27 +286,10 @@ def beam_search(
     prefix: list[list[int]] | None = None,
     shortlist: Shortlist | None = None,
 ) -> list[list[Hypothesis]]:
-    """Beam search of a batch of sentences, all beams of all sentences in one decoder call.
-
-    Args:
-        model: see :class:`IncrementalDecoder`.
-        src: (B, S) source ids (``ids + EOS``, PAD-padded).
-        beam_size: K, hypotheses kept per sentence.
-        alpha: length penalty exponent (``|Y| ** alpha``; see the module docstring).
-        max_len_a, max_len_b: maximum output length ``int(a * src_len + b)``.
-        nbest: hypotheses returned per sentence (at most ``beam_size``).
-        min_len: EOS is forbidden until this many tokens are out.
-        prefix: per sentence, output tokens forced at the start.
-        shortlist: the batch's candidate pieces (see :func:`generate`), or None.
-
-    Returns:
-        For each sentence (input order), up to ``nbest`` hypotheses, best first.
-    """
-    if not 1 <= nbest <= beam_size:
-        raise ValueError(f"nbest must be between 1 and beam_size={beam_size}, got {nbest}")
-    strategy = Beam(beam_size)
-    return generate(model, src, strategy, max_len_a, max_len_b, nbest, min_len, alpha, prefix,
-                    shortlist=shortlist)  # fmt: skip
+    """Beam search of a batch, all beams of all sentences in one decoder call per step: up to
+    ``nbest`` hypotheses per sentence, best first (see :func:`generate`)."""
+    return generate(model, src, Beam(beam_size), max_len_a, max_len_b, nbest, min_len, alpha,
+                    prefix, shortlist=shortlist)  # fmt: skip
 
 
 def sample(
@@ -392,19 +338,3 @@ def search(
     nbest = min(cfg.nbest, cfg.beam_size)
     return beam_search(model, src, cfg.beam_size, cfg.alpha, a, b, nbest, min_len, prefix,
                        shortlist)  # fmt: skip
-
-
-__all__ = [
-    "Beam",
-    "Greedy",
-    "Hypothesis",
-    "IncrementalDecoder",
-    "Sampling",
-    "beam_search",
-    "generate",
-    "greedy_search",
-    "length_penalty",
-    "max_lengths",
-    "sample",
-    "search",
-]

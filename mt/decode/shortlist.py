@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache, partial
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -50,16 +49,11 @@ assert SPECIAL.tolist() == [0, 1, 2, 3]  # columns 0-3 are ids 0-3
 
 @dataclass
 class Lexicon:
-    """The most probable translations of each source piece and the target pieces by frequency.
-
-    Attributes:
-        offsets: (V + 1,) int64; source piece ``s``'s translations are
-            ``targets[offsets[s]:offsets[s + 1]]``, most probable first.
-        targets: (E,) int64 target piece ids.
-        probs: (E,) float32 ``p(t | s)`` of each entry.
-        frequent: (F,) int64 target pieces, most frequent in the training targets first.
-        meta: how it was made (pairs used, EM iterations, languages, tokenizer digest).
-    """
+    """The most probable translations of each source piece and the target pieces by frequency:
+    source piece ``s``'s translations are ``targets[offsets[s]:offsets[s + 1]]`` (int64, most
+    probable first) with ``probs`` ``p(t | s)`` (float32); ``frequent`` the target pieces, most
+    frequent in the training targets first; ``meta`` how it was made (pairs used, EM
+    iterations, languages, tokenizer digest)."""
 
     offsets: torch.Tensor
     targets: torch.Tensor
@@ -73,23 +67,12 @@ class Lexicon:
 
     def save(self, path: str | Path) -> None:
         """Write atomically (``torch.load(weights_only=True)`` reads it back)."""
-        state = {
-            "format": FORMAT,
-            "offsets": self.offsets,
-            "targets": self.targets,
-            "probs": self.probs,
-            "frequent": self.frequent,
-            "meta": dict(self.meta),
-        }
+        state = {"format": FORMAT, **vars(self)}
         atomic_path(path, lambda f: torch.save(state, f))
 
     @classmethod
     def load(cls, path: str | Path) -> Lexicon:
-        """Read a file written by :meth:`save`.
-
-        Raises:
-            ValueError: naming the file, when it is missing or not a lexicon of this format.
-        """
+        """Read a file written by :meth:`save` (ValueError naming it if it is not one)."""
         try:
             state = torch.load(Path(path), map_location="cpu", weights_only=True)
         except (OSError, RuntimeError, EOFError) as err:
@@ -109,15 +92,10 @@ class Lexicon:
         frequent: int,
         prefix: torch.Tensor | None = None,
     ) -> Shortlist:
-        """The candidate target pieces of one batch (see the module docstring): the union of
-        its sentences' lists, and which of them each sentence may use.
-
-        Args:
-            src: (B, S) source ids of the batch (PAD-padded, EOS-ended).
-            k: translations kept per source piece (the most probable).
-            frequent: the most frequent target pieces, kept for every sentence.
-            prefix: (B, P) forced target ids (-1: free), or None.
-        """
+        """The candidate target pieces of one batch ``src`` (B, S) (see the module docstring):
+        the union of its sentences' lists, and which of them each sentence may use; ``k``
+        translations per source piece, ``frequent`` pieces for all, ``prefix`` (B, P) forced
+        target ids (-1: free) or None."""
         offsets, targets = self.offsets.numpy(), self.targets.numpy()
         rows = src.cpu().numpy().astype(np.int64)
         B, V, first = len(rows), self.vocab_size, len(SPECIAL)
@@ -159,15 +137,10 @@ class Lexicon:
 
 class Shortlist:
     """One batch's candidate target pieces: column ``c`` of its logits is vocabulary id
-    ``ids[c]``; ``ids[:4]`` are the special ids 0-3 (so PAD, BOS and EOS keep their columns).
-
-    The batch is projected onto all C pieces; each sentence then keeps only its own
-    (``allowed``), so a sentence's translation does not depend on the batch it is in.
-
-    Args:
-        ids: (C,) int64, the special ids first, then increasing ids.
-        allowed: (B, C) bool, the pieces each sentence of the batch may use; None: all.
-    """
+    ``ids[c]`` (C,), the special ids 0-3 first (so PAD, BOS and EOS keep their columns), then
+    increasing ids. The batch is projected onto all C pieces; each sentence then keeps only
+    its own (``allowed``: (B, C) bool, None: all), so its translation does not depend on the
+    batch it is in."""
 
     def __init__(self, ids: torch.Tensor, allowed: torch.Tensor | None = None) -> None:
         self.ids = ids
@@ -175,25 +148,20 @@ class Shortlist:
         if allowed is not None:
             bias = torch.zeros(allowed.shape, device=allowed.device)
             self.bias = bias.masked_fill_(~allowed, float("-inf"))
-        self._products: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self._rows: dict[tuple, torch.Tensor] = {}  # project's rows, by weight
         self._bias_rows: tuple[tuple[int, ...], torch.Tensor] | None = None  # bias_rows' last
 
     def __len__(self) -> int:
         return self.ids.numel()
 
     def project(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Logits (..., C) of decoder outputs ``h`` (..., D) over this batch's pieces.
-
-        Args:
-            weight: the tied output weight (V', D); its rows of these pieces are gathered once
-                per batch and multiplied with ``F.linear`` (in their dtype).
-        """
+        """Logits (..., C) of decoder outputs ``h`` (..., D) over this batch's pieces: their
+        rows of the tied output ``weight`` (V', D) are gathered once per batch."""
         key = (weight.data_ptr(), weight.dtype)
-        product = self._products.get(key)
-        if product is None:
-            product = partial(_linear, weight.index_select(0, self.ids).contiguous())
-            self._products[key] = product
-        return product(h)
+        if key not in self._rows:
+            self._rows[key] = weight.index_select(0, self.ids).contiguous()
+        rows = self._rows[key]
+        return F.linear(h.to(rows.dtype), rows)
 
     def restrict(self, logits: torch.Tensor, sents: list[int], width: int) -> torch.Tensor:
         """``logits`` (n * width, T, C) of the rows of sentences ``sents`` (``width`` rows
@@ -222,13 +190,9 @@ class Shortlist:
 
     def columns(self, tokens: torch.Tensor) -> torch.Tensor:
         """The columns of vocabulary ids ``tokens`` (each in the shortlist; -1 stays -1)."""
-        col = torch.searchsorted(self.ids[len(SPECIAL):], tokens.clamp(min=0)) + len(SPECIAL)
+        col = torch.searchsorted(self.ids[len(SPECIAL) :], tokens.clamp(min=0)) + len(SPECIAL)
         col = torch.where(tokens < len(SPECIAL), tokens, col)
         return torch.where(tokens < 0, tokens, col)
-
-
-def _linear(rows: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    return F.linear(h.to(rows.dtype), rows)
 
 
 def build_lexicon(
@@ -240,17 +204,11 @@ def build_lexicon(
     max_products: int = 20_000_000,
     meta: dict[str, Any] | None = None,
 ) -> Lexicon:
-    """IBM Model 1 ``p(t | s)`` by EM over encoded pairs; the ``keep`` best per source piece.
-
-    Args:
-        src, tgt: ``mt.data.store.TokenArray`` of the pairs' source and target ids.
-        vocab_size: V (ids are below it).
-        iterations: EM iterations from the uniform table.
-        keep: translations kept per source piece.
-        max_products: at most this many (source, target) token pairs per iteration (memory:
-            ~60 bytes each); beyond, a fixed random sample of the pairs is used.
-        meta: recorded in the lexicon (languages, tokenizer digest).
-    """
+    """IBM Model 1 ``p(t | s)`` by ``iterations`` of EM from the uniform table, over the pairs'
+    ``src`` and ``tgt`` ids (``mt.data.store.TokenArray``); the ``keep`` best per source piece.
+    ``max_products``: at most this many (source, target) token pairs per iteration (memory:
+    ~60 bytes each); beyond, a fixed random sample of the pairs is used. ``meta`` is recorded
+    in the lexicon (languages, tokenizer digest)."""
     V, n = int(vocab_size), len(src)
     s_len, t_len = np.asarray(src.lengths), np.asarray(tgt.lengths)
     cost = (s_len + 1) * t_len
@@ -307,12 +265,7 @@ def _load(path: str, mtime_ns: int) -> Lexicon:
 
 def load_lexicon(path: str | Path, vocab_size: int | None = None) -> Lexicon:
     """The lexicon at ``path`` (read once per file version), checked against the model's
-    vocabulary size.
-
-    Raises:
-        ValueError: naming ``decode.shortlist``: the file is missing or unreadable, or it was
-            made for another vocabulary size.
-    """
+    vocabulary size (ValueError naming ``decode.shortlist``)."""
     p = Path(path)
     if str(path) == "train":
         raise ValueError(
@@ -377,12 +330,8 @@ def vocabulary_map(lexicon: Lexicon, pieces: list[str], k: int, frequent: int) -
 def resolve_shortlist(cfg: Any, tokenizer: Any, prepared: Any = None) -> Any:
     """``cfg`` (an ``mt.schema.Config``) with ``decode.shortlist=train`` replaced by the path of
     the lexicon of its prepared training data (``prepared``, or prepared here if need be; built
-    on first use); anything else is returned as it is.
-
-    Raises:
-        ValueError: ``tokenizer`` (the checkpoint's) is not the prepared data's, whose ids the
-            lexicon would hold.
-    """
+    on first use). ValueError: ``tokenizer`` (the checkpoint's) is not the prepared data's,
+    whose ids the lexicon would hold."""
     if cfg.decode.shortlist != "train":
         return cfg
     if prepared is None:
@@ -395,26 +344,8 @@ def resolve_shortlist(cfg: Any, tokenizer: Any, prepared: Any = None) -> Any:
             f"({prepared.dir}); give a lexicon file made with its own"
         )
     path = lexicon_of(prepared, cfg.data.src_lang, cfg.data.tgt_lang)
-    log.info("shortlist: %s (%s)", path, describe(load_lexicon(path)))
+    lexicon = load_lexicon(path)
+    log.info("shortlist: %s (%d entries for %d pieces, from %s pairs)", path,
+             lexicon.targets.numel(), lexicon.vocab_size, lexicon.meta.get("pairs"))  # fmt: skip
     decode = dataclasses.replace(cfg.decode, shortlist=str(path))
     return dataclasses.replace(cfg, decode=decode)
-
-
-def describe(lexicon: Lexicon) -> str:
-    """One line for logs: entries, pairs used."""
-    pairs = lexicon.meta.get("pairs")
-    made = f", from {pairs:,} pairs" if isinstance(pairs, int) else ""
-    return f"{lexicon.targets.numel():,} entries for {lexicon.vocab_size:,} pieces{made}"
-
-
-__all__ = [
-    "Lexicon",
-    "Shortlist",
-    "build_lexicon",
-    "check_settings",
-    "describe",
-    "lexicon_of",
-    "load_lexicon",
-    "resolve_shortlist",
-    "vocabulary_map",
-]

@@ -20,14 +20,10 @@ NEG_INF = float("-inf")
 
 @dataclass
 class Step:
-    """What a strategy decides at one step, for n sentences of K hypotheses each.
-
-    Attributes:
-        done: (i, k, logprob) per finished hypothesis: sentence i's hypothesis k + EOS.
-        beam: (n, K) the parent hypothesis of each continuing one.
-        token: (n, K) its new token.
-        score: (n, K) its summed log-probability (-inf: no hypothesis).
-    """
+    """What a strategy decides at one step, for n sentences of K hypotheses each: ``done``
+    (i, k, logprob) per finished hypothesis (sentence i's hypothesis k + EOS), and for the
+    continuing ones (n, K) their parent hypothesis ``beam``, new ``token`` and summed
+    log-probability ``score`` (-inf: no hypothesis)."""
 
     done: list[tuple[int, int, float]]
     beam: torch.Tensor
@@ -50,25 +46,18 @@ class Beam:
         """scores (n, K) of the live hypotheses; lprobs (n, K or 1, V) of their next tokens
         (one row per sentence at the first step, when its K hypotheses are the same)."""
         n, K, V = scores.size(0), self.K, lprobs.size(-1)
-        # score(y_1..y_t) = score(y_1..y_t-1) + log p(y_t | y_<t, x), hypothesis k and token v
         if lprobs.size(1) == K:  # in place: the log-probabilities are not needed after
             cand = lprobs.add_(scores[:, :, None]).view(n, K * V)
         else:  # the first step: one row per sentence, broadcast to its K (equal) hypotheses
             cand = (scores[:, :, None] + lprobs).view(n, K * V)
         top_score, top_index = row_topk(cand, min(2 * K, K * V))  # (n, 2K), best first
-        return self._choose(top_score, top_index // V, top_index % V)
-
-    def _choose(self, top_score: torch.Tensor, top_beam: torch.Tensor,
-                top_tok: torch.Tensor) -> Step:  # fmt: skip
-        """The Step of a sentence's 2K best candidates (n, 2K), best first: parent, token."""
-        K = self.K
+        top_beam, top_tok = top_index // V, top_index % V
         is_eos = top_tok == EOS
         ranked_in_k = torch.arange(top_score.size(1), device=top_score.device) < K
         finished = is_eos & ranked_in_k & torch.isfinite(top_score)
-        done = []
-        if bool(finished.any()):
-            for i, j in finished.nonzero().tolist():
-                done.append((i, int(top_beam[i, j]), float(top_score[i, j])))
+        done = [
+            (i, int(top_beam[i, j]), float(top_score[i, j])) for i, j in finished.nonzero().tolist()
+        ]
         # The K best candidates not ending in EOS: rank order, EOS ones moved last (stable).
         keep = torch.argsort(is_eos.to(torch.int8), dim=1, stable=True)[:, :K]  # (n, K)
         beam, token, score = (t.gather(1, keep) for t in (top_beam, top_tok, top_score))
@@ -196,6 +185,3 @@ def _one_token_step(scores: torch.Tensor, lprob: torch.Tensor, token: torch.Tens
         done = [(i, 0, float(score[i])) for i in ended.nonzero().squeeze(1).tolist()]
     zero = torch.zeros_like(token)
     return Step(done, zero[:, None], token[:, None], score.masked_fill(ended, NEG_INF)[:, None])
-
-
-__all__ = ["Beam", "Greedy", "Sampling", "Step", "row_max", "row_topk"]

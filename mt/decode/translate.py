@@ -8,21 +8,15 @@ decoding needs:
     >>> t.translate(["Ein Hund rennt im Schnee."], beam_size=4)  # doctest: +SKIP
     ['A dog runs in the snow.']
 
-``mt-translate checkpoint=PATH`` reads stdin (or ``input=FILE``) and writes stdout (or
-``output=FILE``), one translation per input line in input order. It reads and translates in
-chunks, so an input of any size is never held in memory at once. An empty line gives an empty
-line. A file and stdin are read alike: lines end at ``"\n"`` (or ``"\r\n"``), a lone ``"\r"``
-stays inside its line, and a line that is not UTF-8 or holds a NUL byte is an error naming it.
-``output=FILE`` appears only complete (written to a temporary file, renamed at the end).
-A line longer than the model's ``max_positions`` is an error naming the line, or with
-``decode.too_long=truncate`` is cut (with a warning). With ``decode.nbest=N > 1`` each input line
-gives N lines ``<line index> ||| <translation> ||| <score>`` (Moses n-best format, index from 0).
-``attention=FILE.png`` draws the first non-empty sentence's encoder-decoder attention;
-``alignment=FILE`` writes a word alignment (Pharaoh ``i-j``) of every sentence; ``prefix=FILE``
-forces the start of each translation (one target prefix per input line); ``checkpoint=[a,b]``
-decodes with an ensemble. From a terminal (or with ``interactive=true``) each line is
-translated as soon as it is read. ``engine=auto|torch|ctranslate2`` (``translate.engine``, and
-``compute_type``, ``inter_threads``, ``intra_threads``) picks who decodes: see mt.decode.engine.
+``mt-translate`` (docs/decoding.md) translates stdin or ``input=FILE`` to stdout or
+``output=FILE`` in chunks, one line per input line in input order (an empty line gives an empty
+line), so an input of any size is never held in memory at once. Lines end at ``"\n"`` (or
+``"\r\n"``; a lone ``"\r"`` stays inside its line); a line that is not UTF-8, holds a NUL or is
+longer than the model's ``max_positions`` (unless ``decode.too_long=truncate``) is an error
+naming it. ``output=FILE`` appears only complete. ``decode.nbest=N > 1`` writes Moses n-best
+lines ``<line index from 0> ||| <translation> ||| <score>``. From a terminal (or with
+``interactive=true``) each line is translated as soon as it is read. ``engine=`` picks who
+decodes: see mt.decode.engine.
 """
 
 from __future__ import annotations
@@ -42,8 +36,8 @@ import torch
 from mt.checkpoint import CheckpointError, load_model
 from mt.data.tokenizer import TokenizerError
 from mt.decode import engine as engines
-from mt.decode.alignment import alignments, attention_map
-from mt.decode.driver import fit_to_model, score_ids, translate_ids, translate_nbest
+from mt.decode.alignment import alignments, attention_map, plot_attention
+from mt.decode.driver import fit_to_model, score_ids, translate_nbest
 from mt.decode.ensemble import Ensemble
 from mt.decode.search import Hypothesis
 from mt.decode.shortlist import resolve_shortlist
@@ -59,21 +53,18 @@ CHUNK_LINES = 2048  # lines read, translated and written at a time by mt-transla
 class Translator:
     """A model, its tokenizer and decoding settings: text in, text out.
 
-    Args:
-        model: an mt Transformer (eval mode, on ``device``), or an ``mt.decode.ensemble.Ensemble``
-        of
-            them (attention maps and alignments then come from its first member).
-        tokenizer: its mt.data.tokenizer.Tokenizer.
-        device: where decoding runs.
-        decode_cfg: default search settings (beam 4, alpha 0.6, ... when None).
-        engine: which engine decodes (mt.decode.engine; None: torch, mt's own search).
-        checkpoint: the checkpoint file the model came from (CTranslate2 converts it).
-        node: the command's settings node, for messages (``translate``, ``serve``, ``score``).
+    ``model`` is an mt Transformer (eval mode, on ``device``) or an mt.decode.ensemble.Ensemble
+    of them (attention maps and alignments then come from its first member); ``decode_cfg``
+    the default search (DecodeConfig's when None); ``engine`` who decodes (mt.decode.engine;
+    None: torch). CTranslate2 converts ``checkpoint``, the file the model came from, with
+    ``exporter``: ``mt.export.ct2`` (its ``check_exportable`` and ``export_ct2``), which the
+    commands get from mt.cli, as mt.export sits above mt.decode (None: torch decodes).
+    ``node``: the command's settings node, for messages (``translate``, ``serve``, ``score``).
     """
 
     def __init__(self, model, tokenizer, device="cpu", decode_cfg: DecodeConfig | None = None,
                  engine: EngineConfig | None = None, checkpoint: str | Path | None = None,
-                 node: str = "translate"):  # fmt: skip
+                 node: str = "translate", exporter: Any = None):  # fmt: skip
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -82,11 +73,12 @@ class Translator:
         self.engine_cfg = engine or EngineConfig(engine="torch")
         self.checkpoint = checkpoint
         self.node = node
+        self.exporter = exporter
         self._ct2: dict[tuple, Any] = {}  # CTranslate2 translators, by shortlist settings
 
     @property
     def single_model(self):
-        """The one Transformer used for attention: the model, or an ensemble's first member."""
+        """The Transformer attention is drawn from: the model, or an ensemble's first member."""
         return self.model.members[0] if isinstance(self.model, Ensemble) else self.model
 
     @classmethod
@@ -97,15 +89,12 @@ class Translator:
         decode_cfg: DecodeConfig | None = None,
         engine: EngineConfig | None = None,
         node: str = "translate",
+        exporter: Any = None,
     ) -> Translator:
         """Load a checkpoint written by mt-train, or a list of them as an ensemble (their
-        log-probabilities averaged at each step; they must share one tokenizer). ``engine``:
-        who decodes (see mt.decode.engine; None: torch).
-
-        Raises:
-            CheckpointError: a file is missing, not a checkpoint, truncated, its model and
-                vocabulary do not fit together, or ensemble members have different tokenizers.
-        """
+        log-probabilities averaged at each step; they must share one tokenizer). CheckpointError:
+        a file is missing, not a checkpoint, truncated, its model and vocabulary do not fit
+        together, or ensemble members have different tokenizers."""
         if isinstance(path, (list, tuple)) and len(path) == 1:
             path = path[0]
         if isinstance(path, (list, tuple)):
@@ -129,28 +118,26 @@ class Translator:
                 f"built for a vocabulary of {ckpt['vocab_size']}: different vocabularies"
             )
         log.info("loaded %s (step %s) on %s", path, ckpt.get("step"), device)
-        return cls(model, tokenizer, device, decode_cfg, engine, path, node)
+        return cls(model, tokenizer, device, decode_cfg, engine, path, node, exporter)
 
     def _model_problem(self) -> str | None:
         """Why CTranslate2 cannot take this model, or None."""
         if self.checkpoint is None:
             return "the model did not come from a checkpoint file"
-        from mt.export.hf import ExportError, check_exportable
-
+        if self.exporter is None:
+            return "no exporter to convert it with: Translator(exporter=mt.export.ct2)"
         try:
-            check_exportable(self.single_model.cfg, self.tokenizer.joint, "ctranslate2")
-        except ExportError as err:
+            self.exporter.check_exportable(self.single_model.cfg, self.tokenizer.joint,
+                                           "ctranslate2")  # fmt: skip
+        except ValueError as err:  # mt.export.hf.ExportError
             return str(err)
         return None
 
     def engine(self, cfg: DecodeConfig, prefix: bool = False) -> Any:
         """The engine of a request with settings ``cfg``: None for torch (mt's search), or the
         CTranslate2 engine (mt.decode.ctranslate2_engine), made on first use (the checkpoint
-        converted once). The choice is logged once per engine and reason.
-
-        Raises:
-            mt.decode.engine.EngineError: ``engine=ctranslate2`` with what it cannot run.
-        """
+        converted once). The choice is logged once per engine and reason; EngineError:
+        ``engine=ctranslate2`` with what it cannot run."""
         e = self.engine_cfg
         choice = engines.choose(
             e.engine, e.compute_type, self.device, engines.ct2_available(),
@@ -172,7 +159,7 @@ class Translator:
             inter, intra = (1, 1) if choice.device == "cuda" else engines.threads(
                 e.inter_threads, e.intra_threads, torch.get_num_threads())  # fmt: skip
             self._ct2[key] = CTranslate2Engine(
-                self.checkpoint, self.tokenizer, self.max_positions, choice.device,
+                self.checkpoint, self.exporter, self.tokenizer, self.max_positions, choice.device,
                 choice.index, choice.compute_type, inter, intra, shortlist,
             )  # fmt: skip
         return self._ct2[key]
@@ -186,16 +173,6 @@ class Translator:
         """Source ids of each sentence, checked (or truncated) against ``max_positions``."""
         ids = self.tokenizer.encode([self.tokenizer.normalize(s) for s in sentences], side="src")
         return fit_to_model(ids, self.max_positions, cfg.too_long, first_line, "input")
-
-    def prefixes(self, prefix: list[str] | None, keep: list[int]) -> list[list[int]] | None:
-        """Target ids of the forced prefixes of the sentences ``keep`` (None: no prefixes)."""
-        if prefix is None:
-            return None
-        texts = [self.tokenizer.normalize(prefix[i]) for i in keep]
-        return [
-            ids if text else []
-            for ids, text in zip(self.tokenizer.encode(texts, side="tgt"), texts)
-        ]
 
     def translate_nbest(
         self,
@@ -214,12 +191,14 @@ class Translator:
         out: list[list[tuple[str, float]]] = [[("", 0.0)] for _ in sentences]
         if not keep:
             return out
-        try:
-            ids = self.encode([sentences[i] for i in keep], cfg)
-        except ValueError as err:  # re-raise naming the caller's line numbers
-            raise ValueError(_renumber(str(err), keep, first_line)) from None
+        every = self.encode(sentences, cfg, first_line)  # errors name the caller's lines
+        ids = [every[i] for i in keep]
         indices = [first_line - 1 + i for i in keep]  # sampling seeds follow the line number
-        forced = self.prefixes(prefix, keep)
+        forced = None
+        if prefix is not None:
+            forced = self.tokenizer.encode(
+                [self.tokenizer.normalize(prefix[i]) for i in keep], "tgt"
+            )
         ct2 = self.engine(cfg, bool(forced and any(forced)))
         if ct2 is not None:
             results: list[list[Hypothesis]] = ct2.translate_nbest(ids, cfg, forced)
@@ -241,102 +220,51 @@ class Translator:
         prefix: list[str] | None = None,
         **overrides: Any,
     ) -> list[str]:
-        """Translate sentences (best hypothesis each), in input order.
+        """The best translation of each sentence, in input order ("" for an empty one).
 
-        Args:
-            sentences: raw source sentences.
-            beam_size: 1 = greedy (default: the Translator's decode settings, 4).
-            alpha: length penalty (default 0.6).
-            first_line: the line number of ``sentences[0]`` in error messages (and, with
-                ``sample=True``, the seed of each sentence's draw: ``seed`` and its line).
-            prefix: one target text per sentence that its translation must start with (""
-                for none); the rest is searched as usual.
-            **overrides: any other DecodeConfig field (``max_len_a``, ``batch_size``,
-                ``too_long``, ``precision``, ...).
-
-        Returns:
-            One translation per sentence; an empty sentence gives "".
-
-        Raises:
-            ValueError: a sentence longer than ``max_positions`` with ``too_long=error``.
+        ``beam_size`` (1: greedy), ``alpha`` and ``**overrides`` (any other DecodeConfig field)
+        default to the Translator's decode settings. ``first_line`` is the line number of
+        ``sentences[0]`` in error messages (a sentence longer than ``max_positions`` is a
+        ValueError unless ``too_long=truncate``) and, with ``sample=True``, seeds each
+        sentence's draw with ``seed``. ``prefix``: one target text per sentence that its
+        translation must start with ("" for none).
         """
-        cfg = self.settings(beam_size=beam_size, alpha=alpha, nbest=1, **overrides)
-        keep = [i for i, s in enumerate(sentences) if self.tokenizer.normalize(s)]
-        out = [""] * len(sentences)
-        if keep:
-            try:
-                ids = self.encode([sentences[i] for i in keep], cfg)
-            except ValueError as err:
-                raise ValueError(_renumber(str(err), keep, first_line)) from None
-            indices = [first_line - 1 + i for i in keep]
-            forced = self.prefixes(prefix, keep)
-            ct2 = self.engine(cfg, bool(forced and any(forced)))
-            if ct2 is not None:
-                out_ids = [h[0].tokens for h in ct2.translate_nbest(ids, cfg, forced)]
-            else:
-                out_ids = translate_ids(
-                    self.model, ids, cfg, self.device, prefix=forced, indices=indices
-                )
-            texts = self.tokenizer.decode(out_ids)
-            for i, text in zip(keep, texts):
-                out[i] = text
-        return out
+        nbest = self.translate_nbest(sentences, first_line, prefix, beam_size=beam_size,
+                                     alpha=alpha, nbest=1, **overrides)  # fmt: skip
+        return [hyps[0][0] for hyps in nbest]
 
     def attention(self, sentence: str, **overrides: Any) -> tuple[list[str], list[str], Any]:
-        """Translate one sentence and return its encoder-decoder attention.
-
-        Returns:
-            ``(src_pieces (S), tgt_pieces (T), matrix (T, S))``: SentencePiece pieces plus
-            ``</s>`` on both sides; the matrix is the last decoder layer's cross-attention
-            averaged over heads, one row per generated piece.
-        """
+        """Translate one sentence and return its encoder-decoder attention: ``(src_pieces (S),
+        tgt_pieces (T), matrix (T, S))`` (see mt.decode.alignment.attention_map)."""
         cfg = self.settings(**overrides)
         self.encode([sentence], cfg)  # the too_long check
         return attention_map(self.single_model, self.tokenizer, sentence, cfg, self.device)
 
+    def _pairs(self, sentences: list[str], translations: list[str]):
+        """Source and target ids of sentence pairs, cut to the model's ``max_positions``."""
+        tok, limit = self.tokenizer, self.max_positions
+        src = tok.encode([tok.normalize(s) for s in sentences], side="src")
+        tgt = tok.encode([tok.normalize(t) for t in translations], side="tgt")
+        return fit_to_model(src, limit), fit_to_model(tgt, limit, what="target")
+
     def alignments(
         self, sentences: list[str], translations: list[str], layer: int = -1
     ) -> list[str]:
-        """Word alignments of sentence pairs, one Pharaoh line (``i-j ...``) each.
-
-        Args:
-            sentences: source texts; translations: their target texts (e.g. from translate).
-            layer: the decoder layer whose cross-attention (averaged over heads) aligns.
-        """
-        src = self.tokenizer.encode([self.tokenizer.normalize(s) for s in sentences], side="src")
-        tgt = self.tokenizer.encode([self.tokenizer.normalize(t) for t in translations], "tgt")
-        src = fit_to_model(src, self.max_positions, "truncate", what="source")
-        tgt = fit_to_model(tgt, self.max_positions, "truncate", what="target")
+        """Word alignments of sentence pairs, one Pharaoh line (``i-j ...``) each, from decoder
+        layer ``layer``'s cross-attention averaged over heads."""
+        src, tgt = self._pairs(sentences, translations)
         return alignments(self.single_model, self.tokenizer, src, tgt, self.device, layer)
 
     def score(self, sentences: list[str], translations: list[str]) -> list[tuple[float, int]]:
-        """The model's log-probability of each translation given its source.
-
-        Returns:
-            Per pair, ``(log p(translation + EOS | source), tokens scored)``: the sum of the
-            teacher-forced log-probabilities of its pieces and the final EOS.
-        """
-        src = self.tokenizer.encode([self.tokenizer.normalize(s) for s in sentences], side="src")
-        tgt = self.tokenizer.encode([self.tokenizer.normalize(t) for t in translations], "tgt")
+        """Per pair, ``(log p(translation + EOS | source), tokens scored)``: the sum of the
+        teacher-forced log-probabilities of its pieces and the final EOS."""
+        src, tgt = self._pairs(sentences, translations)
         ct2 = self.engine(self.decode_cfg)
         if ct2 is not None:
-            src = fit_to_model(src, self.max_positions, "truncate")
-            tgt = fit_to_model(tgt, self.max_positions, "truncate", what="target")
             per_token = ct2.score(src, tgt, self.decode_cfg)
         else:
             per_token = score_ids(self.model, src, tgt, self.device, self.decode_cfg.batch_size)
         return [(sum(lp), len(lp)) for lp in per_token]
-
-
-def _renumber(message: str, keep: list[int], first_line: int) -> str:
-    """Map 'line N' of the non-empty subset back to the caller's numbering."""
-    import re
-
-    match = re.match(r"line (\d+) ", message)
-    if not match:
-        return message
-    original = first_line + keep[int(match.group(1)) - 1]
-    return f"line {original} " + message[match.end() :]
 
 
 def chunks(lines: Iterable[str], size: int) -> Iterator[list[str]]:
@@ -361,15 +289,11 @@ def translate_stream(
     alignment: TextIO | None = None,
     alignment_layer: int = -1,
 ) -> int:
-    """Translate ``src`` line by line into ``dst`` in chunks; returns the number of lines.
-
-    Args:
-        interactive: translate and write each line as soon as it is read (a terminal);
-            otherwise lines are batched in chunks of ``CHUNK_LINES``.
-        prefixes: one target prefix per input line (the start each translation is forced to).
-        alignment: where to write one Pharaoh alignment line per input line (best translation).
-        alignment_layer: the decoder layer whose cross-attention aligns (-1: the last).
-    """
+    """Translate ``src`` line by line into ``dst`` in chunks of ``CHUNK_LINES`` (one line
+    with ``interactive``: a terminal answered as it types); returns the number of lines.
+    ``prefixes``: one forced target start per input line; ``alignment``: where to write a
+    Pharaoh line per input line (of its best translation; ``alignment_layer``: see
+    Translator.alignments)."""
     n, start = 0, time.perf_counter()
     size = 1 if interactive else max(CHUNK_LINES, cfg.batch_size)
     for chunk in chunks(src, size):  # reading a line waits for that line only
@@ -400,27 +324,36 @@ def translate_stream(
     return n
 
 
-def translate_main(cfg: Config) -> None:
-    """``mt-translate``: stdin or ``input=`` to stdout or ``output=`` with ``checkpoint=``.
+def load_translator(
+    cfg: Config, node: str, exporter: Any = None, prefix: bool = False
+) -> Translator:
+    """The Translator of ``mt-<node>`` (translate, serve, score) from ``<node>.checkpoint``
+    (default: the run's best.pt) on ``train.device``, with ``decode.shortlist=train`` resolved
+    to its lexicon and the engine's settings checked (and a conversion made) before any input
+    is read; an unusable checkpoint or engine setting exits with a one-line error."""
+    args = getattr(cfg, node)
+    path = args.checkpoint or Path(cfg.run_dir) / "checkpoints/best.pt"
+    if cfg.train.threads > 0:
+        torch.set_num_threads(cfg.train.threads)
+    device = resolve_device(cfg.train.device)
+    try:
+        translator = Translator.from_checkpoint(path, device, cfg.decode, args, node, exporter)
+        translator.decode_cfg = resolve_shortlist(cfg, translator.tokenizer).decode
+        translator.engine(translator.decode_cfg, prefix)
+    except (CheckpointError, engines.EngineError) as err:
+        raise SystemExit(f"mt-{node}: {err}") from None
+    return translator
+
+
+def translate_main(cfg: Config, exporter: Any = None) -> None:
+    """``mt-translate``: stdin or ``input=`` to stdout or ``output=`` with ``checkpoint=``
+    (``exporter``: see Translator).
 
     Exits with a one-line error (no traceback) for an unusable checkpoint, a missing input file
     or a line too long for the model.
     """
     args = cfg.translate
-    path = args.checkpoint or Path(cfg.run_dir) / "checkpoints/best.pt"
-    device = resolve_device(cfg.train.device)
-    if cfg.train.threads > 0:
-        torch.set_num_threads(cfg.train.threads)
-    try:
-        translator = Translator.from_checkpoint(path, device, cfg.decode, args)
-    except CheckpointError as err:
-        raise SystemExit(f"mt-translate: {err}") from None
-    cfg = resolve_shortlist(cfg, translator.tokenizer)  # decode.shortlist=train: its file
-    translator.decode_cfg = cfg.decode
-    try:  # the engine's settings checked (and a conversion made) before any input is read
-        translator.engine(cfg.decode, bool(args.prefix))
-    except engines.EngineError as err:
-        raise SystemExit(f"mt-translate: {err}") from None
+    translator = load_translator(cfg, "translate", exporter, bool(args.prefix))
     name = args.input or "stdin"
     try:
         with contextlib.ExitStack() as stack:
@@ -436,7 +369,7 @@ def translate_main(cfg: Config) -> None:
             first: list[str] = []
             lines = _remember_first(read_lines(raw, name), first, translator)
             n = translate_stream(
-                translator, lines, dst, cfg.decode, interactive, prefixes, alignment,
+                translator, lines, dst, translator.decode_cfg, interactive, prefixes, alignment,
                 args.alignment_layer,
             )  # fmt: skip
             if args.attention:
@@ -449,7 +382,6 @@ def translate_main(cfg: Config) -> None:
 
 
 def _is_tty(stream) -> bool:
-    """Whether ``stream`` is a terminal (then mt-translate answers each line as it is typed)."""
     try:
         return stream.isatty()
     except (AttributeError, ValueError):
@@ -466,8 +398,6 @@ def _remember_first(lines: Iterable[str], first: list[str], translator) -> Itera
 
 def _draw_attention(translator: Translator, first: list[str], path: str) -> None:
     """Heatmap of the first non-empty input sentence's encoder-decoder attention."""
-    from mt.decode.alignment import plot_attention
-
     if not first:
         log.warning("attention=: the input has no non-empty line; nothing drawn")
         return

@@ -3,9 +3,8 @@
 Requests put jobs (sentences + decoding options) on a bounded queue; one worker thread owns the
 model. It takes the first waiting job, then keeps taking jobs for up to ``wait_ms`` or until
 ``max_sentences`` sentences are gathered, groups them by identical options and decodes each
-group with ONE call of the :class:`mt.decode.translate.Translator` (one batched search instead of
-one
-per request). Each job gets its own results back, in its own sentence order.
+group with ONE call of the :class:`mt.decode.translate.Translator` (one batched search instead
+of one per request). Each job gets its own results back, in its own sentence order.
 
 A job whose decoding fails (e.g. a sentence the model cannot take) gets that error; the other
 jobs of its batch are decoded again without it, so one bad request never fails another.
@@ -20,17 +19,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 log = logging.getLogger(__name__)
-
-
-class NBestTranslator(Protocol):
-    """What the queue needs of a translator (``mt.decode.translate.Translator`` has it)."""
-
-    def translate_nbest(
-        self, sentences: list[str], first_line: int = 1, **overrides: Any
-    ) -> list[list[tuple[str, float]]]: ...
 
 
 class QueueFull(RuntimeError):
@@ -58,16 +49,11 @@ class Job:
 
 
 class Batcher:
-    """The queue and its worker thread.
+    """The queue and its worker thread, the only user of ``translator`` (anything with
+    ``translate_nbest``): batches of at most ``max_sentences``, gathered for ``wait_ms`` after
+    their first job; :meth:`submit` raises QueueFull beyond ``queue_size`` waiting sentences."""
 
-    Args:
-        translator: the model's translator (used only from the worker thread).
-        max_sentences: sentences per decoding batch at most.
-        wait_ms: how long the worker waits for more jobs after the first one of a batch.
-        queue_size: sentences waiting at most; :meth:`submit` raises QueueFull beyond it.
-    """
-
-    def __init__(self, translator: NBestTranslator, max_sentences: int = 64,
+    def __init__(self, translator: Any, max_sentences: int = 64,
                  wait_ms: float = 5.0, queue_size: int = 256) -> None:  # fmt: skip
         self.translator = translator
         self.max_sentences = max(1, max_sentences)

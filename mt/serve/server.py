@@ -11,10 +11,9 @@ Built on FastAPI (Starlette) and uvicorn (``pip install mt[serve]``):
   known), and ``GET /`` the page (type sentences, see translations, n-best, heat map).
 
 Requests go through :class:`mt.serve.request_queue.Batcher`: those arriving together are decoded
-together.
-Every bad input is a 4xx with ``{"error": message}`` naming what was wrong and the limit (the
-``serve.*`` settings); the server keeps running. It binds 127.0.0.1 unless told otherwise and
-never reads a path from a request: the only file it serves is its own page.
+together. Every bad input is a 4xx with ``{"error": message}`` naming what was wrong and the
+limit (the ``serve.*`` settings); the server keeps running. It binds 127.0.0.1 unless told
+otherwise and never reads a path from a request: the only file it serves is its own page.
 """
 
 from __future__ import annotations
@@ -31,9 +30,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException
 
-from mt.decode.engine import EngineError
-from mt.decode.shortlist import resolve_shortlist
-from mt.decode.translate import Translator
+from mt.checkpoint import load_checkpoint
+from mt.decode.translate import Translator, load_translator
 from mt.schema import Config, ServeConfig
 from mt.serve.request_queue import Batcher, Job, QueueFull
 
@@ -98,7 +96,7 @@ def _check_sampling(options: dict[str, Any]) -> None:
     given = [k for k in SAMPLING if k in options]
     if not options.get("sample"):
         if given:
-            raise BadRequest(422, f"{given} only apply with \"sample\": true")
+            raise BadRequest(422, f'{given} only apply with "sample": true')
         return
     if options.get("nbest", 1) != 1 or "beam_size" in options:
         raise BadRequest(422, "'sample' draws one translation: no 'beam_size', 'nbest' 1")
@@ -134,7 +132,7 @@ def check_sentence(text: Any, where: str, limits: ServeConfig, translator: Trans
 def parse_translate(body: Any, limits: ServeConfig, translator: Translator):
     """``(sentences, options)`` of a /translate body, or BadRequest."""
     if not isinstance(body, dict):
-        raise BadRequest(422, "the body must be a JSON object like {\"text\": [\"...\"]}")
+        raise BadRequest(422, 'the body must be a JSON object like {"text": ["..."]}')
     if "text" not in body:
         raise BadRequest(422, "'text' is missing: a list of sentences")
     text = body["text"]
@@ -162,7 +160,7 @@ async def read_json(request, limits: ServeConfig) -> Any:
         if len(data) > limits.max_body_bytes:
             raise BadRequest(413, f"the body exceeds serve.max_body_bytes={limits.max_body_bytes}")
     if not data.strip():
-        raise BadRequest(400, "the body is empty: send JSON like {\"text\": [\"...\"]}")
+        raise BadRequest(400, 'the body is empty: send JSON like {"text": ["..."]}')
     try:
         text = bytes(data).decode("utf-8")
     except UnicodeDecodeError as err:
@@ -176,8 +174,6 @@ async def read_json(request, limits: ServeConfig) -> Any:
 def run_info(checkpoint: str | Path, translator: Translator) -> dict[str, Any]:
     """What /info reports: checkpoint step, model shape and size, languages and BLEU of its run
     (``config.yaml`` and ``results.json`` beside ``checkpoints/``) when present."""
-    from mt.checkpoint import load_checkpoint
-
     ckpt = load_checkpoint(checkpoint)
     info: dict[str, Any] = {
         "checkpoint": Path(checkpoint).name,
@@ -280,7 +276,7 @@ def create_app(translator: Translator, limits: ServeConfig, info: dict[str, Any]
     async def attention(request: Request):
         body = await read_json(request, limits)
         if not isinstance(body, dict) or "text" not in body:
-            raise BadRequest(422, "the body must be a JSON object like {\"text\": \"...\"}")
+            raise BadRequest(422, 'the body must be a JSON object like {"text": "..."}')
         sentence = check_sentence(body["text"], "'text'", limits, translator)
         if not translator.tokenizer.normalize(sentence):
             raise BadRequest(422, "'text' is empty")
@@ -293,31 +289,15 @@ def create_app(translator: Translator, limits: ServeConfig, info: dict[str, Any]
     return app
 
 
-def serve_main(cfg: Config) -> None:
-    """``mt-serve``: load the checkpoint, then serve on ``host:port`` until interrupted."""
-    import torch
+def serve_main(cfg: Config, exporter: Any = None) -> None:
+    """``mt-serve``: load the checkpoint, then serve on ``host:port`` until interrupted
+    (``exporter``: see mt.decode.translate.Translator)."""
     import uvicorn
 
-    from mt.checkpoint import CheckpointError
-
+    translator = load_translator(cfg, "serve", exporter)
     args = cfg.serve
-    path = Path(args.checkpoint) if args.checkpoint else Path(cfg.run_dir) / "checkpoints/best.pt"
-    if cfg.train.threads > 0:
-        torch.set_num_threads(cfg.train.threads)
-    device = cfg.train.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        translator = Translator.from_checkpoint(path, device, cfg.decode, args, node="serve")
-    except CheckpointError as err:
-        raise SystemExit(f"mt-serve: {err}") from None
-    cfg = resolve_shortlist(cfg, translator.tokenizer)  # decode.shortlist=train: its file
-    translator.decode_cfg = cfg.decode
-    try:  # the engine's settings checked (and a conversion made) before serving
-        translator.engine(cfg.decode)
-    except EngineError as err:
-        raise SystemExit(f"mt-serve: {err}") from None
-    app = create_app(translator, cfg.serve, run_info(path, translator))
+    path = args.checkpoint or Path(cfg.run_dir) / "checkpoints/best.pt"
+    app = create_app(translator, args, run_info(path, translator))
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("mt-serve listens on %s: reachable from other machines", args.host)
     log.info("serving %s on http://%s:%d/", path, args.host, args.port)
