@@ -49,15 +49,8 @@ class CheckpointError(RuntimeError):
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
-    """Write ``state`` to ``path`` atomically (tmp file in the same dir, fsync, os.replace).
-
-    Args:
-        path: destination file; its directory is created if needed.
-        state: a dict of tensors / numbers / strings / lists / dicts.
-
-    Raises:
-        OSError: ENOSPC with a message saying the disk is full (the previous file is kept).
-    """
+    """Write ``state`` to ``path`` atomically (:func:`mt.files.atomic_path`: a full disk is an
+    ``OSError(ENOSPC)`` saying so, the previous file kept)."""
     atomic_path(path, lambda f: torch.save(state, f))
 
 
@@ -85,11 +78,7 @@ def link_checkpoint(source: str | Path, path: str | Path) -> None:
 
 def verify_file(path: Path) -> None:
     """Check the CRC-32 of every record of a checkpoint's zip container (torch writes them but
-    does not check them on load, so a flipped byte in a tensor would load as a wrong weight).
-
-    Raises:
-        CheckpointError: a record whose bytes do not match its checksum.
-    """
+    does not check them on load, so a flipped byte in a tensor would load as a wrong weight)."""
     try:
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()
@@ -110,22 +99,10 @@ def load_checkpoint(
     require_training: bool = False,
     mmap: bool = False,
 ) -> dict[str, Any]:
-    """Read a checkpoint with ``torch.load(weights_only=True)`` and check its keys.
-
-    Args:
-        path: the checkpoint file.
-        map_location: where tensors go.
-        require_training: also require the training-state keys (resume).
-        mmap: map the file instead of reading it into the heap: tensors are read from the page
-            cache when used, and what is never used (an optimizer state) is never read.
-
-    Returns:
-        The checkpoint dict.
-
-    Raises:
-        CheckpointError: missing file, not a checkpoint, truncated, missing keys, or specials
-            that differ from mt.vocab.
-    """
+    """Read a checkpoint with ``torch.load(weights_only=True)`` and check its keys (with
+    ``require_training``, the training state's too: resume) and special ids; a
+    :class:`CheckpointError` names what is wrong. ``mmap``: map the file instead of reading it
+    into the heap, so what is never used (an optimizer state) is never read."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
@@ -158,16 +135,8 @@ def model_cfg_from(ckpt: dict[str, Any]) -> ModelConfig:
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu"):
-    """Build the model and tokenizer a checkpoint describes (no training config needed).
-
-    Args:
-        path: a checkpoint written by mt-train (or the averaging script).
-        device: where the model goes.
-
-    Returns:
-        ``(model, tokenizer, ckpt)``: the model in eval mode on ``device``, the
-        mt.data.tokenizer.Tokenizer embedded in the checkpoint, and the checkpoint dict.
-    """
+    """``(model, tokenizer, ckpt)`` of a checkpoint: the model it describes in eval mode on
+    ``device``, the ``mt.data.tokenizer.Tokenizer`` embedded in it, and the checkpoint dict."""
     from mt.data.tokenizer import Tokenizer
     from mt.model.transformer import build_model
 
@@ -187,14 +156,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
 
 
 def model_state(model: torch.nn.Module, model_cfg: ModelConfig, tokenizer, vocab_size: int):
-    """The parts of a checkpoint that decoding needs (``step``/``epoch`` added by the caller).
-
-    Args:
-        model: the unwrapped, uncompiled model.
-        model_cfg: its configuration.
-        tokenizer: an mt.data.tokenizer.Tokenizer (embedded via ``to_bytes``).
-        vocab_size: the vocabulary size the model was built with.
-    """
+    """The parts of a checkpoint that decoding needs, of the unwrapped, uncompiled ``model``
+    (``step``/``epoch`` added by the caller)."""
     return {
         "model": model.state_dict(),
         "model_cfg": asdict(model_cfg),
@@ -258,20 +221,12 @@ def average_checkpoints(
 ) -> dict[str, Any]:
     """The element-wise mean of the models' parameters (the paper averages the last 5 or 20).
 
-    Floating-point tensors are averaged in float64 and cast back, or, with ``into``, summed
-    in ``into``'s own tensors (float32: 5 terms lose well under a unit in the last place);
-    other tensors (integer buffers) are taken from the last checkpoint. The result carries the
-    last checkpoint's description (model_cfg, tokenizer, step, ...) but no training state, and
-    an ``averaged`` list naming its inputs.
-
-    Args:
-        paths: checkpoint files of the same model.
-        into: a model's ``state_dict()`` to hold the average (a training run's own model: no
-            second copy of the weights is allocated); its tensors become the result's
-            ``model``. After an error they may hold a partial sum.
-
-    Raises:
-        CheckpointError: no paths, or models with different parameter names or shapes.
+    Floating-point tensors are averaged in float64 and cast back, or, with ``into`` (a model's
+    ``state_dict()``: no second copy of the weights), summed in its own tensors (float32: 5
+    terms lose well under a unit in the last place), which become the result's ``model`` and
+    may hold a partial sum after an error. Integer buffers are the last checkpoint's. The
+    result carries the last checkpoint's description but no training state, and an
+    ``averaged`` list naming its inputs. Different parameter names or shapes: CheckpointError.
     """
     if not paths:
         raise CheckpointError("no checkpoints to average")
