@@ -1,9 +1,8 @@
 """Command-line entry points: ``mt-prepare``, ``mt-train``, ``mt-translate``, ``mt-evaluate``,
 ``mt-export``, ``mt-serve``, ``mt-score`` and ``mt-backtranslate``.
 
-Each is a Hydra app over the same config tree (conf/), so every setting can be overridden on
-the command line and every tool accepts ``experiment=NAME``. The stages themselves live in
-their modules; this file only composes the configuration, sets up logging and dispatches.
+Each is a Hydra app over the same config tree (conf/); the stages live in their modules, this
+file only composes the configuration, sets up logging and dispatches.
 
 A user error (a missing or malformed file, a bad line, a bad setting) ends the command with one
 line on stderr naming the file, line or key, and exit status 1; ``mt-train`` stopped by SIGTERM
@@ -77,11 +76,10 @@ def _hydra_app(task: Callable[[Config], object], command: str) -> Callable[[], N
 
 
 def trial_config(cfg: Config) -> Config:
-    """In a Hydra multirun (``-m``) each trial writes its own run directory, Hydra's output
-    directory of the job (``<hydra.sweep.dir>/<job number>``, the sweep directory under
-    ``run_dir``), so no trial resumes another; prepared data stays shared through
-    ``cache_dir``. A ``run_dir`` override that names the job itself (``${hydra:job.num}``)
-    is kept. Outside a multirun ``cfg`` is returned as it is."""
+    """In a Hydra multirun (``-m``) each trial writes its own run directory, the job's output
+    directory (``<hydra.sweep.dir>/<job number>``), so no trial resumes another; prepared data
+    stays shared through ``cache_dir``. A ``run_dir`` override naming the job itself
+    (``${hydra:job.num}``) is kept."""
     import dataclasses
 
     from hydra.core.hydra_config import HydraConfig
@@ -237,51 +235,26 @@ def _train(cfg: Config) -> float | None:
     return result["best"]
 
 
-def _translate(cfg: Config) -> None:
-    from mt.decode.translate import translate_main
+def _stage(module: str, function: str) -> Callable[[Config], object]:
+    """The stage ``module.function(cfg)``, imported when its command runs: a command loads only
+    its own stage's modules."""
 
-    translate_main(cfg)
+    def task(cfg: Config) -> object:
+        from importlib import import_module
 
+        return getattr(import_module(module), function)(cfg)
 
-def _evaluate(cfg: Config) -> None:
-    from mt.evaluation.evaluate import evaluate_main
-
-    evaluate_main(cfg)
-
-
-def _export(cfg: Config) -> None:
-    from mt.export import export_main
-
-    export_main(cfg)
+    return task
 
 
-def _serve(cfg: Config) -> None:
-    from mt.serve.server import serve_main
-
-    serve_main(cfg)
-
-
+_evaluate = _stage("mt.evaluation.evaluate", "evaluate_main")
 prepare_main = _hydra_app(_prepare, "prepare")
 train_main = _hydra_app(_train, "train")
-translate_main = _hydra_app(_translate, "translate")
+translate_main = _hydra_app(_stage("mt.decode.translate", "translate_main"), "translate")
 evaluate_main = _hydra_app(_evaluate, "evaluate")
-export_main = _hydra_app(_export, "export")
-serve_main = _hydra_app(_serve, "serve")
-
-
-def _score(cfg: Config) -> None:
-    from mt.decode.rescore import score_main
-
-    score_main(cfg)
-
-
-score_main = _hydra_app(_score, "score")
-
-
-def _backtranslate(cfg: Config) -> None:
-    from mt.decode.backtranslate import backtranslate_main
-
-    backtranslate_main(cfg)
-
-
-backtranslate_main = _hydra_app(_backtranslate, "backtranslate")
+export_main = _hydra_app(_stage("mt.export", "export_main"), "export")
+serve_main = _hydra_app(_stage("mt.serve.server", "serve_main"), "serve")
+score_main = _hydra_app(_stage("mt.decode.rescore", "score_main"), "score")
+backtranslate_main = _hydra_app(
+    _stage("mt.decode.backtranslate", "backtranslate_main"), "backtranslate"
+)
