@@ -10,7 +10,7 @@
   in one more (docs/performance.md).
 
 They are built by torch's C++ extension loader (into ``$TORCH_EXTENSIONS_DIR`` or
-``~/.cache/torch_extensions``) with ``-march=native``, about a minute on 2 cores, then loaded in
+``~/.cache/torch_extensions``) with ``-march=native`` once per CPU kind, then loaded in
 milliseconds; the build directory's name is a digest of the sources, the flags, the CPU, torch
 and Python (:func:`build_name`), so a home directory shared by machines of different CPUs never
 loads a kernel built for another. Processes that start at once build once (:func:`build_lock`),
