@@ -1,22 +1,16 @@
 """mt's own C++ kernels for CPU training, compiled on first use for the CPU in hand.
 
 - ``torch.ops.mt.smoothed_ce`` (``csrc/smoothed_ce.cpp``): a row block of the CPU training loss
-  (``mt.fast.loss``): the label-smoothed cross-entropy of float32 or bfloat16 scores and, in
-  place, its gradient, in three passes over each row while it is in the cache, where torch's
-  operators make about ten over the block (and cast it to float32 and back).
+  (``mt.fast.loss``) and, in place, its gradient, in three passes over each row.
 - ``torch.ops.mt.dropout`` and ``torch.ops.mt.masked_scale`` (``csrc/dropout.cpp``): the
-  training copy's dropout (``mt.fast.dropout``) in one pass, each element's 16 random bits hashed
-  from a seed and its index, the bool mask and the scaled output written together; its backward
-  in one more (docs/performance.md).
+  training copy's dropout (``mt.fast.dropout``) and its backward, one pass each.
 
-They are built by torch's C++ extension loader (into ``$TORCH_EXTENSIONS_DIR`` or
-``~/.cache/torch_extensions``) with ``-march=native`` once per CPU kind, then loaded in
-milliseconds; the build directory's name is a digest of the sources, the flags, the CPU, torch
-and Python (:func:`build_name`), so a home directory shared by machines of different CPUs never
-loads a kernel built for another. Processes that start at once build once (:func:`build_lock`),
-and a lock left by a killed build is removed (torch would wait for it for ever). Where they
-cannot be built (no C++ compiler or ninja, an unwritable cache), :func:`smoothed_ce` and
-:func:`dropout` return None, the reason is said once, and torch's operators compute the same.
+Built by torch's C++ extension loader with ``-march=native`` (into ``$TORCH_EXTENSIONS_DIR`` or
+``~/.cache/torch_extensions``) under a name that digests the sources, flags, CPU, torch and
+Python (:func:`build_name`), so a home shared by machines of different CPUs never loads another's
+build. Processes that start at once build once (:func:`build_lock`). Where they cannot be built
+(no C++ compiler or ninja), :func:`smoothed_ce` and :func:`dropout` return None, the reason is
+said once, and torch's operators compute the same.
 """
 
 from __future__ import annotations
@@ -36,9 +30,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("smoothed_ce.cpp", "dropout.cpp"))
-HEADERS = (Path(__file__).with_name("csrc") / "vec.h",)  # included by the sources
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "smoothed_ce.cpp", CSRC / "dropout.cpp")
+HEADERS = (CSRC / "vec.h",)  # included by the sources
 # OpenMP: torch's own runtime, for its threads; no warnings about the vector types' ABI
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-Wno-psabi"]
 STALE_LOCK_S = 120.0  # a build lock older than this was left by a killed build
@@ -47,25 +41,33 @@ _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}  # "loaded": whether the kernels are, "why": the reason they are not
 
 
-def _cpu_identity() -> str:
-    """What decides the code ``-march=native`` emits: the CPU's vendor, family, model and
-    flags (/proc/cpuinfo's first processor); the platform's name elsewhere."""
-    keys = ("vendor_id", "cpu family", "model", "flags")
+def cpu_fields() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
     try:
         lines = Path("/proc/cpuinfo").read_text(errors="replace").split("\n\n")[0].splitlines()
     except OSError:
+        return {}
+    fields = (line.split(":", 1) for line in lines if ":" in line)
+    return {key.strip(): value.strip() for key, value in fields}
+
+
+def _cpu_identity() -> str:
+    """What decides the code ``-march=native`` emits: the CPU's vendor, family, model and
+    flags; the platform's name where /proc/cpuinfo is missing."""
+    fields = cpu_fields()
+    if not fields:
         import platform
 
         return platform.processor() or platform.machine()
-    fields = (line.split(":", 1) for line in lines if ":" in line)
-    return "|".join(f"{k.strip()}={v.strip()}" for k, v in fields if k.strip() in keys)
+    keys = ("vendor_id", "cpu family", "model", "flags")
+    return "|".join(f"{k}={fields[k]}" for k in keys if k in fields)
 
 
 def build_name() -> str:
     """The extension's name: a digest of the sources, flags, CPU, torch and Python."""
     digest = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES + HEADERS), " ".join(CFLAGS).encode(),
-                 _cpu_identity().encode(), torch.__version__.encode(), sys.version.encode()):
+    identity = (" ".join(CFLAGS), _cpu_identity(), torch.__version__, sys.version)
+    for part in [*(path.read_bytes() for path in SOURCES + HEADERS), *map(str.encode, identity)]:
         digest.update(part)
         digest.update(b"\0")
     return f"mt_native_{digest.hexdigest()[:16]}"

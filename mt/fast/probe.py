@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from mt.fast.native import cpu_fields
 from mt.files import write_json
 
 log = logging.getLogger(__name__)
@@ -79,13 +80,7 @@ def cpu_model() -> str:
     """The CPU's model name (``lscpu``'s), from /proc/cpuinfo; the platform's otherwise."""
     import platform
 
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_fields().get("model name") or platform.processor() or platform.machine()
 
 
 def _machine_key(device: torch.device) -> str:
