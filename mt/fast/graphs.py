@@ -1,14 +1,11 @@
 """The whole step of a shape-bucketed batch compiled, and on CUDA replayed as CUDA graphs.
 
 With ``train.shape_buckets`` every batch has one of K shapes (``mt.data.buckets``), so a CUDA
-graph of each can be captured once and replayed (torch.compile's ``reduce-overhead`` mode:
-cudagraph trees, one memory pool for a process's graphs, one graph recorded per shape met).
-What is compiled is :class:`BucketStep`: the forward pass and the loss over every position of
-the batch, pads weighted 0 (a selection of the real positions would change the row count, and
-with it the shapes, with every batch), and through AOTAutograd their backward. The optimizer
-step is torch's fused Adam, which takes the finite check's ``found_inf`` on the device; collate,
-the finite check's read and logging stay on the host, outside the graphs. :class:`ShapeRouter`
-sends any other shape through a plain compiled step, so an unknown shape captures no graph.
+graph of each is captured once and replayed (``reduce-overhead`` mode, cudagraph trees).
+:class:`BucketStep` is the forward pass and the loss over every position, pads weighted 0 (a
+selection of the real positions would change the shapes with every batch); the optimizer is
+torch's fused Adam, taking the finite check's ``found_inf`` on the device. :class:`ShapeRouter`
+sends any other shape through a plain compiled step, so it captures no graph.
 """
 
 from __future__ import annotations
@@ -69,10 +66,7 @@ def step_mode(device_type: str, buckets: int) -> str:
     return "reduce-overhead" if device_type == "cuda" and buckets > 0 else "default"
 
 
-Shape = tuple[tuple[int, ...], tuple[int, ...]]
-
-
-def batch_shape(src: torch.Tensor, tgt_in: torch.Tensor) -> Shape:
+def batch_shape(src: torch.Tensor, tgt_in: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(src.shape), tuple(tgt_in.shape)
 
 
