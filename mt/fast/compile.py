@@ -24,19 +24,13 @@ def compile_model(raw: torch.nn.Module, tc: TrainConfig) -> torch.nn.Module:
     """``torch.compile(raw, dynamic=True)`` with ``train.compile``, else ``raw``; wrap the
     result in DDP after (``raw`` itself stays uncompiled: validation and checkpoints use it).
 
-    Dynamic shapes: batch and sequence lengths are symbols in one graph, so batches of every
-    length run it. Two things would still compile again, each as long as the first compile, in
-    the middle of training, and are ruled out: a side without padding, which would pass no key
-    mask or no selection of the real rows (compiled training collates with ``one_graph``,
-    ``mt.data.batches.collate``); and Dynamo's "duck sizing", which gives sizes equal at the
-    first trace one symbol and compiles again when a later batch has them differ (turned off,
-    ``torch.fx.experimental._config.use_duck_shape``, for the whole process). A batch of one
-    sentence still makes one more graph (Dynamo specialises sizes 0 and 1).
-
-    The order is the one torch documents for DDP ("Where to apply torch.compile?"): Dynamo then
-    compiles inside DDP's forward and, with ``torch._dynamo.config.optimize_ddp`` (on by
-    default), splits the graph at DDP's gradient buckets, so each bucket's all-reduce overlaps
-    the rest of the backward.
+    Dynamic shapes: batches of every length run one graph. Two recompiles are ruled out: a side
+    without padding, passing no key mask (compiled training collates with ``one_graph``,
+    ``mt.data.batches.collate``), and Dynamo's "duck sizing", which makes sizes equal at the first
+    trace one symbol (off for the process: ``torch.fx.experimental._config.use_duck_shape``). A
+    one-sentence batch still makes one more graph (Dynamo specialises sizes 0 and 1). The order
+    is torch's for DDP ("Where to apply torch.compile?"): with ``optimize_ddp`` Dynamo splits the
+    graph at DDP's gradient buckets, so each bucket's all-reduce overlaps the backward.
     """
     if not tc.compile:
         return raw
@@ -67,7 +61,6 @@ def compile_step(
     The step takes dynamic shapes: one compile for all the buckets, not one per bucket."""
     if not (tc.compile and tc.shape_buckets):
         return compile_model(forward, tc)
-    import torch._dynamo
     import torch.fx.experimental._config as fx_config
 
     from mt.fast.graphs import BucketStep, ShapeRouter, step_mode
