@@ -171,23 +171,18 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from mt.checkpoint import CheckpointError
     from mt.distributed import LauncherError, RankError
     from mt.train.lock import LockError
+    from mt.train.update import NonFiniteError
 
-    types: list[type[BaseException]] = [
+    return (
         ValueError,  # DataError, TokenizerError, TextError, UnicodeDecodeError, bad settings
         OSError,  # missing files, permissions, a full disk
         CheckpointError,
         LockError,
         LauncherError,
         RankError,
+        NonFiniteError,
         OmegaConfBaseException,
-    ]
-    try:
-        from mt.train.update import NonFiniteError
-
-        types.append(NonFiniteError)
-    except ImportError:  # a broken torch install: its own error is clearer
-        pass
-    return tuple(types)
+    )
 
 
 @contextlib.contextmanager
