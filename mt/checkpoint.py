@@ -10,10 +10,9 @@ so ``torch.load(weights_only=True)`` reads it. The keys:
   ``data`` ({epoch, batch}), ``train_cfg``, ``best``, and with ``train.ema`` the moving
   average of the weights, ``ema`` ({decay, updates, weights}, ``mt.train.ema``).
 
-Writes go to a temporary file in the same directory, are flushed and fsynced, then renamed over
-the target (``os.replace`` is atomic on POSIX, see :mod:`mt.files`): a crash mid-save leaves the
-previous file intact. Loading checks the CRC-32 of every record of the zip container first, so a
-damaged byte is an error naming the file, never a silently wrong weight.
+Writes are atomic (:mod:`mt.files`): a crash mid-save leaves the previous file intact. Loading
+checks the CRC-32 of every record of the zip container first, so a damaged byte is an error
+naming the file, never a silently wrong weight.
 """
 
 from __future__ import annotations
@@ -43,11 +42,6 @@ class CheckpointError(RuntimeError):
     """A file that is not a usable mt checkpoint (missing, truncated, wrong format, mismatch)."""
 
 
-# ---------------------------------------------------------------------------------------------
-# Saving and loading
-# ---------------------------------------------------------------------------------------------
-
-
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
     """Write ``state`` to ``path`` atomically (:func:`mt.files.atomic_path`: a full disk is an
     ``OSError(ENOSPC)`` saying so, the previous file kept)."""
@@ -66,11 +60,8 @@ def link_checkpoint(source: str | Path, path: str | Path) -> None:
     except OSError:
         import shutil
 
-        def copy(f) -> None:
-            with open(source, "rb") as src:
-                shutil.copyfileobj(src, f, 1 << 24)
-
-        atomic_path(path, copy)
+        with open(source, "rb") as src:
+            atomic_path(path, lambda f: shutil.copyfileobj(src, f, 1 << 24))
         return
     os.replace(tmp, path)
     fsync_dir(path.parent)
@@ -150,11 +141,6 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
     return model.to(device).eval(), tokenizer, ckpt
 
 
-# ---------------------------------------------------------------------------------------------
-# Building the self-describing parts
-# ---------------------------------------------------------------------------------------------
-
-
 def model_state(model: torch.nn.Module, model_cfg: ModelConfig, tokenizer, vocab_size: int):
     """The parts of a checkpoint that decoding needs, of the unwrapped, uncompiled ``model``
     (``step``/``epoch`` added by the caller)."""
@@ -178,11 +164,6 @@ def tokenizer_blobs(ckpt: dict[str, Any]) -> list[bytes]:
     from mt.data.tokenizer import canonical_model
 
     return [canonical_model(t.numpy().tobytes()) for t in ckpt["tokenizer"]["models"]]
-
-
-# ---------------------------------------------------------------------------------------------
-# Periodic checkpoints: rotation and averaging
-# ---------------------------------------------------------------------------------------------
 
 
 def periodic_checkpoints(directory: str | Path) -> list[Path]:
