@@ -1,17 +1,13 @@
-"""mt's own speed code for training, applied to a model from outside.
+"""mt's own speed code for training, applied to a model from outside (``mt.model`` is the paper
+and nothing else); ``mt.train.recipe`` imports it once, decoding and serving use none of it.
 
-``mt.model`` is the paper and nothing else. :func:`for_training` (``training``) makes what the
-update step runs, on a copy sharing the model's parameters (the caller's model is never
-modified): on a CPU, oneDNN products (``onednn``), 16-bit dropout masks (``dropout``),
-written-out attention (``attention``) and the loss in row blocks (``loss``; it and dropout
-through mt's C++ kernels, ``native``); on a GPU the model with the projection and the loss in
-blocks. Device-wide settings: ``precision`` (``train.precision=auto``, TF32), ``probe`` (the
-fastest kernel here, measured once and cached; under DDP rank 0 measures for every rank),
-``master`` (16-bit training on float32 masters), ``compile`` (``torch.compile`` and DDP) and
-``memory`` (glibc's freed-memory settings).
-
-``mt.train.recipe`` imports this package once; decoding, serving, evaluation and export use
-none of it.
+:func:`for_training` (``training``) makes what the update step runs, on a copy sharing the
+model's parameters: on a CPU oneDNN products (``onednn``), 16-bit dropout masks (``dropout``),
+written-out attention (``attention``), the loss in row blocks (``loss``), the C++ kernels of the
+last two (``native``); on a GPU the model with the projection and the loss in blocks. Settings
+of the device: ``precision`` (``train.precision=auto``, TF32), ``probe`` (the fastest kernel
+here, measured once and cached), ``master`` (16-bit training on float32 masters), ``compile``
+(``torch.compile`` and DDP), ``memory`` (glibc's freed-memory settings).
 """
 
 from mt.fast.compile import (

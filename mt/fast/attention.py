@@ -1,20 +1,16 @@
-"""Attention cores for a device: the same ``softmax(q k^T / sqrt(d_k)) v`` as the model's own
-:class:`mt.model.attention.ScaledDotProduct`, computed the way that is fastest there. Each layer
-holds its core as ``core`` (``mt.fast.training`` swaps the cores of its copy).
+"""The CPU training copy's attention core: ``softmax(q k^T / sqrt(d_k)) v`` as the model's own
+:class:`mt.model.attention.ScaledDotProduct` computes it (on CUDA that one runs, off cuDNN's
+kernel: ``mt.device.gpu_attention``).
 
-* :class:`CPUTrainingAttention` (CPU training): the formula written out with the 16-bit dropout
-  masks of ``mt.fast.dropout``, as one autograd function that keeps for backward the weights and
-  the mask as booleans: 5 bytes per (query, key) pair in float32, where autograd over the
-  written-out formula keeps the weights, the float mask and the dropped weights (12 bytes). On a
-  CPU, SDPA with dropout takes its unfused reference path and draws its mask through
-  ``bernoulli_``; without dropout its flash kernel is slower than the written-out form at
-  sentence lengths in bfloat16. Under bf16 autocast, and in a 16-bit model
-  (``train.master_weights``), the core computes in float32 on the bfloat16 q, k, v: in bfloat16
-  its batched products would go to oneDNN, which builds a kernel for every (rows, queries, keys)
-  it meets (a new one at nearly every step), pushes the linear layers' kernels out of its bounded
-  cache (``mt.allocator.bound_onednn_kernels``) and fragments the heap. These products are small
-  beside the linear layers', so float32 costs no speed.
-* On CUDA the model's own core (SDPA) runs, off cuDNN's kernel (``mt.device.gpu_attention``).
+:class:`CPUTrainingAttention` writes the formula out with the 16-bit dropout masks of
+``mt.fast.dropout``, as one autograd function that keeps for backward the weights and the mask
+as booleans: 5 bytes per (query, key) pair in float32, against 12 for autograd over the formula.
+On a CPU, SDPA with dropout takes its unfused path and draws its mask through ``bernoulli_``;
+without dropout its flash kernel is slower than this at sentence lengths in bfloat16. On 16-bit
+q, k, v (autocast, ``train.master_weights``) it computes in float32: in bfloat16 its batched
+products would go to oneDNN, which builds a kernel for every (rows, queries, keys) it meets,
+pushing the linear layers' kernels out of its bounded cache
+(``mt.allocator.bound_onednn_kernels``); these products are small, so float32 costs no speed.
 """
 
 from __future__ import annotations

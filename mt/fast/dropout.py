@@ -1,16 +1,12 @@
 """Dropout whose masks come from 16 random bits per element, for CPU training.
 
-torch's CPU dropout draws a float per element through ``bernoulli_``, several times the time
-of drawing as many 16-bit integers, a sizeable share of a small model's step
-(docs/performance.md). Here a unit is dropped with probability ``round(p * 65536) / 65536``
-(p = 0.1: 0.10001) and the kept units are scaled by the inverse of the exact keep probability,
-so the expected output is the input, as with ``F.dropout``.
-
-Where mt's kernels are built (``mt.fast.native``), the draws, the mask and the scaled output
-come from one pass (``csrc/dropout.cpp``: each element's 16 bits hashed from a seed drawn from
-torch's generator and the element's index), and so does the backward pass; elsewhere torch's
-operators draw them (:func:`keep_mask`). Either way the draws follow torch's generator, so a
-seeded run is reproducible and a resumed one continues as it would have.
+torch's CPU dropout draws a float per element through ``bernoulli_``, several times the time of
+drawing as many 16-bit integers (docs/performance.md). Here a unit is dropped with probability
+``round(p * 65536) / 65536`` and the kept ones are scaled by the inverse of the exact keep
+probability, as with ``F.dropout``. mt's kernel (``mt.fast.native``, ``csrc/dropout.cpp``) makes
+the draws, mask and output in one pass, hashing each element's 16 bits from a seed and its index;
+elsewhere torch's operators draw them (:func:`keep_mask`). Either way the draws follow torch's
+generator, so a seeded run is reproducible and a resumed one continues as it would have.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """The training loss, fast: :func:`mt.model.loss.label_smoothed_nll_loss` of
-``log_softmax(logits)`` computed without the (N, V) float log-probabilities.
+``log_softmax(logits)`` without the (N, V) float log-probabilities; ``tests/test_loss.py`` holds
+both functions equal to the formula in values and gradients.
 
-- :func:`label_smoothed_cross_entropy` (logits in, fused): forward keeps one float block of rows
-  at a time, backward writes the closed-form gradient ``g * (softmax(z) - q)`` straight into the
-  logits' dtype. What the plain CPU path trains with.
-- :func:`projected_cross_entropy` (decoder output and projection in, blockwise): the logits
-  never exist whole; each block of rows is projected, scored and turned into its gradient at
-  once (on a CPU by mt's kernel ``mt::smoothed_ce`` where it is built, in place on the block's
-  scores). What the CPU training copy and a GPU train with (``mt.fast.training``).
-
-Both return the reference's ``(loss_sum, nll_sum)``; ``tests/test_loss.py`` holds them equal to
-the formula in values and gradients.
+- :func:`label_smoothed_cross_entropy` (logits in, fused): one float block of rows at a time,
+  the closed-form gradient ``g * (softmax(z) - q)`` written straight in the logits' dtype.
+- :func:`projected_cross_entropy` (decoder output and projection in): the logits never exist
+  whole; each row block is projected, scored and turned into its gradient at once (on a CPU by
+  mt's kernel ``mt::smoothed_ce`` where built). What the training copy and a GPU train with.
 """
 
 from __future__ import annotations
@@ -223,18 +219,12 @@ def projected_cross_entropy(
     rows: int | None = None,
     bucket: Callable[[int], int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`label_smoothed_cross_entropy` of ``h weight[:vocab]^T``, without the logits.
-
-    The same sums and gradients as projecting first and scoring after, one block of ``rows``
-    rows at a time (default :func:`projected_block_rows`). ``h`` (N, D): the positions to score,
-    every row real; ``weight`` (V_padded, D): rows from ``vocab`` (default: all) on are never
-    scored; ``product``: ``(x, w, bias) -> x w^T (+ bias)``, e.g. oneDNN's. Under autocast the
-    products run in the autocast dtype, as ``F.linear`` would, and the scores in float32.
-
-    ``bucket``: the row counts ``product`` pads its input to (``mt.fast.onednn.bucket_rows``),
-    or None. Given, the blocks hold such a count of rows (the last one padded here with zero
-    rows of ``h``, D wide), so the products never pad: a pad of G W's V-wide input would copy a
-    large block at every update.
+    """:func:`label_smoothed_cross_entropy` of ``h weight[:vocab]^T`` (rows from ``vocab`` on
+    never scored), one block of ``rows`` rows of ``h`` at a time (:func:`projected_block_rows`),
+    the products through ``product`` (``(x, w, bias) -> x w^T (+ bias)``), under autocast in its
+    dtype and the scores in float32. ``bucket``: the row counts ``product`` pads its input to
+    (``mt.fast.onednn.bucket_rows``), or None; given, the blocks hold such counts (the last one
+    padded here, D wide), since a pad of G W's V-wide input would copy a large block.
 
     Example:
         >>> h, w = torch.randn(6, 4, requires_grad=True), torch.randn(10, 4, requires_grad=True)

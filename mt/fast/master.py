@@ -1,16 +1,12 @@
-"""16-bit training with float32 master weights (``train.master_weights``).
+"""16-bit training with float32 master weights (``train.master_weights``): fairseq's ``--bf16``
+/ ``--fp16``, Marian's ``--precision float16 float32``, apex's O2.
 
-Autocast keeps the model in float32 and casts at the operations it lists: every weight on its
-way into a product, the input and output of every LayerNorm, the 16-bit outputs of products
-where they meet the float32 residual stream; under bf16 autocast an update makes hundreds of
-casts, a sizeable share of a GPU's kernel time (docs/performance.md). With master weights the
-passes run on a 16-bit working copy of the model instead, without autocast (the loss still
-scores in float32, block by block). The optimiser keeps the float32 weights, the masters: before
-each update's passes the working copy takes their values, after the backward passes they take
-its gradients as float32 (one multi-tensor copy each), so clipping, the finite check, fp16's
-loss scale and Adam see float32, as without it; checkpoints, validation and averaging use the
-float32 model. This is fairseq's ``--bf16`` / ``--fp16``, Marian's ``--precision float16
-float32`` and apex's O2.
+Autocast keeps the model in float32 and casts every weight on its way into a product, the input
+and output of every LayerNorm and products' outputs meeting the float32 residual stream: hundreds
+of casts an update, a sizeable share of a GPU's kernel time (docs/performance.md). Here the
+passes run on a 16-bit working copy without autocast; before each update it takes the float32
+masters' values, after the backward passes they take its gradients as float32 (one multi-tensor
+copy each), so clipping, the finite check, fp16's loss scale, Adam and checkpoints see float32.
 """
 
 from __future__ import annotations

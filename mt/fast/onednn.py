@@ -42,13 +42,9 @@ def onednn_available() -> bool:
 
 
 def bucket_rows(rows: int) -> int:
-    """``rows`` rounded up to one of few sizes: a multiple of 8, or of 1/16 of the row count's
-    power of two (at most 6.25% added rows, 16 sizes per doubling).
-
-    oneDNN builds (and keeps) a kernel per input shape. Batches of varying length give the
-    products a new row count at almost every call, and the process then grows with every new
-    shape, without end. Padded to these sizes the kernels are reused and memory stays flat.
-    """
+    """``rows`` rounded up to a multiple of 8, or of 1/16 of its power of two (at most 6.25%
+    added rows, 16 sizes per doubling): oneDNN builds and keeps a kernel per input shape, and
+    batches of varying length would give the products a new row count at almost every call."""
     step = max(8, 1 << max(0, rows.bit_length() - 5))
     return -(-rows // step) * step
 
@@ -70,9 +66,7 @@ MAX_TRAINING_KERNELS = 768
 
 
 def layer_product_shapes(d_model: int, d_ff: int) -> int:
-    """The distinct weight shapes of a Transformer layer's products: the fused queries, keys
-    and values (3d x d), the cross-attention's keys and values (2d x d), queries and outputs
-    (d x d), the FFN's (f x d, d x f)."""
+    """How many distinct weight shapes a Transformer layer's products have."""
     return len({(3 * d_model, d_model), (2 * d_model, d_model), (d_model, d_model),
                 (d_ff, d_model), (d_model, d_ff)})  # fmt: skip
 
@@ -97,9 +91,8 @@ def training_kernels(layer_shapes: int, max_rows: int, block_rows: int) -> int:
 def size_kernel_cache(
     max_rows: int, d_model: int, d_ff: int, vocab: int, device: torch.device | str = "cpu"
 ) -> int | None:
-    """Size this process's oneDNN kernel caches for training (:func:`training_kernels`;
-    ``mt.allocator.size_onednn_kernels``: a user's own setting stands), before its first
-    product: both the precision probe and the run call it, so the probe times the kernels
+    """Size this process's oneDNN kernel caches for training (:func:`training_kernels`; a user's
+    own setting stands) before its first product, so the precision probe times the kernels
     under the cache the run has. Returns the capacity in effect (None off a CPU)."""
     if torch.device(device).type != "cpu":
         return None

@@ -1,14 +1,9 @@
-"""Activation checkpointing per layer (``train.activation_checkpointing``): each encoder and
-decoder layer of the training copy keeps only its inputs for the backward pass and runs its
-forward pass again there (``torch.utils.checkpoint``, non-reentrant), so a step holds one
-layer's activations at a time, for about one more forward pass (fairseq's
-``--checkpoint-activations``).
-
-The gradients are the plain step's: the second pass draws the same dropout masks
-(``preserve_rng_state``; mt's dropout kernel draws its seed from torch's generator) and a packed
-copy's layers see their own batch's rows again (:class:`Checkpointed` holds them). Non-reentrant
-checkpointing composes with autocast, ``torch.compile`` and DDP (gradients arrive through the
-usual autograd hooks, once each).
+"""Activation checkpointing per layer (``train.activation_checkpointing``, fairseq's
+``--checkpoint-activations``): each encoder and decoder layer of the training copy keeps only its
+inputs and runs its forward pass again in the backward pass (``torch.utils.checkpoint``,
+non-reentrant, which composes with autocast, ``torch.compile`` and DDP). The gradients are the
+plain step's: the second pass draws the same dropout masks (``preserve_rng_state``; mt's dropout
+kernel seeds from torch's generator) and a packed copy's layers see their batch's rows again.
 """
 
 from __future__ import annotations

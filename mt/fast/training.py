@@ -2,27 +2,14 @@
 (its forward pass and the loss), on a CPU over a copy with faster kernels.
 
 The CPU training copy (``train.cpu_kernels``, :func:`training_copy`) shares the model's
-parameters (the optimiser, checkpoints and validation see one model) and computes its math with:
-
-* **float32 products on oneDNN** instead of MKL's sgemm (``mt.fast.onednn``), where a probe at the
-  run's shapes measures it faster (:func:`onednn_products`; the loss's projection apart,
-  :func:`onednn_projection`);
-* **16-bit products over few row counts** (16 per doubling, ``mt.fast.onednn.bucketed_linear``):
-  autocast hands them to oneDNN, which builds and keeps a kernel per shape, its caches sized for
-  what a step meets (``mt.fast.onednn.size_kernel_cache``);
-* **dropout masks from 16 random bits**, kept as booleans, in one pass of mt's kernel
-  (``mt.fast.dropout``), and **attention written out** with them
-  (``mt.fast.attention.CPUTrainingAttention``): 5 bytes per query-key pair instead of 12;
-* **the position-wise products on the real positions only** of a well-padded batch
-  (``mt.fast.packing``);
-* **the projection and the loss in row blocks** (``mt.fast.loss.projected_cross_entropy``): the
-  (n, V) logits and their gradient (112 MB each in float32 for 3,500 tokens at V = 8000) are
-  never allocated, each of them fresh memory from the kernel every step (above glibc's largest
-  mmap threshold) and passes from DRAM instead of the cache; glibc keeps freed memory for the
-  next step (``mt.fast.memory.hold_freed_memory``).
-
-On a GPU the model itself runs, its projection and loss in row blocks of ~512 MB of scores;
-with ``train.cpu_kernels=false`` the model itself with the fused loss over its logits.
+parameters (the optimiser, checkpoints and validation see one model) and computes its math with
+float32 products on oneDNN where a probe measures them faster, 16-bit products over few row
+counts (``mt.fast.onednn``), 16-bit dropout masks (``mt.fast.dropout``), attention written out
+(``mt.fast.attention``), the position-wise products on the real positions only
+(``mt.fast.packing``), and the projection and the loss in row blocks
+(``mt.fast.loss.projected_cross_entropy``): the (n, V) logits and their gradient, fresh memory
+from the kernel every step, are never allocated; glibc keeps freed memory for the next step
+(``mt.fast.memory``). On a GPU the model itself runs, its projection and loss in row blocks.
 """
 
 from __future__ import annotations
@@ -179,9 +166,8 @@ def for_training(
 
 
 def checkpointed(step: TrainingModel) -> TrainingModel:
-    """``step`` with its model's layers under activation checkpointing
-    (``mt.fast.recompute``): the CPU training copy in place (it is the step's own), any
-    other model through a copy sharing its parameters, so the caller's model stays as it is."""
+    """``step`` with its model's layers under activation checkpointing (``mt.fast.recompute``),
+    on a copy sharing the parameters unless the model is the step's own CPU training copy."""
     from mt.fast.recompute import checkpoint_layers
 
     model = step.model
