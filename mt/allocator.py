@@ -1,19 +1,13 @@
 """The memory allocator of an mt command: tcmalloc or jemalloc where installed, else glibc's.
 
-glibc's malloc fragments under training (the first validation leaves small blocks inside the
-heap that training's large temporaries had used, and the heap keeps growing after it); tcmalloc
-and jemalloc keep a run's resident memory lower and flatter at the same speed or better
-(docs/performance.md). tcmalloc is the first choice (as for torch's own CPU launcher,
-``torch.backends.xeon.run_cpu``), then jemalloc. A library replaces malloc only when loaded
-before the program (``LD_PRELOAD``), so an mt command executes itself again with it preloaded
-(:func:`preload_allocator`) before importing torch: this module imports nothing heavy. Every mt
-command also bounds oneDNN's caches of built kernels (:func:`bound_onednn_kernels`), likewise
-before torch is imported.
-
-``MT_ALLOCATOR`` (environment): ``auto`` (default: tcmalloc, else jemalloc, where installed),
-``tcmalloc``, ``jemalloc`` or ``system``. Installing tcmalloc: ``apt install
-libtcmalloc-minimal4`` (Debian, Ubuntu), ``dnf install gperftools-libs``, or ``conda install -c
-conda-forge gperftools``.
+glibc's malloc fragments under training (the heap keeps growing after the first validation);
+tcmalloc, then jemalloc, keep a run's resident memory lower and flatter at the same speed or
+better (docs/performance.md). A library replaces malloc only when loaded before the program, so
+an mt command executes itself again with it in ``LD_PRELOAD`` (:func:`preload_allocator`) and
+bounds oneDNN's kernel caches (:func:`bound_onednn_kernels`) before importing torch: this module
+imports nothing heavy. ``MT_ALLOCATOR``: ``auto`` (default), ``tcmalloc``, ``jemalloc`` or
+``system``; tcmalloc installs with ``apt install libtcmalloc-minimal4``, ``dnf install
+gperftools-libs`` or ``conda install -c conda-forge gperftools``.
 """
 
 from __future__ import annotations
@@ -200,16 +194,12 @@ def bound_onednn_kernels(capacity: int = ONEDNN_KERNELS) -> bool:
     them; call it before any oneDNN product runs (both are read when the first one is built).
     Returns whether a cap was set here.
 
-    oneDNN builds a kernel per product shape and keeps the last 1,024, each large in bfloat16;
-    under CPU autocast, and in decoding (a new row count whenever a beam's hypotheses end),
-    products meet new shapes at most steps, so a full cache mostly holds kernels never used
-    again. Building one again costs less than faulting in the memory a large cache takes: at 16
-    a process runs as fast with a flat heap, where the default caps let it grow with every new
-    batch shape (docs/performance.md; the attention's batched products are kept out of oneDNN,
-    ``mt.fast.attention``). ideep's 1,024 built products each hold their kernel, so validation's
-    decoding would leave their memory held for the rest of a run. A training step needs more
-    (one bfloat16 step alone uses ~36 kernels) and sizes the caches again before its first
-    product (:func:`size_onednn_kernels`).
+    oneDNN keeps the last 1,024 kernels it built, each large in bfloat16, and ideep as many
+    products holding theirs; under CPU autocast, and in decoding, products meet new shapes at
+    most steps, so a full cache mostly holds kernels never used again. Building one again costs
+    less than faulting in that memory: at 16 a process runs as fast with a flat heap
+    (docs/performance.md). A training step needs more and sizes the caches again before its
+    first product (:func:`size_onednn_kernels`).
     """
     return _set_caps(capacity, resize=False)
 

@@ -1,17 +1,13 @@
 """Everything distributed, in one place: DDP set-up from torchrun's environment and collectives.
 
-``torchrun`` sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in each process;
-:func:`setup` reads them, picks the device (``cuda:LOCAL_RANK`` when CUDA is there) and the
-backend (NCCL on GPUs, gloo on CPU). Without torchrun every function here is a cheap no-op, so
-the rest of ``mt`` is single-process code that calls them unconditionally.
+:func:`setup` reads torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT and
+picks the device (``cuda:LOCAL_RANK`` where CUDA is) and backend (NCCL on GPUs, gloo on CPU);
+without torchrun every function here is a no-op, so the rest of ``mt`` calls them freely.
+Control collectives (a stop signal, the wall time, rank 0's decisions, barriers) run on a gloo
+group beside NCCL's, on CPU tensors: read back from the GPU they would synchronise the device.
 
-Control collectives (a stop signal, the shared wall time, rank 0's decisions, barriers) carry a
-few numbers or objects the host needs. Under NCCL they would live on the GPU, and reading them
-back waits for every kernel queued before them: a device synchronisation per update. So beside
-the NCCL group :func:`setup` creates a gloo group over the same ranks for them, on CPU tensors.
-
-Example (one machine, 8 GPUs; two machines: ``--nnodes=2 --node_rank=i
---rdzv_backend=c10d --rdzv_endpoint=HOST:PORT`` on each):
+Example (8 GPUs; two machines: ``--nnodes=2 --node_rank=i --rdzv_backend=c10d
+--rdzv_endpoint=HOST:PORT`` on each):
     torchrun --standalone --nproc_per_node=8 $(which mt-train) experiment=wmt14_en_de_base
 """
 

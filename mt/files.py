@@ -1,16 +1,12 @@
 """Crash-safe files: atomic replacement, safe appends, and text read line by line.
 
 Every file ``mt`` writes goes through here, so a process killed at any instant leaves each file
-either as it was or complete, never half-written:
-
-- :func:`atomic_path` (and :func:`write_text`, :func:`write_json`, :func:`atomic_text_output`):
-  the new content goes to a temporary ``.<name>.tmp<pid>`` beside the target, is flushed and
-  fsynced, then renamed over the target (``os.replace`` is atomic on POSIX) and the directory
-  is fsynced; :func:`remove_stale_temps` removes the temporaries of killed writes.
-- :class:`JsonlAppender`: one JSON record per line, appended and flushed; on reopening, a torn
-  last line and the records a resumed run will write again are cut off with one ``truncate``.
-- :func:`read_lines`: text split on ``"\\n"`` only (a lone ``"\\r"`` stays inside its line),
-  decoded as UTF-8 line by line so an error names the line, NUL bytes refused.
+as it was or complete: :func:`atomic_path` (and :func:`write_text`, :func:`write_json`,
+:func:`atomic_text_output`) writes a temporary ``.<name>.tmp<pid>`` beside the target, fsyncs it
+and renames it over the target (:func:`remove_stale_temps` removes those of killed writes);
+:class:`JsonlAppender` appends JSON records and cuts a torn last line on reopening;
+:func:`read_lines` splits text on ``"\\n"`` only and decodes it line by line, so an error names
+the line.
 """
 
 from __future__ import annotations
