@@ -1,22 +1,13 @@
 """The memory allocator of an mt command: tcmalloc or jemalloc where installed, else glibc's.
 
-glibc's malloc fragments under training: the first validation leaves small blocks inside the
-heap that training's large temporaries had used, and the heap keeps growing in the updates after
-it. tcmalloc and jemalloc keep a run's resident memory lower and flatter at the same speed or
-better (the figures: docs/performance.md). tcmalloc is the first choice (torch's own CPU
-launcher, ``torch.backends.xeon.run_cpu``, prefers it too), then jemalloc. A library replaces
-malloc only when it is loaded before the program (``LD_PRELOAD``), so an mt command executes
-itself again with it preloaded (:func:`preload_allocator`), before importing torch; this module
-imports nothing heavy for that reason.
-
-Every mt command also bounds the caches of built products that oneDNN and torch's front end to
-it keep (:func:`bound_onednn_kernels`), likewise before torch is imported; training sizes them
-again, by what its step needs, before its first product (:func:`size_onednn_kernels`).
-
-``MT_ALLOCATOR`` (environment): ``auto`` (default: tcmalloc, else jemalloc, where installed),
-``tcmalloc``, ``jemalloc`` or ``system``. Installing tcmalloc: ``apt install
-libtcmalloc-minimal4`` (Debian, Ubuntu), ``dnf install gperftools-libs``, or ``conda install -c
-conda-forge gperftools``.
+glibc's malloc fragments under training (the heap keeps growing after the first validation);
+tcmalloc, then jemalloc, keep a run's resident memory lower and flatter at the same speed or
+better (docs/performance.md). A library replaces malloc only when loaded before the program, so
+an mt command executes itself again with it in ``LD_PRELOAD`` (:func:`preload_allocator`) and
+bounds oneDNN's kernel caches (:func:`bound_onednn_kernels`) before importing torch: this module
+imports nothing heavy. ``MT_ALLOCATOR``: ``auto`` (default), ``tcmalloc``, ``jemalloc`` or
+``system``; tcmalloc installs with ``apt install libtcmalloc-minimal4``, ``dnf install
+gperftools-libs`` or ``conda install -c conda-forge gperftools``.
 """
 
 from __future__ import annotations
@@ -53,9 +44,8 @@ _SYSTEM_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr
 
 
 def find_allocator(name: str) -> str | None:
-    """The path of allocator ``name``'s shared library (jemalloc or tcmalloc): in this Python's
-    environment first (``conda install jemalloc``), then the system's (``apt install
-    libjemalloc2``); None when it is not installed."""
+    """The path of allocator ``name``'s shared library: in this Python's environment first
+    (conda), then the system's; None when it is not installed."""
     dirs = [Path(sys.prefix) / "lib", *map(Path, _SYSTEM_DIRS)]
     for filename in _LIBRARIES[name]:
         for d in dirs:
@@ -65,13 +55,9 @@ def find_allocator(name: str) -> str | None:
 
 
 def allocator_choice(setting: str, found: dict[str, str | None]) -> tuple[str, str | None]:
-    """The allocator for ``MT_ALLOCATOR=setting`` given the libraries ``found`` (name -> path or
-    None): ``(name, path to preload)``, path None for the system's own (glibc).
-
-    ``auto`` takes the first of :data:`AUTO_ORDER` that is installed (the figures in this
-    module's docstring); ``tcmalloc`` or ``jemalloc`` asks for one (an error when it is not
-    installed); ``system`` keeps glibc's.
-    """
+    """``(name, path to preload)`` for ``MT_ALLOCATOR=setting`` given the libraries ``found``
+    (name -> path or None); path None for the system's own. ``auto`` takes the first of
+    :data:`AUTO_ORDER` installed; a named one that is not installed is an error."""
     setting = (setting or "auto").strip().lower()
     if setting == "system":
         return "system", None
@@ -110,10 +96,9 @@ class _MallInfo2(ctypes.Structure):
 
 
 def heap_in_use() -> int | None:
-    """Bytes the program holds from malloc now (allocated and not freed), as the allocator
-    serving the process counts them; None where it cannot tell. Resident memory above it is
-    freed memory the allocator keeps (or fragments of it), not memory the program uses.
-    """
+    """Bytes the program holds from malloc now, as the allocator serving the process counts
+    them; None where it cannot tell. Resident memory above it is freed memory the allocator
+    keeps (or fragments of it)."""
     try:
         process = ctypes.CDLL(None)
     except OSError:
@@ -155,16 +140,11 @@ def describe_allocator() -> str:
 
 
 def preload_allocator(argv: list[str] | None = None) -> None:
-    """Run this command under the allocator ``MT_ALLOCATOR`` names (default ``auto``: tcmalloc
-    or jemalloc where installed, see :func:`allocator_choice`): when it is not serving the
-    process yet, execute the same command line again with the library in ``LD_PRELOAD`` (a
-    library cannot replace malloc once the process runs). Linux only; does nothing when the
-    allocator is already in place, or is the system's. Call it first thing in a program's entry
-    point, before threads start: the process is replaced, not forked (the same PID, as torchrun
-    expects).
-
-    Raises:
-        ValueError: an unknown ``MT_ALLOCATOR``, or a named allocator that is not installed.
+    """Run this command under the allocator ``MT_ALLOCATOR`` names (:func:`allocator_choice`):
+    where it is not serving the process yet, execute the same command line again with the
+    library in ``LD_PRELOAD``. Linux only. Call it first thing, before threads start: the
+    process is replaced, not forked (the same PID, as torchrun expects). Raises ValueError for
+    an unknown ``MT_ALLOCATOR`` or a named allocator that is not installed.
     """
     if not sys.platform.startswith("linux"):
         return
@@ -200,51 +180,8 @@ def launched_as_command(argv: list[str] | None = None) -> bool:
 
 
 ONEDNN_KERNELS = 16  # oneDNN's kernel cache for an mt process (oneDNN's default: 1,024)
-
-
-def bound_onednn_kernels(capacity: int = ONEDNN_KERNELS) -> bool:
-    """Cap oneDNN's cache of built kernels, and the cache of built products that torch's
-    oneDNN front end (ideep) keeps in front of it, for this process, unless the user set
-    ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` / ``LRU_CACHE_CAPACITY`` already; call it before any
-    oneDNN product runs (both are read when the first product is built). Returns whether a
-    cap was set here.
-
-    oneDNN builds a kernel per product shape and keeps the last 1,024 it built, each of them
-    large in bfloat16. Training under CPU autocast gives its products (torch's own, on oneDNN)
-    new shapes at most steps: batch lengths vary, and so do a product's rows and the
-    attention's (B, T, S), so a full cache mostly holds kernels that are never used again.
-    Building a kernel again costs less than faulting in the memory a large cache takes, so a
-    small cache trains as fast at a much lower peak; with the attention's batched products kept
-    out of oneDNN (``mt.fast.attention``) 16 kernels are enough. Float32 products on MKL keep
-    no such cache.
-
-    ideep keeps 1,024 built products of its own (``LRU_CACHE_CAPACITY``), each holding its
-    kernel: validation's decoding (oneDNN float32 products at many row counts) would leave
-    their memory held for the rest of a run, and so would training on oneDNN's float32
-    products (the choice where they are faster).
-
-    Every mt command sets the caps (decoding meets a new row count whenever a beam's
-    hypotheses end): a process that decodes like mt-serve keeps a flat heap at 16 where the
-    default caps let it grow with every new batch shape, in the same time. The figures that
-    chose 16: docs/performance.md.
-
-    Training needs more than 16: one bfloat16 step alone uses ~36 kernels (a layer's products,
-    forward, input and weight gradient, at the source's and the target's row counts, and the
-    loss's projection), so under the cap it rebuilt them at every step; it sizes the caches
-    again for its step before its first product (:func:`size_onednn_kernels`).
-    """
-    set_here = False
-    ours = _set_by_mt()
-    for names in _CAPS:
-        if not any(n in os.environ for n in names):  # else the user's choice stands
-            os.environ[names[0]] = str(capacity)
-            ours.add(names[0])
-            set_here = True
-    os.environ[_SET_BY_MT] = ",".join(sorted(ours))
-    return set_here
-
-
-# Each cache setting under the names a user may have given it, the one mt sets first.
+# Each cache setting under the names a user may have given it, the one mt sets first: oneDNN's
+# cache of built kernels, and the built products torch's oneDNN front end (ideep) keeps before it.
 _CAPS = (("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"),
          ("LRU_CACHE_CAPACITY",))  # fmt: skip
 # The settings mt itself gave (not the user), so that a later stage may size them again; in
@@ -252,28 +189,27 @@ _CAPS = (("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"),
 _SET_BY_MT = "MT_ONEDNN_CAPS_SET_BY_MT"
 
 
-def _set_by_mt() -> set[str]:
-    return {n for n in os.environ.get(_SET_BY_MT, "").split(",") if n}
+def bound_onednn_kernels(capacity: int = ONEDNN_KERNELS) -> bool:
+    """Cap oneDNN's and ideep's caches of built kernels for this process, unless the user set
+    them; call it before any oneDNN product runs (both are read when the first one is built).
+    Returns whether a cap was set here.
+
+    oneDNN keeps the last 1,024 kernels it built, each large in bfloat16, and ideep as many
+    products holding theirs; under CPU autocast, and in decoding, products meet new shapes at
+    most steps, so a full cache mostly holds kernels never used again. Building one again costs
+    less than faulting in that memory: at 16 a process runs as fast with a flat heap
+    (docs/performance.md). A training step needs more and sizes the caches again before its
+    first product (:func:`size_onednn_kernels`).
+    """
+    return _set_caps(capacity, resize=False)
 
 
 def size_onednn_kernels(capacity: int) -> int:
-    """Set both kernel caches of :func:`bound_onednn_kernels` to ``capacity`` for this process
-    (training sizes them by what its step needs, ``mt.fast.onednn.training_kernels``), where
-    mt set them or nothing did; a user's own setting stands. Returns oneDNN's capacity in
-    effect. Like the cap, it only counts when set before the process's first oneDNN product:
-    oneDNN and ideep read it as they create their caches."""
-    ours = _set_by_mt()
-    for names in _CAPS:
-        if names[0] in ours or not any(n in os.environ for n in names):
-            os.environ[names[0]] = str(int(capacity))
-            ours.add(names[0])
-    os.environ[_SET_BY_MT] = ",".join(sorted(ours))
-    return onednn_capacity()
-
-
-def onednn_capacity() -> int:
-    """oneDNN's kernel cache capacity for this process (its environment; oneDNN's default
-    1,024 where unset or unreadable)."""
+    """Set both caches of :func:`bound_onednn_kernels` to ``capacity`` (training's need,
+    ``mt.fast.onednn.training_kernels``) where mt set them or nothing did; a user's own setting
+    stands. Returns oneDNN's capacity in effect. Like the cap, it counts only before the
+    process's first oneDNN product."""
+    _set_caps(capacity, resize=True)
     for name in _CAPS[0]:
         value = os.environ.get(name)
         if value is not None:
@@ -281,4 +217,18 @@ def onednn_capacity() -> int:
                 return int(value)
             except ValueError:
                 break
-    return 1024
+    return 1024  # oneDNN's default, where unset or unreadable
+
+
+def _set_caps(capacity: int, resize: bool) -> bool:
+    """Set each cache nobody set (with ``resize``, also those mt set) to ``capacity``; returns
+    whether any was set."""
+    ours = {n for n in os.environ.get(_SET_BY_MT, "").split(",") if n}
+    set_here = False
+    for names in _CAPS:
+        if (resize and names[0] in ours) or not any(n in os.environ for n in names):
+            os.environ[names[0]] = str(int(capacity))
+            ours.add(names[0])
+            set_here = True
+    os.environ[_SET_BY_MT] = ",".join(sorted(ours))
+    return set_here

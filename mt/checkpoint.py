@@ -10,10 +10,9 @@ so ``torch.load(weights_only=True)`` reads it. The keys:
   ``data`` ({epoch, batch}), ``train_cfg``, ``best``, and with ``train.ema`` the moving
   average of the weights, ``ema`` ({decay, updates, weights}, ``mt.train.ema``).
 
-Writes go to a temporary file in the same directory, are flushed and fsynced, then renamed over
-the target (``os.replace`` is atomic on POSIX, see :mod:`mt.files`): a crash mid-save leaves the
-previous file intact. Loading checks the CRC-32 of every record of the zip container first, so a
-damaged byte is an error naming the file, never a silently wrong weight.
+Writes are atomic (:mod:`mt.files`): a crash mid-save leaves the previous file intact. Loading
+checks the CRC-32 of every record of the zip container first, so a damaged byte is an error
+naming the file, never a silently wrong weight.
 """
 
 from __future__ import annotations
@@ -43,21 +42,9 @@ class CheckpointError(RuntimeError):
     """A file that is not a usable mt checkpoint (missing, truncated, wrong format, mismatch)."""
 
 
-# ---------------------------------------------------------------------------------------------
-# Saving and loading
-# ---------------------------------------------------------------------------------------------
-
-
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
-    """Write ``state`` to ``path`` atomically (tmp file in the same dir, fsync, os.replace).
-
-    Args:
-        path: destination file; its directory is created if needed.
-        state: a dict of tensors / numbers / strings / lists / dicts.
-
-    Raises:
-        OSError: ENOSPC with a message saying the disk is full (the previous file is kept).
-    """
+    """Write ``state`` to ``path`` atomically (:func:`mt.files.atomic_path`: a full disk is an
+    ``OSError(ENOSPC)`` saying so, the previous file kept)."""
     atomic_path(path, lambda f: torch.save(state, f))
 
 
@@ -73,11 +60,8 @@ def link_checkpoint(source: str | Path, path: str | Path) -> None:
     except OSError:
         import shutil
 
-        def copy(f) -> None:
-            with open(source, "rb") as src:
-                shutil.copyfileobj(src, f, 1 << 24)
-
-        atomic_path(path, copy)
+        with open(source, "rb") as src:
+            atomic_path(path, lambda f: shutil.copyfileobj(src, f, 1 << 24))
         return
     os.replace(tmp, path)
     fsync_dir(path.parent)
@@ -85,11 +69,7 @@ def link_checkpoint(source: str | Path, path: str | Path) -> None:
 
 def verify_file(path: Path) -> None:
     """Check the CRC-32 of every record of a checkpoint's zip container (torch writes them but
-    does not check them on load, so a flipped byte in a tensor would load as a wrong weight).
-
-    Raises:
-        CheckpointError: a record whose bytes do not match its checksum.
-    """
+    does not check them on load, so a flipped byte in a tensor would load as a wrong weight)."""
     try:
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()
@@ -110,22 +90,10 @@ def load_checkpoint(
     require_training: bool = False,
     mmap: bool = False,
 ) -> dict[str, Any]:
-    """Read a checkpoint with ``torch.load(weights_only=True)`` and check its keys.
-
-    Args:
-        path: the checkpoint file.
-        map_location: where tensors go.
-        require_training: also require the training-state keys (resume).
-        mmap: map the file instead of reading it into the heap: tensors are read from the page
-            cache when used, and what is never used (an optimizer state) is never read.
-
-    Returns:
-        The checkpoint dict.
-
-    Raises:
-        CheckpointError: missing file, not a checkpoint, truncated, missing keys, or specials
-            that differ from mt.vocab.
-    """
+    """Read a checkpoint with ``torch.load(weights_only=True)`` and check its keys (with
+    ``require_training``, the training state's too: resume) and special ids; a
+    :class:`CheckpointError` names what is wrong. ``mmap``: map the file instead of reading it
+    into the heap, so what is never used (an optimizer state) is never read."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
@@ -158,16 +126,8 @@ def model_cfg_from(ckpt: dict[str, Any]) -> ModelConfig:
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu"):
-    """Build the model and tokenizer a checkpoint describes (no training config needed).
-
-    Args:
-        path: a checkpoint written by mt-train (or the averaging script).
-        device: where the model goes.
-
-    Returns:
-        ``(model, tokenizer, ckpt)``: the model in eval mode on ``device``, the
-        mt.data.tokenizer.Tokenizer embedded in the checkpoint, and the checkpoint dict.
-    """
+    """``(model, tokenizer, ckpt)`` of a checkpoint: the model it describes in eval mode on
+    ``device``, the ``mt.data.tokenizer.Tokenizer`` embedded in it, and the checkpoint dict."""
     from mt.data.tokenizer import Tokenizer
     from mt.model.transformer import build_model
 
@@ -181,20 +141,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
     return model.to(device).eval(), tokenizer, ckpt
 
 
-# ---------------------------------------------------------------------------------------------
-# Building the self-describing parts
-# ---------------------------------------------------------------------------------------------
-
-
 def model_state(model: torch.nn.Module, model_cfg: ModelConfig, tokenizer, vocab_size: int):
-    """The parts of a checkpoint that decoding needs (``step``/``epoch`` added by the caller).
-
-    Args:
-        model: the unwrapped, uncompiled model.
-        model_cfg: its configuration.
-        tokenizer: an mt.data.tokenizer.Tokenizer (embedded via ``to_bytes``).
-        vocab_size: the vocabulary size the model was built with.
-    """
+    """The parts of a checkpoint that decoding needs, of the unwrapped, uncompiled ``model``
+    (``step``/``epoch`` added by the caller)."""
     return {
         "model": model.state_dict(),
         "model_cfg": asdict(model_cfg),
@@ -215,11 +164,6 @@ def tokenizer_blobs(ckpt: dict[str, Any]) -> list[bytes]:
     from mt.data.tokenizer import canonical_model
 
     return [canonical_model(t.numpy().tobytes()) for t in ckpt["tokenizer"]["models"]]
-
-
-# ---------------------------------------------------------------------------------------------
-# Periodic checkpoints: rotation and averaging
-# ---------------------------------------------------------------------------------------------
 
 
 def periodic_checkpoints(directory: str | Path) -> list[Path]:
@@ -258,20 +202,12 @@ def average_checkpoints(
 ) -> dict[str, Any]:
     """The element-wise mean of the models' parameters (the paper averages the last 5 or 20).
 
-    Floating-point tensors are averaged in float64 and cast back, or, with ``into``, summed
-    in ``into``'s own tensors (float32: 5 terms lose well under a unit in the last place);
-    other tensors (integer buffers) are taken from the last checkpoint. The result carries the
-    last checkpoint's description (model_cfg, tokenizer, step, ...) but no training state, and
-    an ``averaged`` list naming its inputs.
-
-    Args:
-        paths: checkpoint files of the same model.
-        into: a model's ``state_dict()`` to hold the average (a training run's own model: no
-            second copy of the weights is allocated); its tensors become the result's
-            ``model``. After an error they may hold a partial sum.
-
-    Raises:
-        CheckpointError: no paths, or models with different parameter names or shapes.
+    Floating-point tensors are averaged in float64 and cast back, or, with ``into`` (a model's
+    ``state_dict()``: no second copy of the weights), summed in its own tensors (float32: 5
+    terms lose well under a unit in the last place), which become the result's ``model`` and
+    may hold a partial sum after an error. Integer buffers are the last checkpoint's. The
+    result carries the last checkpoint's description but no training state, and an
+    ``averaged`` list naming its inputs. Different parameter names or shapes: CheckpointError.
     """
     if not paths:
         raise CheckpointError("no checkpoints to average")

@@ -1,9 +1,8 @@
 """Command-line entry points: ``mt-prepare``, ``mt-train``, ``mt-translate``, ``mt-evaluate``,
 ``mt-export``, ``mt-serve``, ``mt-score`` and ``mt-backtranslate``.
 
-Each is a Hydra app over the same config tree (conf/), so every setting can be overridden on
-the command line and every tool accepts ``experiment=NAME``. The stages themselves live in
-their modules; this file only composes the configuration, sets up logging and dispatches.
+Each is a Hydra app over the same config tree (conf/); the stages live in their modules, this
+file only composes the configuration, sets up logging and dispatches.
 
 A user error (a missing or malformed file, a bad line, a bad setting) ends the command with one
 line on stderr naming the file, line or key, and exit status 1; ``mt-train`` stopped by SIGTERM
@@ -77,11 +76,10 @@ def _hydra_app(task: Callable[[Config], object], command: str) -> Callable[[], N
 
 
 def trial_config(cfg: Config) -> Config:
-    """In a Hydra multirun (``-m``) each trial writes its own run directory, Hydra's output
-    directory of the job (``<hydra.sweep.dir>/<job number>``, the sweep directory under
-    ``run_dir``), so no trial resumes another; prepared data stays shared through
-    ``cache_dir``. A ``run_dir`` override that names the job itself (``${hydra:job.num}``)
-    is kept. Outside a multirun ``cfg`` is returned as it is."""
+    """In a Hydra multirun (``-m``) each trial writes its own run directory, the job's output
+    directory (``<hydra.sweep.dir>/<job number>``), so no trial resumes another; prepared data
+    stays shared through ``cache_dir``. A ``run_dir`` override naming the job itself
+    (``${hydra:job.num}``) is kept."""
     import dataclasses
 
     from hydra.core.hydra_config import HydraConfig
@@ -173,23 +171,18 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from mt.checkpoint import CheckpointError
     from mt.distributed import LauncherError, RankError
     from mt.train.lock import LockError
+    from mt.train.update import NonFiniteError
 
-    types: list[type[BaseException]] = [
+    return (
         ValueError,  # DataError, TokenizerError, TextError, UnicodeDecodeError, bad settings
         OSError,  # missing files, permissions, a full disk
         CheckpointError,
         LockError,
         LauncherError,
         RankError,
+        NonFiniteError,
         OmegaConfBaseException,
-    ]
-    try:
-        from mt.train.update import NonFiniteError
-
-        types.append(NonFiniteError)
-    except ImportError:  # a broken torch install: its own error is clearer
-        pass
-    return tuple(types)
+    )
 
 
 @contextlib.contextmanager
@@ -237,57 +230,43 @@ def _train(cfg: Config) -> float | None:
     return result["best"]
 
 
-def _translate(cfg: Config) -> None:
-    from mt.decode.translate import translate_main
-    from mt.export import ct2  # the CTranslate2 engine's converter (mt.export is above)
+def _stage(module: str, function: str, converter: bool = False) -> Callable[[Config], object]:
+    """The stage ``module.function(cfg)``, imported when its command runs: a command loads only
+    its own stage's modules. ``converter``: the stage also takes the CTranslate2 engine's
+    converter, handed down from here because mt.export is above mt.decode."""
 
-    translate_main(cfg, ct2)
+    def task(cfg: Config) -> object:
+        from importlib import import_module
+
+        stage = getattr(import_module(module), function)
+        if not converter:
+            return stage(cfg)
+        from mt.export import ct2
+
+        return stage(cfg, ct2)
+
+    return task
 
 
-def _evaluate(cfg: Config) -> None:
+def _evaluate(cfg: Config) -> object:
     from mt.evaluation.evaluate import evaluate_main
     from mt.train.tracking import track_scores
 
     result = evaluate_main(cfg)
     if cfg.eval.hyp is None:  # a run's split decoded: its MLflow run, if any, gets the scores
         track_scores(cfg.run_dir, result)
-
-
-def _export(cfg: Config) -> None:
-    from mt.export import export_main
-
-    export_main(cfg)
-
-
-def _serve(cfg: Config) -> None:
-    from mt.export import ct2  # the CTranslate2 engine's converter (mt.export is above)
-    from mt.serve.server import serve_main
-
-    serve_main(cfg, ct2)
+    return result
 
 
 prepare_main = _hydra_app(_prepare, "prepare")
 train_main = _hydra_app(_train, "train")
-translate_main = _hydra_app(_translate, "translate")
+translate_main = _hydra_app(
+    _stage("mt.decode.translate", "translate_main", converter=True), "translate"
+)
 evaluate_main = _hydra_app(_evaluate, "evaluate")
-export_main = _hydra_app(_export, "export")
-serve_main = _hydra_app(_serve, "serve")
-
-
-def _score(cfg: Config) -> None:
-    from mt.decode.rescore import score_main
-    from mt.export import ct2  # the CTranslate2 engine's converter (mt.export is above)
-
-    score_main(cfg, ct2)
-
-
-score_main = _hydra_app(_score, "score")
-
-
-def _backtranslate(cfg: Config) -> None:
-    from mt.decode.backtranslate import backtranslate_main
-
-    backtranslate_main(cfg)
-
-
-backtranslate_main = _hydra_app(_backtranslate, "backtranslate")
+export_main = _hydra_app(_stage("mt.export", "export_main"), "export")
+serve_main = _hydra_app(_stage("mt.serve.server", "serve_main", converter=True), "serve")
+score_main = _hydra_app(_stage("mt.decode.rescore", "score_main", converter=True), "score")
+backtranslate_main = _hydra_app(
+    _stage("mt.decode.backtranslate", "backtranslate_main"), "backtranslate"
+)

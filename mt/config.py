@@ -62,26 +62,16 @@ def command_overrides(command: str | None, overrides: list[str]) -> list[str]:
     for item in overrides:
         m = _OVERRIDE.match(item)
         if m and m.group(2) in own and m.group(2) not in top:
-            item = f"{m.group(1)}{node}.{item[len(m.group(1)):]}"
+            item = f"{m.group(1)}{node}.{item[len(m.group(1)) :]}"
         out.append(item)
     return out
 
 
 def load_config(overrides: list[str] | None = None, command: str | None = None) -> Config:
-    """Compose the configuration with command-line style overrides, schema checks included.
-
-    Args:
-        overrides: e.g. ``["experiment=smoke", "train.max_steps=10"]``.
-        command: ``translate``, ``evaluate``, ``score``, ``export`` or ``serve``: its own
-            settings may be given without their node, as on its command line
-            (:func:`command_overrides`).
-
-    Returns:
-        The typed configuration.
-
-    Raises:
-        hydra.errors.ConfigCompositionException or omegaconf errors naming the offending key.
-    """
+    """The typed configuration composed with command-line style ``overrides`` (e.g.
+    ``["experiment=smoke", "train.max_steps=10"]``), schema checks included: Hydra's or
+    OmegaConf's errors name the offending key. With a ``command`` (``translate``, ``evaluate``,
+    ...) its own settings may be given without their node (:func:`command_overrides`)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 

@@ -1,7 +1,5 @@
 """Process-wide settings of a device that training and decoding share: the autocast context of a
-precision, and which of SDPA's CUDA kernels attention may take. Neither is the paper
-(``mt.model``) nor one of mt's kernels (``mt.fast``): the torch decoding path and the training
-copy both set them the same way."""
+precision, and which of SDPA's CUDA kernels attention may take."""
 
 from __future__ import annotations
 
@@ -27,10 +25,8 @@ def gpu_attention(device: torch.device) -> None:
     """On CUDA, SDPA without cuDNN's kernel (flash and memory-efficient attention stay).
 
     cuDNN's attention builds an execution plan for each new shape (batch, lengths), and
-    batches by tokens bring a new shape nearly every step, in training and in decoding. On an
-    H200 (torch 2.11, CUDA 13.0), ``base`` in bf16 on real news batches of 25k tokens trained
-    at 46k and 43k target tokens/s with SDPA's default choice (cuDNN's) and at 349k without
-    it; ``big`` at 193k. Process-wide, as TF32 is; a no-op elsewhere and when already off.
+    batches by tokens bring a new shape nearly every step, in training and in decoding
+    (docs/benchmarks/gpu-h100-h200-2026-11.md). Process-wide, as TF32 is.
     """
     if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
         return

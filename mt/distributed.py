@@ -1,21 +1,13 @@
 """Everything distributed, in one place: DDP set-up from torchrun's environment and collectives.
 
-``torchrun`` (``python -m torch.distributed.run``) sets RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR and MASTER_PORT in each process; :func:`setup` reads them, picks the device
-(``cuda:LOCAL_RANK`` when CUDA is there) and the backend (NCCL on GPUs, gloo on CPU). Without
-torchrun (WORLD_SIZE unset or 1) every function here is a cheap no-op, so the rest of ``mt`` is
-single-process code that calls them unconditionally.
+:func:`setup` reads torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT and
+picks the device (``cuda:LOCAL_RANK`` where CUDA is) and backend (NCCL on GPUs, gloo on CPU);
+without torchrun every function here is a no-op, so the rest of ``mt`` calls them freely.
+Control collectives (a stop signal, the wall time, rank 0's decisions, barriers) run on a gloo
+group beside NCCL's, on CPU tensors: read back from the GPU they would synchronise the device.
 
-Control collectives (a stop signal seen by any rank, the shared wall time, rank 0's decisions,
-barriers) carry a few numbers or objects that the host needs. Under NCCL they would live on the
-GPU, and reading them back (``.item()``, ``.tolist()``) waits for every kernel queued before
-them: a device synchronisation per update. So next to the NCCL group :func:`setup` creates a
-gloo group over the same ranks, and these collectives run there on CPU tensors; they then only
-wait for the other ranks' hosts, never for a GPU. Under gloo (CPU training) the default group
-already is that group.
-
-Example (one machine, 8 GPUs; two machines: ``--nnodes=2 --node_rank=i
---rdzv_backend=c10d --rdzv_endpoint=HOST:PORT`` on each):
+Example (8 GPUs; two machines: ``--nnodes=2 --node_rank=i --rdzv_backend=c10d
+--rdzv_endpoint=HOST:PORT`` on each):
     torchrun --standalone --nproc_per_node=8 $(which mt-train) experiment=wmt14_en_de_base
 """
 
@@ -24,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import math
 import os
 import socket
 import time
@@ -72,16 +63,9 @@ _CONTROL = None  # the gloo group of the control collectives (None: the default 
 
 
 def setup(device: str = "auto", timeout_minutes: float = 30.0) -> DistInfo:
-    """Join the process group torchrun describes (if any) and pick this process's device.
-
-    Args:
-        device: auto | cpu | cuda | cuda:N (see :func:`resolve_device`).
-        timeout_minutes: collective timeout (``train.dist_timeout_minutes``): how long a rank
-            waits for the others (e.g. while rank 0 validates or saves) before failing.
-
-    Returns:
-        The :class:`DistInfo` of this process.
-    """
+    """Join the process group torchrun describes (if any) and pick this process's device
+    (:func:`resolve_device`); ``timeout_minutes``: how long a rank waits for the others in a
+    collective (``train.dist_timeout_minutes``)."""
     check_launcher(os.environ)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -117,16 +101,14 @@ def round_store(env, rank: int, world_size: int, timeout: datetime.timedelta):
 
     With torch's default c10d rendezvous, torchrun's agent keeps one TCP store for the whole job
     (``TORCHELASTIC_USE_AGENT_STORE=True``) and each restart's workers meet in it under the same
-    keys as the round before, with no per-round prefix. A restarted rank can then read the
-    address a dead worker of the last round published there (gloo's full-mesh connect, NCCL's
-    unique id) and fail with "Connection refused" when the other ranks come up a moment later
-    than it does: ``--max-restarts`` never recovers. (torchrun's
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` avoids it too; ``TORCHELASTIC_RESTART_COUNT`` cannot
-    serve as a prefix: each node counts its own restarts.) So rank 0 starts a fresh store server
+    keys as the round before. A restarted rank can then read the address a dead worker of the
+    last round published there (gloo's full-mesh connect, NCCL's unique id) and fail with
+    "Connection refused": ``--max-restarts`` never recovers (torchrun's
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` also avoids it; ``TORCHELASTIC_RESTART_COUNT``
+    cannot serve as a prefix: each node counts its own restarts). So rank 0 starts a fresh store
     on a free port and publishes its address under :data:`STORE_KEY` in the agent's store; the
-    other ranks read it and connect. A stale address left by the last round belongs to a worker
-    that the agent has stopped: it is refused, and they read the key again until rank 0 of this
-    round has written it.
+    other ranks connect to it, reading the key again while the address they find is refused
+    (a stale one, of a worker the agent has stopped).
     """
     global _ROUND_STORE
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -173,15 +155,13 @@ class LauncherError(RuntimeError):
 
 
 def check_launcher(env) -> None:
-    """Refuse to start as one of several tasks that torchrun did not launch.
+    """Refuse to start as one of several tasks that torchrun did not launch (a
+    :class:`LauncherError` with the torchrun command to use instead).
 
-    ``srun -n 4 mt-train`` or ``mpirun -np 4 mt-train`` start 4 processes that do not set
-    torchrun's RANK / WORLD_SIZE, so each would be a separate single-process run on the same
-    run directory. ``SLURM_STEP_NUM_TASKS`` is set for ``srun`` steps only (not in the batch
-    script itself), so a batch script that runs ``mt-train`` once is accepted.
-
-    Raises:
-        LauncherError: with the torchrun command to use instead.
+    ``srun -n 4 mt-train`` or ``mpirun -np 4 mt-train`` start 4 processes without torchrun's
+    RANK / WORLD_SIZE, each a single-process run on the same run directory.
+    ``SLURM_STEP_NUM_TASKS`` is set for ``srun`` steps only, so a batch script that runs
+    ``mt-train`` once is accepted.
     """
     if "WORLD_SIZE" in env or "RANK" in env:
         return
@@ -250,12 +230,9 @@ class RankError(RuntimeError):
 
 
 def check_all(error: BaseException | None, what: str) -> None:
-    """Stop every rank together when any rank failed ``what``.
-
-    Each rank passes its own outcome (None: passed); the outcomes are gathered, so a rank that
-    failed raises its own error and the others raise :class:`RankError` with every failed rank's
-    message, instead of going on to the next collective and hanging there until the timeout.
-    """
+    """Stop every rank together when any rank failed ``what``: each passes its own outcome
+    (None: passed); a rank that failed raises its error, the others a :class:`RankError` with
+    every failed rank's message, instead of hanging at the next collective until the timeout."""
     errors = all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error
@@ -266,14 +243,9 @@ def check_all(error: BaseException | None, what: str) -> None:
 
 def decide_on_rank0(decide: Callable[[], T], what: str = "rank 0's decision") -> T:
     """``decide()`` run on rank 0 alone, and its result (picklable) on every rank: one choice
-    (a lock taken, a precision measured, kernels probed, the checkpoint to resume) that every
-    rank then follows. In a single process, ``decide()`` itself.
-
-    Every other rank waits for rank 0 in one host-side broadcast on the control group. Where
-    ``decide`` raises on rank 0, rank 0 raises that error and every other rank a
-    :class:`RankError` quoting it (``what`` names the decision), instead of waiting at the next
-    collective until the timeout.
-    """
+    (a lock taken, a precision measured, the checkpoint to resume) every rank follows. Where it
+    raises on rank 0, the other ranks raise a :class:`RankError` quoting it (``what`` names the
+    decision) instead of waiting at the next collective until the timeout."""
     if not is_initialized():
         return decide()
     error, outcome = None, None
@@ -290,17 +262,6 @@ def decide_on_rank0(decide: Callable[[], T], what: str = "rank 0's decision") ->
     return value
 
 
-def broadcast_float(value: float | None) -> float | None:
-    """Rank 0's ``value`` on every rank (None stays None; other ranks' inputs are ignored).
-    A host-side collective, on the control group."""
-    if not is_initialized():
-        return value
-    t = torch.tensor([math.nan if value is None else float(value)], dtype=torch.float64)
-    dist.broadcast(t, src=0, group=_CONTROL)
-    out = float(t.item())
-    return None if math.isnan(out) else out
-
-
 def max_over_ranks(values: list[float]) -> list[float]:
     """Each value's maximum over ranks, in one host-side collective on the control group (no
     GPU synchronisation: the training loop calls it every update)."""
@@ -314,12 +275,10 @@ def max_over_ranks(values: list[float]) -> list[float]:
 def wrap(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
     """Wrap the model in DistributedDataParallel when there are several ranks.
 
-    No buffer broadcast before each forward: the model's only buffers are constants (the
-    sinusoidal positions), identical on every rank, so it would copy nothing new
-    (``forward_sync_buffers=False`` since torch 2.13, ``broadcast_buffers=False`` before it,
-    which 2.13 deprecates). ``gradient_as_bucket_view=True``: gradients live in DDP's
-    all-reduce buckets instead of being copied into them and back after the all-reduce (less
-    memory, no copies).
+    No buffer sync before each forward: the model's only buffers are constants (the sinusoidal
+    positions) (``forward_sync_buffers=False`` since torch 2.13, ``broadcast_buffers=False``
+    before it, which 2.13 deprecates). ``gradient_as_bucket_view``: gradients live in DDP's
+    all-reduce buckets instead of being copied into them and back.
     """
     if not info.distributed:
         return model

@@ -1,28 +1,19 @@
 """Crash-safe files: atomic replacement, safe appends, and text read line by line.
 
-Every file ``mt`` writes goes through here (checkpoints use :func:`atomic_path` with
-``torch.save``), so a process killed at any instant leaves each file either as it was or
-complete, never half-written:
-
-- :func:`write_text` / :func:`write_json` / :func:`atomic_path`: the new content goes to a
-  temporary ``.<name>.tmp<pid>`` beside the target, is flushed and fsynced, then renamed over
-  the target (``os.replace`` is atomic on POSIX) and the directory is fsynced.
-- :class:`JsonlAppender`: one JSON record per line, appended and flushed; on reopening, a torn
-  last line (a kill mid-write) and the records a resumed run will write again are cut off with
-  one ``truncate``, so earlier bytes are never rewritten.
-- :func:`remove_stale_temps`: the temporaries of killed writes (``.<name>.tmp<pid>``) are
-  removed when a run starts (a run directory is locked, so no live writer owns them).
-- :func:`read_lines`: text split on ``"\\n"`` only (a lone ``"\\r"`` stays inside its line; a
-  ``"\\r\\n"`` ending counts as ``"\\n"``), decoded as UTF-8 line by line so an error names the
-  line, and NUL bytes refused with the same message on every path that reads text.
-- :func:`disk_full`: whether an exception (or its cause) is "no space" / "file too large",
-  so callers can say "disk full" rather than a library's internal message.
+Every file ``mt`` writes goes through here, so a process killed at any instant leaves each file
+as it was or complete: :func:`atomic_path` (and :func:`write_text`, :func:`write_json`,
+:func:`atomic_text_output`) writes a temporary ``.<name>.tmp<pid>`` beside the target, fsyncs it
+and renames it over the target (:func:`remove_stale_temps` removes those of killed writes);
+:class:`JsonlAppender` appends JSON records and cuts a torn last line on reopening;
+:func:`read_lines` splits text on ``"\\n"`` only and decodes it line by line, so an error names
+the line.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import logging
 import os
@@ -74,21 +65,17 @@ def disk_full(err: BaseException) -> bool:
     return False
 
 
-def atomic_path(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Write ``path`` atomically: ``write(f)`` fills a binary temporary file, which is flushed,
-    fsynced and renamed over ``path``. On any failure the temporary is removed and ``path`` is
-    untouched; a full disk raises ``OSError(ENOSPC)`` saying so.
-
-    Args:
-        path: the destination; its directory is created if needed.
-        write: called once with the open temporary file.
-    """
+@contextlib.contextmanager
+def _atomic_file(path: str | Path) -> Iterator[IO[bytes]]:
+    """A binary temporary file whose content replaces ``path`` (its directory created) when the
+    block ends without an exception; on a failure ``path`` is untouched and a full disk raises
+    ``OSError(ENOSPC)`` saying so."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
     try:
         with open(tmp, "wb") as f:
-            write(f)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -102,6 +89,26 @@ def atomic_path(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
             ) from err
         raise
     fsync_dir(path.parent)
+
+
+def atomic_path(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Write ``path`` atomically: ``write(f)`` fills the temporary file (:func:`_atomic_file`)."""
+    with _atomic_file(path) as f:
+        write(f)
+
+
+@contextlib.contextmanager
+def atomic_text_output(path: str | Path) -> Iterator[IO[str]]:
+    """A text stream (UTF-8, ``"\\n"`` line ends) whose content replaces ``path`` atomically when
+    the block ends without an exception."""
+    with _atomic_file(path) as f:
+        text = io.TextIOWrapper(f, encoding="utf-8", newline="\n")
+        try:
+            yield text
+            text.flush()
+        finally:  # the file is _atomic_file's to close
+            with contextlib.suppress(OSError, ValueError):
+                text.detach()
 
 
 def write_bytes(path: str | Path, data: bytes) -> None:
@@ -120,11 +127,8 @@ def write_json(path: str | Path, data: Any, indent: int | None = 2) -> None:
 
 
 def write_lines(path: str | Path, lines: Iterable[str]) -> int:
-    """Replace ``path`` with one line per item atomically; returns the number of lines.
-
-    A line break inside an item (``\\n`` or ``\\r``) becomes a space, so line i of the file is
-    always item i.
-    """
+    """Replace ``path`` with one line per item atomically (a line break inside an item becomes
+    a space, so line i is always item i); returns the number of lines."""
     count = 0
 
     def fill(f: IO[bytes]) -> None:
@@ -166,10 +170,6 @@ class JsonlAppender:
     Opening it cuts, with one ``truncate``, a torn last line (no ``"\\n"`` or not JSON) and,
     with ``keep_through_step``, every record from the first one whose ``step`` is larger (a
     resumed run writes those steps again). Earlier bytes are never rewritten.
-
-    Args:
-        path: the file (created if missing).
-        keep_through_step: None keeps every complete record.
     """
 
     def __init__(self, path: str | Path, keep_through_step: int | None = None):
@@ -217,19 +217,9 @@ def _step(record: dict[str, Any]) -> float:
 
 
 def read_lines(stream: Iterable[bytes], name: str, first_line: int = 1) -> Iterator[str]:
-    """Decode a binary stream into lines (without their ending), checking each one.
-
-    Lines split on ``b"\\n"`` alone; a ``"\\r\\n"`` ending is one line end, a lone ``"\\r"``
-    stays inside its line.
-
-    Args:
-        stream: a file opened in binary mode (or ``sys.stdin.buffer``).
-        name: the file's name for error messages.
-        first_line: the number of the first line.
-
-    Raises:
-        TextError: a line that is not UTF-8 or holds a NUL byte, naming file and line.
-    """
+    """Decode a binary stream into lines without their ending (split on ``b"\\n"`` alone; a
+    ``"\\r\\n"`` ending is one line end), each checked: a :class:`TextError` names the file
+    (``name``) and line of one that is not UTF-8 or holds a NUL byte."""
     for lineno, raw in enumerate(stream, first_line):
         yield decode_line(strip_line_end(raw), name, lineno)
 
@@ -242,11 +232,8 @@ def strip_line_end(raw: bytes) -> bytes:
 
 
 def decode_line(raw: bytes, name: str, lineno: int, errors: str = "strict") -> str:
-    """One line's bytes as text; ``errors="replace"`` substitutes U+FFFD for invalid UTF-8.
-
-    Raises:
-        TextError: invalid UTF-8 (with ``errors="strict"``) or a NUL byte.
-    """
+    """One line's bytes as text (a :class:`TextError` for a NUL byte, or for invalid UTF-8
+    unless ``errors="replace"``, which substitutes U+FFFD)."""
     if b"\x00" in raw:
         raise TextError(
             f"{name}, line {lineno}: holds a NUL byte (column {raw.index(0) + 1}); "
@@ -262,34 +249,6 @@ def decode_line(raw: bytes, name: str, lineno: int, errors: str = "strict") -> s
         ) from None
 
 
-@contextlib.contextmanager
-def atomic_text_output(path: str | Path) -> Iterator[IO[str]]:
-    """A text stream (UTF-8, ``"\\n"`` line ends) whose content replaces ``path`` only when
-    the block ends without an exception; a failure leaves ``path`` as it was."""
-    import io
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(path)
-    f = open(tmp, "wb")  # noqa: SIM115
-    text = io.TextIOWrapper(f, encoding="utf-8", newline="\n")
-    try:
-        yield text
-        text.flush()
-        os.fsync(f.fileno())
-        text.close()
-        os.replace(tmp, path)
-    except BaseException as err:
-        if not text.closed:
-            with contextlib.suppress(OSError):
-                text.close()
-        tmp.unlink(missing_ok=True)
-        if isinstance(err, Exception) and disk_full(err):
-            raise OSError(errno.ENOSPC, f"disk full while writing {path}") from err
-        raise
-    fsync_dir(path.parent)
-
-
 def file_crc(path: Path) -> int:
     """CRC-32 of a file's bytes, read in 16 MB blocks."""
     crc = 0
@@ -301,13 +260,11 @@ def file_crc(path: Path) -> int:
 
 def damaged_file(directory: Path, record: dict | None, full: bool = True) -> Path | None:
     """The first file of ``directory`` whose size or CRC-32 differs from ``record``
-    (``{name: [size, crc]}`` or ``[size, crc, mtime_ns]``, as written when the files were made),
-    or None.
+    (``{name: [size, crc]}`` or ``[size, crc, mtime_ns]``, as written with the files), or None.
 
     ``full=False`` reads a file only when its modification time differs from the recorded one
-    (a copy, an edit, a file written again) or none was recorded; a size that differs is damage
-    at once. So a check at every start costs a ``stat`` a file, not a read of gigabytes; damage
-    that keeps size and time (a failing disk) needs ``full=True``.
+    or none was recorded, so a check at every start costs a ``stat`` a file, not a read of
+    gigabytes; damage that keeps size and time (a failing disk) needs ``full=True``.
     """
     for name, (size, crc, *mtime) in (record or {}).items():
         path = directory / name

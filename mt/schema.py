@@ -1,11 +1,8 @@
 """The typed configuration schema: every setting of the pipeline, its type and its default.
 
-This module is the bottom layer of ``mt``: plain dataclasses, no Hydra, no I/O, so the model and
-the other pure pieces can import it. ``mt.config`` registers these dataclasses with Hydra so a
-misspelt key or a wrong type fails when the configuration is composed, naming the key.
-
-YAML files under ``conf/`` hold values and a comment per key; the defaults here are the paper's
-(../shared/SPEC.md) where the paper has one.
+Plain dataclasses, no Hydra, no I/O, so the model and the other pure pieces can import it;
+``mt.config`` registers them with Hydra, so a misspelt key or a wrong type fails when the
+configuration is composed, naming the key. The defaults are the paper's where it has one.
 """
 
 from __future__ import annotations
@@ -194,10 +191,9 @@ class TrainConfig:
     # validated at the end, ema.pt, best.pt when at least as good (fairseq's --ema-decay)
     ema: float = 0.0
     init_from: Optional[str] = None  # fine-tune: start from these weights, fresh optimiser
-    # On resume, start these afresh: optimizer (Adam's moments), schedule (the lr schedule from
-    # its first step: warm-up again), meters (best value, patience), data (a new epoch order)
-    # A resume applies them once: not again when the checkpoint's run was started with the
-    # same list (a requeued job's command line), unless reset_again (mt.train.state)
+    # On resume, start these afresh: optimizer (Adam's moments), schedule (warm-up again),
+    # meters (best value, patience), data (a new epoch order); once, not again for a run started
+    # with the same list (a requeued job's command line) unless reset_again (mt.train.state)
     reset: list = field(default_factory=list)
     reset_again: bool = False  # apply train.reset on this resume even if it was applied
     max_nonfinite: int = 10  # stop after this many consecutive non-finite updates
@@ -223,15 +219,13 @@ class DecodeConfig:
     too_long: str = "error"  # error | truncate: inputs longer than model.max_positions
     # fp32 | bf16 | fp16 (autocast) | auto (bf16 on a CUDA GPU with native bfloat16, else fp32)
     precision: str = "fp32"
-    # CPU: batches decoded side by side by this many workers, torch's intra-op threads shared
-    # among them (CTranslate2's inter_threads, Marian's CPU workers): forked processes of one
-    # thread each where this process may fork (mt.decode.driver.forks_workers), else threads;
-    # 0 = auto: one per intra-op thread on a CPU (at most one per batch), 1 on a GPU
+    # CPU: batches decoded side by side by this many workers sharing torch's intra-op threads
+    # (CTranslate2's inter_threads): forked processes where this process may fork, else threads
+    # (mt.decode.driver.forks_workers); 0 = auto: one per intra-op thread on a CPU, 1 on a GPU
     workers: int = 0
-    # A vocabulary shortlist (Marian's lexical shortlist, CTranslate2's vocabulary map): each
-    # batch searches only the target pieces its sources can become (mt.decode.shortlist). A
-    # lexicon file, or "train": the prepared training data's, built on first use (mt-evaluate,
-    # mt-translate, mt-serve); null = the whole vocabulary.
+    # A vocabulary shortlist (Marian's lexical shortlist): each batch searches only the target
+    # pieces its sources can become (mt.decode.shortlist). A lexicon file, or "train": the
+    # prepared training data's, built on first use; null = the whole vocabulary.
     shortlist: Optional[str] = None
     shortlist_k: int = 50  # per source piece, its most probable translations (IBM model 1)
     shortlist_frequent: int = 3000  # and the most frequent target pieces, always

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from mt.config import load_config
+from mt.data.batches import batch_plan
 from mt.fast.compile import fitted_max_tokens
-from mt.fast.footprint import fit_batch_plan, fit_tokens
+from mt.fast.footprint import fit_tokens
 
 
 def _line(constant: float, per_token: float, calls: list):
@@ -47,7 +48,7 @@ def test_a_batch_that_fits_whole_is_the_recipes_share_and_one_that_never_fits_sa
 def test_accumulation_times_gpu_batch_times_world_is_the_global_batch(global_batch, world, fitted):
     """accum x per-GPU batch x world == the global batch, less under accum x world tokens of
     rounding; the per-GPU batch within what fits; no more accumulation than memory needs."""
-    max_tokens, accum = fit_batch_plan(global_batch, world, fitted)
+    max_tokens, accum = batch_plan(global_batch, fitted, world)
     assert max_tokens <= fitted
     total = accum * max_tokens * world
     assert global_batch - accum * world < total <= global_batch

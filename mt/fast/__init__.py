@@ -1,23 +1,13 @@
-"""mt's own speed code for training, applied to a model from outside.
+"""mt's own speed code for training, applied to a model from outside (``mt.model`` is the paper
+and nothing else); ``mt.train.recipe`` imports it once, decoding and serving use none of it.
 
-``mt.model`` is the paper and nothing else. :func:`for_training` (``fast.training``) makes
-what the update step runs, on a copy that shares the model's parameters (the caller's model is
-never modified): on a CPU, oneDNN products, 16-bit dropout masks (mt's C++ kernel, ``native``),
-written-out attention and the loss in row blocks (mt's C++ kernel too); on a GPU the model with
-the projection and the loss in blocks; elsewhere the model with the fused loss.
-
-A layer reaches a kernel one way: the copy's modules are replaced (``nn.Linear``,
-``nn.Dropout``, ``FeedForward``, and the attention ``core`` every attention layer holds).
-The other modules hold device-wide settings: ``precision`` (``train.precision=auto``, TF32),
-``probe`` (which kernel is fastest here, measured once and cached; under DDP rank 0 measures
-and the other ranks adopt its choices), ``master`` (16-bit training on a copy with float32
-master weights), ``compile`` (``torch.compile`` and DDP), ``memory`` (glibc's freed-memory
-settings), and the fast loss (``loss``) that ``tests/test_loss.py`` holds equal to
-``mt.model.loss``.
-
-This package is the whole of what ``mt.train`` takes from ``mt.fast`` (one import there, in
-``mt.train.recipe``); decoding, serving, evaluation and export use none of it: they decode with
-the model as written (``mt.decode``).
+:func:`for_training` (``training``) makes what the update step runs, on a copy sharing the
+model's parameters: on a CPU oneDNN products (``onednn``), 16-bit dropout masks (``dropout``),
+written-out attention (``attention``), the loss in row blocks (``loss``), the C++ kernels of the
+last two (``native``); on a GPU the model with the projection and the loss in blocks. Settings
+of the device: ``precision`` (``train.precision=auto``, TF32), ``probe`` (the fastest kernel
+here, measured once and cached), ``master`` (16-bit training on float32 masters), ``compile``
+(``torch.compile`` and DDP), ``memory`` (glibc's freed-memory settings).
 """
 
 from mt.fast.compile import (

@@ -1,25 +1,16 @@
-"""Attention cores for a device: the same ``softmax(q k^T / sqrt(d_k)) v`` as the model's own
-:class:`mt.model.attention.ScaledDotProduct`, computed the way that is fastest there. Each layer
-of a model holds its core as ``core``; :func:`install` swaps the cores of a model's copy.
+"""The CPU training copy's attention core: ``softmax(q k^T / sqrt(d_k)) v`` as the model's own
+:class:`mt.model.attention.ScaledDotProduct` computes it (on CUDA that one runs, off cuDNN's
+kernel: ``mt.device.gpu_attention``).
 
-* :class:`CPUTrainingAttention` (CPU training): the formula written out, with the 16-bit
-  dropout masks of ``mt.fast.dropout`` on the weights, as one autograd function
-  (:class:`_WrittenOutAttention`) that keeps for its backward pass the weights and the mask as
-  booleans: 5 bytes per (query, key) pair in float32, where autograd over the written-out
-  formula keeps the weights, the float mask and the dropped weights (12 bytes). At 4,096-token
-  batches of 250-piece sentences that is 20 MB against 48 MB per attention layer. On a CPU,
-  SDPA with dropout takes its unfused reference path and draws its mask through ``bernoulli_``;
-  without dropout it takes a flash kernel that is slower than the written-out form at sentence
-  lengths in bfloat16. Under bf16 autocast, and in a 16-bit model (``train.master_weights``), the
-  core computes in float32 on the bfloat16 q, k, v: in bfloat16 its batched products would go to
-  oneDNN, which builds a kernel for every (rows, queries, keys) it meets, and batches of varying
-  length meet new ones at nearly every step; with oneDNN's cache bounded
-  (``mt.allocator.bound_onednn_kernels``) they also push the linear layers' kernels out, to be built
-  again. Each build allocates anew, and the heap fragments around them. These products are small
-  beside the linear layers' (queries x keys per head, against d_model x d_ff per token), so float32
-  costs no speed.
-* On CUDA the model's own core (SDPA) runs, over flash and memory-efficient kernels:
-  ``mt.device.gpu_attention`` turns cuDNN's off.
+:class:`CPUTrainingAttention` writes the formula out with the 16-bit dropout masks of
+``mt.fast.dropout``, as one autograd function that keeps for backward the weights and the mask
+as booleans: 5 bytes per (query, key) pair in float32, against 12 for autograd over the formula.
+On a CPU, SDPA with dropout takes its unfused path and draws its mask through ``bernoulli_``;
+without dropout its flash kernel is slower than this at sentence lengths in bfloat16. On 16-bit
+q, k, v (autocast, ``train.master_weights``) it computes in float32: in bfloat16 its batched
+products would go to oneDNN, which builds a kernel for every (rows, queries, keys) it meets,
+pushing the linear layers' kernels out of its bounded cache
+(``mt.allocator.bound_onednn_kernels``); these products are small, so float32 costs no speed.
 """
 
 from __future__ import annotations
@@ -27,10 +18,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from mt.fast.dropout import apply_mask, drop, dropout
-from mt.fast.modules import replace_modules
 from mt.model.attention import ScaledDotProduct, attention, attention_weights
 
 
@@ -77,14 +66,9 @@ class CPUTrainingAttention(ScaledDotProduct):
     """The written-out formula with 16-bit dropout masks, in one autograd function that keeps
     the mask as booleans and not the dropped weights (module docstring)."""
 
-    def dropout(self, weights: torch.Tensor, p: float) -> torch.Tensor:
-        """Dropout on the attention weights (``mt.fast.dropout.dropout``), where the weights are
-        asked for."""
-        return dropout(weights, p)
-
     def forward(self, q, k, v, mask=None, is_causal=False, dropout_p=0.0, need_weights=False):
         if need_weights:
-            return attention(q, k, v, mask, is_causal, dropout_p, self.dropout)
+            return attention(q, k, v, mask, is_causal, dropout_p, dropout)
         if q.dtype in (torch.bfloat16, torch.float16):
             # In float32 (module docstring), laid out contiguously in the same pass: the views
             # of the packed projection cast as they are keep its strides, and the forward pass
@@ -95,10 +79,3 @@ class CPUTrainingAttention(ScaledDotProduct):
             # under autocast the next product casts as it needs; a 16-bit model wants 16 bits
             return (out if torch.is_autocast_enabled("cpu") else out.to(q.dtype)), None
         return _WrittenOutAttention.apply(q, k, v, mask, is_causal, dropout_p), None
-
-
-def install(model: nn.Module, make_core) -> nn.Module:
-    """Give every attention layer of ``model`` (in place; pass a copy) the core ``make_core()``;
-    returns ``model``."""
-    replace_modules(model, lambda m: make_core() if isinstance(m, ScaledDotProduct) else None)
-    return model

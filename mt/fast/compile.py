@@ -1,6 +1,5 @@
 """``torch.compile`` for training: dynamic shapes (one graph for every batch, instead of padding
-lengths to multiples, which added positions and a key mask to nearly every batch), the order
-torch documents for DDP, and the count of compiled graphs for the log."""
+lengths to multiples), the order torch documents for DDP, and the count of compiled graphs."""
 
 from __future__ import annotations
 
@@ -23,24 +22,15 @@ def pad_multiple(tc: TrainConfig) -> int:
 
 def compile_model(raw: torch.nn.Module, tc: TrainConfig) -> torch.nn.Module:
     """``torch.compile(raw, dynamic=True)`` with ``train.compile``, else ``raw``; wrap the
-    result in DDP after.
+    result in DDP after (``raw`` itself stays uncompiled: validation and checkpoints use it).
 
-    Dynamic shapes: batch and sequence lengths are symbols in one graph, so batches of every
-    length run it without a recompile. Two things would still compile again, each as long as
-    the first compile and in the middle of training, and are ruled out:
-    - a side without padding, for which a batch would pass no key mask or no selection of the
-      real rows: compiled training collates with ``one_graph`` (``mt.data.batches.collate``);
-    - sizes equal by chance: Dynamo's "duck sizing" gives sizes equal at the first trace one
-      symbol (a first batch with as many real source as target tokens, say) and compiles again
-      when a later batch has them differ; turned off here
-      (``torch.fx.experimental._config.use_duck_shape``, for the whole process).
-    A batch of one sentence still makes one more graph (Dynamo specialises sizes 0 and 1).
-
-    The order is the one torch documents for DDP ("Where to apply torch.compile?": compile the
-    inner module, then wrap it). Dynamo then compiles inside DDP's forward, sees the DDP module
-    and, with ``torch._dynamo.config.optimize_ddp`` (on by default), splits the graph at DDP's
-    gradient-bucket boundaries, so each bucket's all-reduce overlaps the rest of the backward.
-    ``raw`` itself stays uncompiled: validation and checkpoints use it.
+    Dynamic shapes: batches of every length run one graph. Two recompiles are ruled out: a side
+    without padding, passing no key mask (compiled training collates with ``one_graph``,
+    ``mt.data.batches.collate``), and Dynamo's "duck sizing", which makes sizes equal at the first
+    trace one symbol (off for the process: ``torch.fx.experimental._config.use_duck_shape``). A
+    one-sentence batch still makes one more graph (Dynamo specialises sizes 0 and 1). The order
+    is torch's for DDP ("Where to apply torch.compile?"): with ``optimize_ddp`` Dynamo splits the
+    graph at DDP's gradient buckets, so each bucket's all-reduce overlaps the backward.
     """
     if not tc.compile:
         return raw
@@ -65,19 +55,12 @@ def compile_step(
     shapes: list[tuple[int, int, int]] | None = None,
 ) -> torch.nn.Module:  # fmt: skip
     """What the update calls, before the DDP wrap: with ``train.compile`` and
-    ``train.shape_buckets`` the whole step of a bucketed batch compiled (``mt.fast.graphs``:
-    the forward and the loss over every position, pads weighted 0), on CUDA replayed as one
-    CUDA graph per bucket shape in ``shapes``, with a plain compiled step for any other shape;
-    otherwise :func:`compile_model` (the model alone, or nothing without ``train.compile``).
-    :func:`step_loss` gives the update's loss function for the result.
-
-    The compiled step takes dynamic shapes (one graph for all the buckets, so one compile,
-    about a minute on a GPU host, not one per bucket); the CUDA graphs are per shape all the
-    same (cudagraph trees record one for each shape they meet), and the masked loss keeps the
-    shapes to the buckets' (a selection of the real rows would give every batch its own)."""
+    ``train.shape_buckets`` the whole step of a bucketed batch compiled (``mt.fast.graphs``),
+    on CUDA replayed as one CUDA graph per bucket shape in ``shapes``; otherwise
+    :func:`compile_model`. :func:`step_loss` gives the update's loss function for the result.
+    The step takes dynamic shapes: one compile for all the buckets, not one per bucket."""
     if not (tc.compile and tc.shape_buckets):
         return compile_model(forward, tc)
-    import torch._dynamo
     import torch.fx.experimental._config as fx_config
 
     from mt.fast.graphs import BucketStep, ShapeRouter, step_mode
@@ -105,11 +88,9 @@ def step_loss(model: torch.nn.Module):
 
 def fitted_max_tokens(cfg, vocab_size: int, device: torch.device) -> int | None:
     """``train.fit_batch``: on CUDA with ``train.batch_tokens``, the largest per-GPU batch
-    (padded tokens) the memory model fits in this GPU's memory (``mt.fast.footprint``),
-    at most the recipe's per-GPU share of the global batch; None where it does not apply
-    (a CPU, or no global batch: ``train.max_tokens`` stays). The whole bucketed step
-    (``train.compile`` with ``train.shape_buckets``) scores every position at once, so its
-    logits, 16-bit and float32, are added to the blockwise step's estimate."""
+    (padded tokens) the memory model (``mt.fast.footprint``) fits in this GPU, at most its share
+    of the global batch; None elsewhere. The whole bucketed step scores every position at once,
+    so its logits, 16-bit and float32, are added to the blockwise step's estimate."""
     tc = cfg.train
     if not (tc.fit_batch and tc.batch_tokens > 0 and device.type == "cuda"):
         return None

@@ -1,17 +1,12 @@
 """Dropout whose masks come from 16 random bits per element, for CPU training.
 
-torch's CPU dropout draws a float per element through ``bernoulli_``, several times the time
-of drawing the same number of 16-bit integers, and on a small model those draws are a sizeable
-share of a training step (docs/performance.md). Here a unit is dropped with probability
-``round(p * 65536) / 65536`` (p = 0.1: 0.10001) and the kept units are scaled by the inverse of
-the exact keep probability, so the expected output is the input, as with ``F.dropout``.
-
-Where mt's kernels are built (``mt.fast.native``), the draws, the mask and the scaled output
-come from one pass over the tensor (``csrc/dropout.cpp``: each element's 16 bits hashed from a
-seed drawn from torch's generator and the element's index), and the backward pass is one pass
-too; elsewhere torch's operators draw them (:func:`keep_mask`). Either way a seeded run is
-reproducible and a resumed one continues as it would have, since the draws follow torch's
-generator.
+torch's CPU dropout draws a float per element through ``bernoulli_``, several times the time of
+drawing as many 16-bit integers (docs/performance.md). Here a unit is dropped with probability
+``round(p * 65536) / 65536`` and the kept ones are scaled by the inverse of the exact keep
+probability, as with ``F.dropout``. mt's kernel (``mt.fast.native``, ``csrc/dropout.cpp``) makes
+the draws, mask and output in one pass, hashing each element's 16 bits from a seed and its index;
+elsewhere torch's operators draw them (:func:`keep_mask`). Either way the draws follow torch's
+generator, so a seeded run is reproducible and a resumed one continues as it would have.
 """
 
 from __future__ import annotations
@@ -29,8 +24,8 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what mt::drop
 
 
 def _threshold(p: float) -> tuple[int, float]:
-    """How many of the 65536 values of a 16-bit draw drop a unit at rate ``p``, and the scale
-    of the kept units, ``1 / P(keep)``."""
+    """How many of a 16-bit draw's 65536 values drop a unit at rate ``p``, and the kept units'
+    scale, ``1 / P(keep)``."""
     if not 0.0 < p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     dropped = round(p * _LEVELS)
@@ -40,9 +35,8 @@ def _threshold(p: float) -> tuple[int, float]:
 def keep_mask(
     shape: torch.Size, p: float, device: torch.device | str
 ) -> tuple[torch.Tensor, float]:
-    """The units kept by dropout at rate ``p`` (bool, ``shape``), drawn from 16 random bits
-    each through torch's operators, and the scale of the kept units, ``1 / P(keep)`` (module
-    docstring)."""
+    """The units kept at rate ``p`` (bool, ``shape``), from 16 random bits each drawn by torch's
+    operators, and the kept units' scale."""
     dropped, scale = _threshold(p)
     # Four 16-bit draws per 64-bit integer: random_(-2**63, None) fills all 64 bits uniformly.
     n = math.prod(shape)
@@ -62,9 +56,7 @@ def apply_mask(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tenso
 
 def drop(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Dropout at rate ``p`` on ``x``: ``(dropped x, keep, scale)``, ``keep`` the bool mask of
-    the units kept and ``scale`` the factor they were multiplied by (module docstring): one
-    pass through mt's kernel on a CPU where it is built, else :func:`keep_mask` and
-    :func:`apply_mask`."""
+    the kept units, ``scale`` their factor; one pass of mt's kernel where it is built."""
     fused = _kernels(x)
     if fused is None:
         keep, scale = keep_mask(x.shape, p, x.device)
@@ -77,15 +69,15 @@ def drop(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor, float]:
 
 def _kernels(x: torch.Tensor):
     """(``mt::dropout``, ``mt::masked_scale``) for ``x``, or None where they do not apply (not
-    on a CPU, another dtype) or mt's kernels are off or cannot be built."""
+    on a CPU, another dtype) or cannot be built."""
     if x.device.type != "cpu" or x.dtype not in _KERNEL_DTYPES:
         return None
     return native.dropout()
 
 
 class _Dropout(torch.autograd.Function):
-    """``apply_mask`` whose backward keeps the bool mask (1 byte an element), where autograd
-    would keep the scaled float mask it multiplied by (2-4 bytes)."""
+    """``drop`` whose backward keeps the bool mask (1 byte an element), where autograd would
+    keep the scaled float mask it multiplied by (2-4 bytes)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:
@@ -100,19 +92,10 @@ class _Dropout(torch.autograd.Function):
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
-    """Dropout whose mask compares 16-bit random integers with a threshold (module docstring).
-
-    Every unit is zeroed independently with probability ``round(p * 65536) / 65536``; the rest
-    are multiplied by ``1 / (1 - that)``. The backward pass keeps the mask as booleans.
-    """
+    """``F.dropout`` with 16-bit masks (module docstring), kept as booleans for backward."""
     if not training or p == 0.0:
         return x
     return _Dropout.apply(x, p)
-
-
-def expected_keep(p: float) -> float:
-    """The keep probability :func:`dropout` realises for ``p`` (for tests and the docs)."""
-    return 1.0 - round(p * _LEVELS) / _LEVELS if p > 0 else 1.0
 
 
 class Dropout(nn.Module):

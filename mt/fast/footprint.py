@@ -88,10 +88,8 @@ def fit_tokens(
     The peak grows linearly with the tokens of a batch (activations, the loss's blocks; the
     parameters and Adam's state are the constant), so two estimates give the line and a third
     checks its answer; a check that fails steps down by ``step`` until one fits. The headroom
-    leaves the allocator's fragmentation and the CUDA graphs' pools their share.
-
-    Raises:
-        ValueError: when not even ``low`` tokens fit (naming the memory and the estimate).
+    leaves the allocator's fragmentation and the CUDA graphs' pools their share. A ValueError
+    names the memory and the estimate when not even ``low`` tokens fit.
     """
     if not 0 < low <= high:
         raise ValueError(f"need 0 < low <= high, got {low}, {high}")
@@ -110,16 +108,3 @@ def fit_tokens(
     while tokens > low and estimate(tokens) > budget:
         tokens = max(low, tokens - step)
     return tokens
-
-
-def fit_batch_plan(
-    batch_tokens: int, world_size: int, fitted: int
-) -> tuple[int, int]:
-    """Each GPU's ``(max_tokens, accum_steps)`` for a global batch of ``batch_tokens`` when
-    one GPU holds at most ``fitted`` tokens (:func:`fit_tokens`): as few accumulation steps as
-    memory allows, so each batch is as large as the recipe's global batch lets it be
-    (``mt.data.batches.batch_plan``'s rule: ``accum x max_tokens x world_size`` is the global
-    batch less under ``accum x world_size`` tokens of rounding)."""
-    from mt.data.batches import batch_plan
-
-    return batch_plan(batch_tokens, fitted, world_size)

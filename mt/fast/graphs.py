@@ -1,19 +1,11 @@
 """The whole step of a shape-bucketed batch compiled, and on CUDA replayed as CUDA graphs.
 
 With ``train.shape_buckets`` every batch has one of K shapes (``mt.data.buckets``), so a CUDA
-graph of each shape can be captured once and replayed (torch.compile's ``reduce-overhead``
-mode: cudagraph trees, one memory pool for the graphs of a process, one graph recorded per
-shape met: K). What is compiled is :class:`BucketStep`: the forward pass and the
-loss over every position of the batch, the pads weighted 0 (a selection of the real positions
-would change its row count with every batch, and with it the shapes), and through
-AOTAutograd their backward. The optimizer step is torch's fused Adam (one kernel for all the
-parameters, ``mt.train.update.build_optimizer``), which takes the finite check's ``found_inf``
-on the device; collate, the finite check's read, logging stay on the host, outside the graphs,
-and nothing inside them reads the device.
-
-:class:`ShapeRouter` runs a batch of a known bucket shape through the graphed step and any
-other shape (buckets made for another encoding of the corpus, say) through a plain compiled
-step, so an unknown shape captures no graph. :func:`step_mode` decides which mode a device gets.
+graph of each is captured once and replayed (``reduce-overhead`` mode, cudagraph trees).
+:class:`BucketStep` is the forward pass and the loss over every position, pads weighted 0 (a
+selection of the real positions would change the shapes with every batch); the optimizer is
+torch's fused Adam, taking the finite check's ``found_inf`` on the device. :class:`ShapeRouter`
+sends any other shape through a plain compiled step, so it captures no graph.
 """
 
 from __future__ import annotations
@@ -34,13 +26,9 @@ def masked_smoothed_loss(
     h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, eps: float, vocab: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed (label-smoothed loss, NLL) of ``h weight[:vocab]^T`` over the rows whose target
-    is not PAD, in float32, at a fixed shape: every row is projected and scored, a pad row's
-    terms are multiplied by 0 (its gradient is then exactly 0). The same sums as
-    ``mt.model.loss.label_smoothed_nll_loss`` of the real rows:
-    ``(1 - eps - eps_i) nll + eps_i sum_v -log p_v`` with ``eps_i = eps / (V - 1)``.
-
-    Written in plain operators so that Inductor fuses the log-softmax and its reductions into
-    the projection's consumers."""
+    is not PAD, in float32, at a fixed shape: every row is scored, a pad row's terms multiplied
+    by 0 (its gradient exactly 0). The sums of ``mt.model.loss.label_smoothed_nll_loss``, in
+    plain operators so that Inductor fuses the log-softmax and its reductions."""
     logits = F.linear(h, weight[:vocab]).float()  # (N, V)
     lp = torch.log_softmax(logits, dim=-1)
     keep = (target != PAD).to(lp.dtype)
@@ -52,13 +40,8 @@ def masked_smoothed_loss(
 
 
 class BucketStep(nn.Module):
-    """The step's forward and loss for a fixed-shape batch: ``(src, tgt_in, tgt_out, eps) ->
-    (loss_sum, nll_sum)`` over the real target positions (PAD in ``tgt_out`` masked).
-
-    Args:
-        training: the ``mt.fast.TrainingModel`` whose model runs (its parameters are the
-            step's; its ``master`` the update step's master weights, if any).
-    """
+    """The forward pass and loss of a ``mt.fast.TrainingModel`` for a fixed-shape batch:
+    ``(src, tgt_in, tgt_out, eps) -> (loss_sum, nll_sum)`` over the real target positions."""
 
     def __init__(self, training: nn.Module) -> None:
         super().__init__()
@@ -78,27 +61,21 @@ class BucketStep(nn.Module):
 
 def step_mode(device_type: str, buckets: int) -> str:
     """torch.compile's mode for the bucketed step: ``reduce-overhead`` (CUDA graphs) on CUDA
-    with shape buckets, where each of the few shapes is captured once; ``default`` elsewhere
-    (a CPU has no graphs to capture; without buckets every batch would capture its own)."""
+    with shape buckets; ``default`` elsewhere (without buckets every batch would capture its
+    own graph)."""
     return "reduce-overhead" if device_type == "cuda" and buckets > 0 else "default"
 
 
-Shape = tuple[tuple[int, ...], tuple[int, ...]]
-
-
-def batch_shape(src: torch.Tensor, tgt_in: torch.Tensor) -> Shape:
+def batch_shape(src: torch.Tensor, tgt_in: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(src.shape), tuple(tgt_in.shape)
 
 
 class ShapeRouter(nn.Module):
-    """Calls ``fixed`` (on CUDA: replayed as CUDA graphs, one per shape) for a batch of one of
-    ``shapes`` and ``plain`` (compiled, no graphs) for any other, both over ``step``'s
-    parameters: a shape outside the set records no CUDA graph (whose pool would grow with each
-    new shape). ``shapes``: (sentences, source width, target width) triples.
-
-    ``graphs``: the fixed step replays CUDA graphs, so each call starts a new step of the
-    cudagraph trees (``torch.compiler.cudagraph_mark_step_begin``): the outputs of the last
-    replay were read before this call (the update adds them to its sums at once)."""
+    """Calls ``fixed`` (on CUDA replayed as CUDA graphs) for a batch of one of ``shapes``
+    ((sentences, source width, target width) triples) and ``plain`` (compiled, no graphs) for
+    any other, so a shape outside the set grows no graph pool. With ``graphs`` each call starts
+    a new cudagraph-trees step: the last replay's outputs were read before it (the update adds
+    them to its sums at once)."""
 
     def __init__(
         self, step: nn.Module, shapes: Iterable[tuple[int, int, int]], fixed: Callable,
@@ -133,10 +110,9 @@ class ShapeRouter(nn.Module):
 
 
 def bucket_loss(model, batch, eps: float, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The update's ``loss_fn`` (``mt.train.update.Updater``) for a :class:`ShapeRouter` /
-    :class:`BucketStep` model (possibly DDP-wrapped): summed (loss, NLL) of one batch, weight 0
-    for fillers. The model runs inside DDP's forward, so its gradient all-reduce hooks are
-    armed as for the model alone."""
+    """The update's ``loss_fn`` (``mt.train.update.Updater``) for a :class:`ShapeRouter` model
+    (possibly DDP-wrapped, run inside DDP's forward so its all-reduce hooks are armed): summed
+    (loss, NLL) of one batch, weight 0 for fillers."""
     from mt.fast.precision import autocast
 
     with autocast(batch.src.device, precision):
@@ -145,8 +121,8 @@ def bucket_loss(model, batch, eps: float, precision: str) -> tuple[torch.Tensor,
 
 
 def graph_memory_gb(device: torch.device) -> dict[str, float]:
-    """CUDA memory now and at its peak (GiB, ``torch.cuda.memory_stats``): what the graphs'
-    pools hold is part of ``reserved``. Empty on a CPU."""
+    """CUDA memory now and at its peak (GiB; the graphs' pools are part of ``reserved``). Empty
+    on a CPU."""
     if device.type != "cuda":
         return {}
     stats = torch.cuda.memory_stats(device)

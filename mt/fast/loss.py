@@ -1,16 +1,12 @@
 """The training loss, fast: :func:`mt.model.loss.label_smoothed_nll_loss` of
-``log_softmax(logits)`` computed without the (N, V) float log-probabilities.
+``log_softmax(logits)`` without the (N, V) float log-probabilities; ``tests/test_loss.py`` holds
+both functions equal to the formula in values and gradients.
 
-- :func:`label_smoothed_cross_entropy` (logits in, fused): forward keeps one float block of rows
-  at a time, backward writes the closed-form gradient ``g * (softmax(z) - q)`` straight into the
-  logits' dtype. What a GPU and the plain CPU path train with.
-- :func:`projected_cross_entropy` (decoder output and projection in, blockwise): the logits
-  themselves never exist whole; each block of rows is projected, scored and turned into its
-  gradient at once (on a CPU by mt's kernel ``mt::smoothed_ce`` where it is built, in place on
-  the block's scores). What the CPU training copy trains with (``mt.fast.training``).
-
-Both return the reference's ``(loss_sum, nll_sum)``; ``tests/test_loss.py`` holds them equal to
-the formula in values and gradients.
+- :func:`label_smoothed_cross_entropy` (logits in, fused): one float block of rows at a time,
+  the closed-form gradient ``g * (softmax(z) - q)`` written straight in the logits' dtype.
+- :func:`projected_cross_entropy` (decoder output and projection in): the logits never exist
+  whole; each row block is projected, scored and turned into its gradient at once (on a CPU by
+  mt's kernel ``mt::smoothed_ce`` where built). What the training copy and a GPU train with.
 """
 
 from __future__ import annotations
@@ -24,12 +20,9 @@ from mt.vocab import PAD
 
 
 class _SmoothedCrossEntropy(torch.autograd.Function):
-    """The same loss from the logits, fused: forward keeps one float row block at a time, and
-    backward writes ``g * (softmax(z) - q)`` (its closed form) straight into the logits' dtype.
-
-    The unfused path (``log_softmax`` -> gather + sum -> their backward) makes about ten passes
-    over an (N, V) float tensor; on a CPU they cost more than the model's matrix products.
-    """
+    """The loss from the logits, fused (module docstring). The unfused path (``log_softmax`` ->
+    gather + sum -> their backward) makes about ten passes over an (N, V) float tensor; on a CPU
+    they cost more than the model's matrix products."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, eps: float, rows: int):
@@ -70,19 +63,13 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-CPU_BLOCK_BYTES = 1 << 22  # ~4 MB of float32 per row block: the block stays in a CPU cache
-GPU_BLOCK_BYTES = 1 << 26  # 64 MB: few, large kernels (a 25k-token x 37k batch: ~55 blocks)
+BLOCK_BYTES = 1 << 22  # ~4 MB of float32 per row block: the block stays in a CPU cache
 
 
-def block_rows(V: int, device: torch.device | str) -> int:
-    """Rows of (N, V) logits that the fused loss treats at once on ``device``.
-
-    On a CPU a block of ~4 MB of float32 stays in cache (28 rows at V = 37k); a GPU wants few
-    large kernels instead, so its blocks hold 64 MB (the float32 block is the only extra
-    memory the loss needs beyond the logits and their gradient).
-    """
-    budget = GPU_BLOCK_BYTES if torch.device(device).type == "cuda" else CPU_BLOCK_BYTES
-    return max(1, budget // (4 * max(V, 1)))
+def block_rows(V: int) -> int:
+    """Rows of (N, V) logits that the fused loss treats at once: ~4 MB of float32, which stays
+    in a CPU's cache (28 rows at V = 37k)."""
+    return max(1, BLOCK_BYTES // (4 * max(V, 1)))
 
 
 def label_smoothed_cross_entropy(
@@ -90,19 +77,10 @@ def label_smoothed_cross_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`mt.model.loss.label_smoothed_nll_loss` of ``log_softmax(logits)``, fused.
 
-    Computed in float32 whatever the logits' dtype, one block of rows at a time (its size
-    chosen for the logits' device: :func:`block_rows`); the gradient has the logits' dtype.
-    Only the loss is differentiable (the NLL is for reporting).
-
-    Args:
-        logits: (N, V) unnormalised scores (float32, bfloat16 or float16).
-        target: (N,) reference ids; rows whose target is ``ignore_index`` are dropped.
-        ignore_index: the padding id, or None when every row is real (training passes only
-            the real positions: no scan, no copy).
-        eps: smoothing mass in [0, 1).
-
-    Returns:
-        ``(loss_sum, nll_sum)``, float32 scalars (sums over the kept rows).
+    ``logits`` (N, V) float32, bfloat16 or float16, ``target`` (N,); rows whose target is
+    ``ignore_index`` are dropped (None: every row is real, no scan, no copy). Computed in
+    float32 one block of rows at a time (:func:`block_rows`); the gradient has the logits'
+    dtype. Returns ``(loss_sum, nll_sum)``, float32 scalars; only the loss is differentiable.
 
     Example:
         >>> z, t = torch.randn(4, 10, requires_grad=True), torch.tensor([4, 5, 0, 9])
@@ -118,20 +96,19 @@ def label_smoothed_cross_entropy(
         keep = target != ignore_index
         if not bool(keep.all()):
             logits, target = logits[keep], target[keep]
-    rows = block_rows(logits.size(1), logits.device)
+    rows = block_rows(logits.size(1))
     return _SmoothedCrossEntropy.apply(logits, target, float(eps), rows)
 
 
 class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
     """The loss of ``h W^T`` in row blocks: the (N, V) logits never exist at once.
 
-    Each block of rows is projected, scored and, when gradients are wanted, turned into the
-    gradient of the loss for a unit upstream gradient, ``G = softmax(z) - q`` (the closed form
-    of :class:`_SmoothedCrossEntropy`), whose products ``G W`` (for ``h``) and ``G^T h`` (for
-    ``W``, summed over blocks) are taken at once. Backward only scales them by the upstream
-    gradient. What this saves over logits-then-loss is the memory traffic of two (N, V)
-    float32 tensors (logits and their gradient, 112 MB each for a 3,500-token batch at V = 8000),
-    and on a CPU the page faults of allocating them afresh every step.
+    Each block is projected, scored and, when gradients are wanted, turned into the gradient
+    for a unit upstream gradient, ``G = softmax(z) - q``, whose products ``G W`` (for ``h``) and
+    ``G^T h`` (for ``W``, summed over blocks) are taken at once; backward only scales them. This
+    saves the memory traffic of two (N, V) float32 tensors (logits and their gradient, 112 MB
+    each for 3,500 tokens at V = 8000) and, on a CPU, the page faults of allocating them afresh
+    every step.
     """
 
     @staticmethod
@@ -209,16 +186,15 @@ def _block_kernel(device: torch.device, dtype: torch.dtype) -> Callable | None:
 
 BLOCKWISE_BLOCK_BYTES = 1 << 24  # 16 MB of float32 scores per block (512 rows at V = 8000)
 BLOCKWISE_MIN_ROWS = 256  # fewer rows make G^T h a thin, slow product
-# A GPU wants few, large kernels: 512 MB of float32 scores per block (3,600 rows at V = 37k),
-# so a 25k-token batch takes 7 blocks and its (n, V) logits never exist whole.
-GPU_BLOCKWISE_BLOCK_BYTES = 1 << 29
+GPU_BLOCKWISE_BLOCK_BYTES = 1 << 29  # 512 MB: a GPU wants few, large kernels
 
 
 def projected_block_rows(
     vocab: int, device: torch.device | str, bucket: Callable[[int], int] | None = None
 ) -> int:
-    """Rows per block of :func:`projected_cross_entropy` on ``device`` (with ``bucket``, the
-    row counts a product pads to: the largest such count at most that)."""
+    """Rows per block of :func:`projected_cross_entropy` on ``device``: 16 MB of float32 scores
+    on a CPU, at least 256; 512 MB on a GPU, at least 1024 (with ``bucket``, the row counts a
+    product pads to, the largest such count at most that)."""
     if torch.device(device).type == "cuda":
         rows = max(1024, GPU_BLOCKWISE_BLOCK_BYTES // (4 * max(vocab, 1)))
     else:
@@ -243,29 +219,12 @@ def projected_cross_entropy(
     rows: int | None = None,
     bucket: Callable[[int], int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`label_smoothed_cross_entropy` of ``h weight[:vocab]^T``, without the logits.
-
-    The same sums and gradients as projecting first and scoring after, computed one block of
-    rows at a time (:class:`_ProjectedSmoothedCrossEntropy`). Under autocast the products run
-    in the autocast dtype, as ``F.linear`` would, and the scores in float32.
-
-    Args:
-        h: (N, D) features of the positions to score (every row real).
-        weight: (V_padded, D) output projection; rows from ``vocab`` on are never scored.
-        target: (N,) reference ids.
-        eps: smoothing mass in [0, 1).
-        vocab: the number of rows of ``weight`` to score (default: all).
-        product: ``(x, w, bias) -> x w^T (+ bias)``, e.g. oneDNN's (``mt.fast.training``).
-        rows: rows per block (default: :func:`projected_block_rows`: ~16 MB of float32 scores
-            on a CPU, at least 256; ~512 MB on a GPU, at least 1024).
-        bucket: the row counts ``product`` pads its input to (``mt.fast.onednn.bucket_rows``,
-            so that oneDNN meets few shapes), or None. Given, the blocks hold such a count of
-            rows (the last one padded with zero rows of ``h``, D wide, here), so the products
-            never pad: G W's input is V wide, so a pad of it copies a large block at every
-            update.
-
-    Returns:
-        ``(loss_sum, nll_sum)`` as :func:`label_smoothed_cross_entropy` returns them.
+    """:func:`label_smoothed_cross_entropy` of ``h weight[:vocab]^T`` (rows from ``vocab`` on
+    never scored), one block of ``rows`` rows of ``h`` at a time (:func:`projected_block_rows`),
+    the products through ``product`` (``(x, w, bias) -> x w^T (+ bias)``), under autocast in its
+    dtype and the scores in float32. ``bucket``: the row counts ``product`` pads its input to
+    (``mt.fast.onednn.bucket_rows``), or None; given, the blocks hold such counts (the last one
+    padded here, D wide), since a pad of G W's V-wide input would copy a large block.
 
     Example:
         >>> h, w = torch.randn(6, 4, requires_grad=True), torch.randn(10, 4, requires_grad=True)

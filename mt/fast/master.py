@@ -1,20 +1,12 @@
-"""16-bit training with float32 master weights (``train.master_weights``).
+"""16-bit training with float32 master weights (``train.master_weights``): fairseq's ``--bf16``
+/ ``--fp16``, Marian's ``--precision float16 float32``, apex's O2.
 
-Autocast keeps the model in float32 and casts at the operations it lists: every weight on its
-way into a product (once per forward pass, its gradient back in the backward), the input and
-output of every LayerNorm, which it runs in float32, and the 16-bit outputs of products where
-they meet the float32 residual stream. On the GPU's code path the forward and backward passes
-of one update under bf16 autocast make hundreds of casts, a sizeable share of a GPU's kernel
-time (docs/performance.md).
-
-With master weights the passes run on a 16-bit working copy of the model instead, with no
-autocast: its weights, activations, LayerNorms and gradients are 16-bit (the loss still scores
-in float32, block by block): far fewer casts in the same passes. The optimiser keeps the float32
-weights, the masters: before each update's passes the working copy takes their values (one
-multi-tensor copy), and after the backward passes they take its gradients as float32 (another);
-clipping, the finite check, the loss scale of fp16 and Adam all see float32, as without it.
-Checkpoints, validation and averaging use the float32 model, which is the master. This is
-fairseq's ``--bf16`` / ``--fp16``, Marian's ``--precision float16 float32`` and apex's O2.
+Autocast keeps the model in float32 and casts every weight on its way into a product, the input
+and output of every LayerNorm and products' outputs meeting the float32 residual stream: hundreds
+of casts an update, a sizeable share of a GPU's kernel time (docs/performance.md). Here the
+passes run on a 16-bit working copy without autocast; before each update it takes the float32
+masters' values, after the backward passes they take its gradients as float32 (one multi-tensor
+copy each), so clipping, the finite check, fp16's loss scale, Adam and checkpoints see float32.
 """
 
 from __future__ import annotations
@@ -28,16 +20,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class MasterWeights:
-    """A 16-bit working copy of ``model`` and the float32 parameters it follows.
-
-    Args:
-        model: the float32 model, whose parameters stay the masters (not modified).
-        precision: ``bf16`` or ``fp16``: the working copy's dtype.
-
-    Attributes:
-        model: the working copy (parameters and buffers in 16 bits, tied weights still tied).
-        params: the masters, in the order of ``model``'s parameters.
-    """
+    """``model``, a 16-bit working copy (``precision`` bf16 or fp16; tied weights still tied),
+    and ``params``, the float32 model's parameters it follows (the masters, not modified)."""
 
     def __init__(self, model: nn.Module, precision: str) -> None:
         if precision not in DTYPES:
@@ -81,8 +65,8 @@ class MasterWeights:
 
 def _copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy of ``model`` whose parameters and floating-point buffers are new ``dtype`` tensors
-    (tied ones stay tied; other buffers are shared). Each tensor is converted once, not copied
-    first: no float32 double of the model, and fake tensors stay in their fake mode."""
+    (tied ones stay tied), each converted once, not copied first: no float32 double of the
+    model, and fake tensors stay in their fake mode."""
     memo: dict[int, object] = {}
     for p in model.parameters():
         memo[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)

@@ -23,13 +23,11 @@ _held = False
 def hold_freed_memory() -> bool:
     """Keep memory that training frees inside the process, for its next step (glibc only).
 
-    A training step allocates and frees the same large temporaries every time (activations,
-    the loss's float blocks). glibc returns freed blocks above its mmap threshold, and the top
-    of its heap above the trim threshold, to the kernel, so the next step touches fresh pages:
-    a page fault and a zero-fill per 4 KB, which can cost a short copy many times its own
-    work (the loss's float blocks, above all). Fixing the mmap threshold at its 32 MB
-    ceiling and never trimming keeps those pages; the process's resident memory then stays at
-    its peak instead of shrinking between steps. Returns whether glibc took the settings.
+    A step allocates and frees the same large temporaries every time. glibc returns freed
+    blocks above its mmap threshold, and its heap's top above the trim threshold, to the
+    kernel, so the next step pays a page fault and a zero-fill per 4 KB; a 32 MB mmap threshold
+    (glibc's ceiling) and no trimming keep those pages, resident memory staying at its peak.
+    Returns whether glibc took the settings.
     """
     global _held
     if _held:

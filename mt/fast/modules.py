@@ -16,14 +16,11 @@ def shared_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo=shared)
 
 
-def replace_modules(model: nn.Module, rule: Callable[[nn.Module], nn.Module | None]) -> int:
+def replace_modules(model: nn.Module, rule: Callable[[nn.Module], nn.Module | None]) -> None:
     """In place: every submodule for which ``rule(child)`` returns a module becomes that module
-    (None: kept). Returns how many were replaced."""
-    replaced = 0
+    (None: kept)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             new = rule(child)
             if new is not None:
                 setattr(parent, name, new)
-                replaced += 1
-    return replaced

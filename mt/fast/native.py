@@ -1,26 +1,16 @@
 """mt's own C++ kernels for CPU training, compiled on first use for the CPU in hand.
 
-``torch.ops.mt.smoothed_ce`` (``csrc/smoothed_ce.cpp``): a row block of the CPU training loss
-(``mt.fast.loss``): the label-smoothed cross-entropy of float32 or bfloat16 scores and, in place,
-its gradient, three passes over each row where torch's operators make about ten over the block
-(and cast it to float32 and back): the loss reads its block from the cache, not from memory.
+- ``torch.ops.mt.smoothed_ce`` (``csrc/smoothed_ce.cpp``): a row block of the CPU training loss
+  (``mt.fast.loss``) and, in place, its gradient, in three passes over each row.
+- ``torch.ops.mt.dropout`` and ``torch.ops.mt.masked_scale`` (``csrc/dropout.cpp``): the
+  training copy's dropout (``mt.fast.dropout``) and its backward, one pass each.
 
-``torch.ops.mt.dropout`` and ``torch.ops.mt.masked_scale`` (``csrc/dropout.cpp``): the CPU
-training copy's dropout (``mt.fast.dropout``) in one pass, each element's 16 random bits hashed
-from a seed and its index, the bool mask and the scaled output written together, and its
-backward pass in one more, where torch's operators draw, compare, cast and multiply in passes
-of their own (docs/performance.md).
-
-The kernels are compiled with torch's C++ extension loader (``torch.utils.cpp_extension.load``,
-into ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``) for this CPU's instruction
-set (``-march=native``), once per CPU kind, torch and Python version and sources: ~1 minute on 2
-cores, then loaded in milliseconds. The build directory's name carries a digest of them all, so
-a home directory shared by machines of different CPUs never loads a kernel built for another.
-Processes that start at once build it once (:func:`build_lock`: the others wait for the first),
-and a build lock left by a killed build is removed (torch would wait for it for ever).
-Where they cannot be built (no C++ compiler or ninja, an unwritable cache),
-:func:`smoothed_ce` and :func:`dropout` return None, the reason is said once, and the loss and
-dropout run on torch's operators, which compute the same.
+Built by torch's C++ extension loader with ``-march=native`` (into ``$TORCH_EXTENSIONS_DIR`` or
+``~/.cache/torch_extensions``) under a name that digests the sources, flags, CPU, torch and
+Python (:func:`build_name`), so a home shared by machines of different CPUs never loads another's
+build. Processes that start at once build once (:func:`build_lock`). Where they cannot be built
+(no C++ compiler or ninja), :func:`smoothed_ce` and :func:`dropout` return None, the reason is
+said once, and torch's operators compute the same.
 """
 
 from __future__ import annotations
@@ -40,9 +30,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("smoothed_ce.cpp", "dropout.cpp"))
-HEADERS = (Path(__file__).with_name("csrc") / "vec.h",)  # included by the sources
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "smoothed_ce.cpp", CSRC / "dropout.cpp")
+HEADERS = (CSRC / "vec.h",)  # included by the sources
 # OpenMP: torch's own runtime, for its threads; no warnings about the vector types' ABI
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-Wno-psabi"]
 STALE_LOCK_S = 120.0  # a build lock older than this was left by a killed build
@@ -51,43 +41,48 @@ _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}  # "loaded": whether the kernels are, "why": the reason they are not
 
 
-def _cpu_identity() -> str:
-    """What decides the code ``-march=native`` emits: the CPU's vendor, family, model and
-    flags (the first processor of /proc/cpuinfo); the platform's name elsewhere."""
-    keys = ("vendor_id", "cpu family", "model", "flags")
+def cpu_fields() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
     try:
         lines = Path("/proc/cpuinfo").read_text(errors="replace").split("\n\n")[0].splitlines()
     except OSError:
+        return {}
+    fields = (line.split(":", 1) for line in lines if ":" in line)
+    return {key.strip(): value.strip() for key, value in fields}
+
+
+def _cpu_identity() -> str:
+    """What decides the code ``-march=native`` emits: the CPU's vendor, family, model and
+    flags; the platform's name where /proc/cpuinfo is missing."""
+    fields = cpu_fields()
+    if not fields:
         import platform
 
         return platform.processor() or platform.machine()
-    fields = (line.split(":", 1) for line in lines if ":" in line)
-    return "|".join(f"{k.strip()}={v.strip()}" for k, v in fields if k.strip() in keys)
+    keys = ("vendor_id", "cpu family", "model", "flags")
+    return "|".join(f"{k}={fields[k]}" for k in keys if k in fields)
 
 
 def build_name() -> str:
-    """The extension's name: a digest of the source, the flags, the CPU, torch's and Python's
-    versions."""
+    """The extension's name: a digest of the sources, flags, CPU, torch and Python."""
     digest = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES + HEADERS), " ".join(CFLAGS).encode(),
-                 _cpu_identity().encode(), torch.__version__.encode(), sys.version.encode()):
+    identity = (" ".join(CFLAGS), _cpu_identity(), torch.__version__, sys.version)
+    for part in [*(path.read_bytes() for path in SOURCES + HEADERS), *map(str.encode, identity)]:
         digest.update(part)
         digest.update(b"\0")
     return f"mt_native_{digest.hexdigest()[:16]}"
 
 
 def build_directory() -> Path:
-    """Where the kernel is built: ``$TORCH_EXTENSIONS_DIR`` (or torch's default root, e.g.
-    ``~/.cache/torch_extensions``) / :func:`build_name`."""
+    """``$TORCH_EXTENSIONS_DIR`` (or torch's default root) / :func:`build_name`."""
     from torch.utils.cpp_extension import get_default_build_root
 
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / build_name()
 
 
 def clear_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_S) -> None:
-    """Where ``flock`` is missing (:func:`build_lock`): wait for a build in progress elsewhere
-    (torch's ``lock`` file in ``directory``) to end; remove the lock when it is older than
-    ``max_age_s``: left by a build that was killed, it would make torch wait for ever."""
+    """Without ``flock`` (:func:`build_lock`): wait for torch's ``lock`` file in ``directory``
+    to go, removing it once older than ``max_age_s`` (left by a killed build)."""
     lock = directory / "lock"
     while lock.exists():
         try:
@@ -104,12 +99,11 @@ def clear_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_S) -> None:
 
 @contextlib.contextmanager
 def build_lock(directory: Path) -> Iterator[None]:
-    """Hold the build of ``directory`` for this process: an exclusive ``flock`` on
-    ``directory/build.flock``, waited for as long as a build elsewhere takes (a minute on 2 busy
-    cores) and released by the kernel when its holder ends, killed or not (or when the file is
-    closed here). Holding it, a torch ``lock`` file found in ``directory`` was left by a build
-    that was killed (torch would wait for it for ever) and is removed. Without ``fcntl``, or
-    where the file system refuses the lock: :func:`clear_stale_lock`."""
+    """Hold the build of ``directory``: an exclusive ``flock`` on ``directory/build.flock``,
+    waited for as long as a build elsewhere takes and released by the kernel when its holder
+    ends, killed or not. Holding it, a torch ``lock`` file found in ``directory`` was left by a
+    killed build and is removed. Without ``fcntl``, or where the file system refuses the lock:
+    :func:`clear_stale_lock`."""
     with open(directory / "build.flock", "a") as handle:
         if _flock(handle, directory):
             lock = directory / "lock"
@@ -124,7 +118,7 @@ def build_lock(directory: Path) -> Iterator[None]:
 
 def _flock(handle, directory: Path) -> bool:
     """Take an exclusive ``flock`` on ``handle`` (waiting for its holder); False where there is
-    none to take (not a POSIX system, or a file system without locks: some network mounts)."""
+    none (not POSIX, or a file system without locks: some network mounts)."""
     try:
         import fcntl
 
@@ -177,18 +171,14 @@ def _loaded() -> bool:
 
 
 def smoothed_ce() -> Callable | None:
-    """``torch.ops.mt.smoothed_ce(z, target, rows, eps_i, on_target, grad)``
-    (``csrc/smoothed_ce.cpp``: a block's label-smoothed cross-entropy and, in place, its
-    gradient, for the CPU training loss), or None where the kernels cannot be built
-    (``mt.fast.loss`` then computes the same through torch's operators)."""
+    """``torch.ops.mt.smoothed_ce(z, target, rows, eps_i, on_target, grad)``, or None where
+    the kernels cannot be built."""
     return torch.ops.mt.smoothed_ce.default if _loaded() else None
 
 
 def dropout() -> tuple[Callable, Callable] | None:
-    """``(torch.ops.mt.dropout, torch.ops.mt.masked_scale)`` (``csrc/dropout.cpp``: the CPU
-    training copy's dropout, mask and scaled output in one pass, and its backward pass), or
-    None where the kernels cannot be built (``mt.fast.dropout`` then draws its masks
-    through torch's operators)."""
+    """``(torch.ops.mt.dropout, torch.ops.mt.masked_scale)``, or None where the kernels cannot
+    be built."""
     if not _loaded():
         return None
     return torch.ops.mt.dropout.default, torch.ops.mt.masked_scale.default

@@ -2,12 +2,10 @@
 picks on a CPU) for float32 and bfloat16 products on a CPU.
 
 ``nn.Linear`` runs on MKL's sgemm, which leaves much of an AMD CPU's float32 peak unused;
-oneDNN reaches far more of it there (docs/performance.md). Every product here accumulates in
-float32; only the order of the sums differs from ``F.linear``.
-
-- :func:`linear` / :class:`Linear`: ``F.linear`` for training, with the forward product and the
-  input gradient ``dx = dy W`` on oneDNN (the weight gradient ``dW = dy^T x`` stays on
-  ``torch.mm``, as fast there).
+oneDNN reaches far more of it there (docs/performance.md). :func:`linear` / :class:`Linear` is
+``F.linear`` for training with the forward product and the input gradient ``dx = dy W`` on
+oneDNN (the weight gradient ``dW = dy^T x`` stays on ``torch.mm``, as fast there); every product
+accumulates in float32, only the order of the sums differs from ``F.linear``.
 """
 
 from __future__ import annotations
@@ -23,14 +21,6 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 
-def _own_generator() -> torch.Generator:
-    """A generator for the checks' inputs: they run once per process at whatever moment first
-    needs them (before training, or at the first validation), and drawing from torch's global
-    generator there shifted every dropout mask after it: the same run then trained differently
-    with and without a warm probe cache."""
-    return torch.Generator().manual_seed(0)
-
-
 @cache
 def onednn_available() -> bool:
     """Whether this torch has oneDNN's linear kernel and it agrees with ``F.linear`` here."""
@@ -40,7 +30,10 @@ def onednn_available() -> bool:
     if op is None:
         return False
     try:
-        g = _own_generator()
+        # Not torch's global generator: this check runs at whatever moment first needs it (before
+        # training, or at the first validation), and drawing from that one there shifted every
+        # dropout mask after it, so a run trained differently with and without a warm probe cache
+        g = torch.Generator().manual_seed(0)
         x, w, b = (torch.randn(*s, generator=g) for s in ((3, 2, 16), (8, 16), (8,)))
         y = op(x, w, b, "relu", [], "")
         return bool(torch.allclose(y, torch.relu(F.linear(x, w, b)), atol=1e-5))
@@ -49,13 +42,9 @@ def onednn_available() -> bool:
 
 
 def bucket_rows(rows: int) -> int:
-    """``rows`` rounded up to one of few sizes: a multiple of 8, or of 1/16 of the row count's
-    power of two (at most 6.25% added rows, 16 sizes per doubling).
-
-    oneDNN builds (and keeps) a kernel per input shape. Batches of varying length give the
-    products a new row count at almost every call, and the process then grows with every new
-    shape, without end. Padded to these sizes the kernels are reused and memory stays flat.
-    """
+    """``rows`` rounded up to a multiple of 8, or of 1/16 of its power of two (at most 6.25%
+    added rows, 16 sizes per doubling): oneDNN builds and keeps a kernel per input shape, and
+    batches of varying length would give the products a new row count at almost every call."""
     step = max(8, 1 << max(0, rows.bit_length() - 5))
     return -(-rows // step) * step
 
@@ -77,9 +66,7 @@ MAX_TRAINING_KERNELS = 768
 
 
 def layer_product_shapes(d_model: int, d_ff: int) -> int:
-    """The distinct weight shapes of a Transformer layer's products: the fused queries, keys
-    and values (3d x d), the cross-attention's keys and values (2d x d), queries and outputs
-    (d x d), the FFN's (f x d, d x f)."""
+    """How many distinct weight shapes a Transformer layer's products have."""
     return len({(3 * d_model, d_model), (2 * d_model, d_model), (d_model, d_model),
                 (d_ff, d_model), (d_model, d_ff)})  # fmt: skip
 
@@ -90,14 +77,10 @@ def training_kernels(layer_shapes: int, max_rows: int, block_rows: int) -> int:
         PASSES x (layer_shapes x bucket_count(max_rows // 2 + 1, max_rows)
                   + bucket_count(1, min(block_rows, max_rows))) x KERNEL_MARGIN
 
-    clamped to ``[16, MAX_TRAINING_KERNELS]``. Each product shape (``layer_shapes``: the
-    layers' distinct weight shapes, :func:`layer_product_shapes`) runs 3 kernels per row
-    count (forward, input gradient, weight gradient); a batch of up to ``max_rows`` tokens
-    fills more than half of them (token batching), so its rows (the source's and the
-    target's) land in one doubling's buckets: 16 (:func:`bucket_rows`). The loss's projection
-    runs in blocks of ``block_rows`` and a last block of any bucketed count below that. The
-    margin covers shorter batches and validation's products, which the caches' LRU order
-    evicts first.
+    clamped to ``[16, MAX_TRAINING_KERNELS]``. A batch of up to ``max_rows`` tokens fills more
+    than half of them (token batching), so its rows land in one doubling's 16 buckets; the
+    loss's projection runs in blocks of ``block_rows`` and a last block of any bucketed count
+    below. The margin covers shorter batches and validation's products, evicted first (LRU).
     """
     layer_buckets = bucket_count(max_rows // 2 + 1, max_rows)
     projection_buckets = bucket_count(1, min(block_rows, max_rows))
@@ -108,9 +91,8 @@ def training_kernels(layer_shapes: int, max_rows: int, block_rows: int) -> int:
 def size_kernel_cache(
     max_rows: int, d_model: int, d_ff: int, vocab: int, device: torch.device | str = "cpu"
 ) -> int | None:
-    """Size this process's oneDNN kernel caches for training (:func:`training_kernels`;
-    ``mt.allocator.size_onednn_kernels``: a user's own setting stands), before its first
-    product: both the precision probe and the run call it, so the probe times the kernels
+    """Size this process's oneDNN kernel caches for training (:func:`training_kernels`; a user's
+    own setting stands) before its first product, so the precision probe times the kernels
     under the cache the run has. Returns the capacity in effect (None off a CPU)."""
     if torch.device(device).type != "cpu":
         return None
@@ -144,15 +126,11 @@ def _on_bucketed_rows(x: torch.Tensor, product) -> torch.Tensor:
     return y[:rows].reshape(*lead, y.size(-1))
 
 
-def _pointwise(x: torch.Tensor, weight: torch.Tensor, bias, attr: str) -> torch.Tensor:
-    """oneDNN's ``act(x W^T + b)`` over the rows of ``x`` (..., in), bucketed."""
-    return _on_bucketed_rows(
-        x, lambda x2: torch.ops.mkldnn._linear_pointwise(x2, weight, bias, attr, [], "")
-    )
-
-
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _pointwise(x, weight, bias, "none")
+    """oneDNN's ``x W^T + b`` over the rows of ``x`` (..., in), bucketed."""
+    return _on_bucketed_rows(
+        x, lambda x2: torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
+    )
 
 
 class _OneDNNLinearFunction(torch.autograd.Function):

@@ -1,19 +1,15 @@
 """The position-wise products on the real positions only, for the CPU training copy.
 
-A batch padded to its longest sentence spends every position-wise product on padding too: the
-FFN's two, and the attention's projections (queries, keys and values, the output). Its real
-positions are known on the host when the batch is made (``mt.data.batches.collate``), so the
-:class:`~mt.fast.training.TrainingModel` hands them to the copy's :class:`Packed` modules
-(one :class:`InFlight` shared by all) before each forward pass: each product then runs on
-the (n, D) real rows and writes zeros at the padded ones. Nothing reads those: padded keys are
-masked, the causal mask keeps real target queries off the right padding, and the loss scores
-real positions only, so the values and gradients at real positions are the model's (a padded
-position never reaches a real one). Where the products pad their rows to few counts
-(oneDNN's), a few padded rows join the real ones to reach such a count (:class:`InFlight`).
+A batch padded to its longest sentence spends every position-wise product (the FFN's two, the
+attention's projections) on padding too. Its real positions are known on the host when the
+batch is made (``mt.data.batches.collate``), so the ``TrainingModel`` hands them to the copy's
+:class:`Packed` modules (one :class:`InFlight` shared by all) before each forward pass: each
+product then runs on the (n, D) real rows and writes zeros at the padded ones. Nothing reads
+those (padded keys are masked, the causal mask keeps real queries off the right padding, the loss
+scores real positions only), so the values and gradients at real positions are the model's.
 
-Packing costs a gather and a scatter per product; it pays where a batch is well padded (random
-lengths), not on length-sorted batches (little padding), so a batch is packed
-only above :data:`MIN_PADDING`, decided on the host from the counts alone.
+Packing costs a gather and a scatter per product; it pays on well-padded batches (random
+lengths), not on length-sorted ones, so a side is packed only above :data:`MIN_PADDING`.
 """
 
 from __future__ import annotations
@@ -32,13 +28,10 @@ class InFlight:
     """The rows of the batch in the forward pass now that the packed products run on, and
     its other rows, per side (None: that side is not packed).
 
-    Args:
-        bucket: the row counts the products pad their input to (``mt.fast.onednn.bucket_rows``),
-            or None. Given, the real rows are joined by as many padded ones as reach such a
-            count (where the batch has them), so that the products, forward and backward, run
-            without a pad of their own (a copy of each input). A padded row's value is then
-            whatever the product makes of it (finite, and read by nothing, as the zeros were),
-            and its gradient is zero, so the real rows' values and gradients are the same.
+    ``bucket``: the row counts the products pad their input to (``mt.fast.onednn.bucket_rows``),
+    or None. Given, the real rows are joined by as many padded ones as reach such a count, so
+    that the products run without a pad (a copy) of their own; a padded row's value is read by
+    nothing and its gradient is zero, so the real rows' values and gradients are the same.
     """
 
     __slots__ = ("src", "tgt", "src_pad", "tgt_pad", "bucket")
@@ -106,10 +99,9 @@ class Packed(nn.Module):
 
 
 def pack(model: nn.Module, bucket: Callable[[int], int] | None = None) -> InFlight:
-    """Give the encoder's and decoder's FFNs and attention projections of ``model`` (in
-    place; pass a copy) the packed form; returns the :class:`InFlight` its passes read. The
-    encoder-decoder attention's queries and output are on the target side, its keys and
-    values on the source side (the encoder's output). ``bucket``: see :class:`InFlight`."""
+    """Give the FFNs and attention projections of ``model`` (in place; pass a copy) the packed
+    form; returns the :class:`InFlight` its passes read. The cross-attention's queries and
+    output are on the target side, its keys and values on the source side."""
     in_flight = InFlight(bucket)
     for side, layers in (("src", model.encoder), ("tgt", model.decoder)):
         for layer in layers:

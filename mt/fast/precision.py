@@ -23,13 +23,9 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
 def native_bf16(device: torch.device) -> bool:
-    """Whether ``device`` has bfloat16 arithmetic in hardware, so that bf16 training is faster
-    than float32 there: a CUDA GPU that supports it (Ampere and later), or an x86 CPU with
-    AVX512-BF16 or AMX (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later).
-
-    Elsewhere (AVX2 CPUs such as AMD Zen 3, older GPUs) bfloat16 is emulated: a bf16 training
-    step is many times slower than the float32 one, and oneDNN has no bf16 kernels there at all.
-    """
+    """Whether ``device`` has bfloat16 arithmetic in hardware: a CUDA GPU from Ampere on, or an
+    x86 CPU with AVX512-BF16 or AMX (Intel Cooper Lake / Sapphire Rapids, AMD Zen 4 and later).
+    Elsewhere (AVX2 CPUs, older GPUs) bfloat16 is emulated, many times slower than float32."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
     if device.type != "cpu":
@@ -50,21 +46,18 @@ def resolve_precision(
     cache_dir: str | Path | None = None,
     vocab: int = 8000,
 ) -> str:
-    """The training precision for ``train.precision`` on ``device``.
+    """The training precision for ``train.precision`` on ``device``: ``fp32``, ``bf16`` or
+    ``fp16``.
 
     ``auto`` measures (``mt.fast.probe``): fp32 and bf16 each run a layer's products forward
-    and backward at the run's ``shape`` (tokens per batch, d_model, d_ff; :func:`layer_step`),
-    as the training step runs them (fp32 on oneDNN with ``cpu_kernels``, bf16 under autocast
-    over bucketed row counts), and the faster wins. On a CPU whose oneDNN computes float32
-    products in bfloat16 when asked (:func:`onednn_bf32_available`, checked by the numbers, not
-    by a flag), float32 training with that math (``bf32``, :func:`bf32_math`) is timed too.
-    On a CPU the kernel caches are first sized for the run (``shape``, ``vocab``:
-    ``mt.fast.onednn.size_kernel_cache``), so the probe's products keep their kernels as the
-    run's will.
-    The only thing ruled out beforehand is what cannot run: bf16 on a GPU without it. An
-    explicit choice is kept, with a warning when it is ``bf16`` on hardware that only emulates
-    it. Returns ``fp32``, ``bf16`` or ``fp16``; a ``bf32`` choice returns ``fp32`` and is
-    applied by :func:`apply_fp32_math` (``mt.fast.for_training`` calls it).
+    and backward at the run's ``shape`` (tokens per batch, d_model, d_ff; :func:`layer_step`)
+    as the training step runs them, and the faster wins; bf16 is ruled out beforehand only on a
+    GPU without it. Where oneDNN computes float32 products in bfloat16 when asked
+    (:func:`onednn_bf32_available`), float32 with that math (``bf32``) is timed too: it returns
+    ``fp32`` and is applied by :func:`apply_fp32_math`. On a CPU the kernel caches are first
+    sized for the run (``mt.fast.onednn.size_kernel_cache``), so the probe's products keep
+    their kernels as the run's will. An explicit choice is kept, with a warning for ``bf16`` on
+    hardware that only emulates it.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"train.precision must be one of {PRECISIONS}, got {precision!r}")
@@ -95,9 +88,8 @@ def resolve_precision(
 
 
 def _product(precision: str, device: torch.device, cpu_kernels: bool):
-    """The product the training step runs a layer with in ``precision``
-    (``mt.fast.for_training``): on a CPU with ``cpu_kernels``, oneDNN's for float32 and
-    autocast's over bucketed row counts for 16-bit."""
+    """The product ``mt.fast.for_training`` runs a layer with in ``precision``: on a CPU with
+    ``cpu_kernels``, oneDNN's for float32, autocast's over bucketed row counts for 16-bit."""
     import torch.nn.functional as F
 
     from mt.fast.onednn import bucketed_linear, linear
@@ -105,10 +97,6 @@ def _product(precision: str, device: torch.device, cpu_kernels: bool):
     if device.type != "cpu" or not cpu_kernels:
         return F.linear
     return bucketed_linear if precision in ("bf16", "fp16") else linear
-
-
-def _fp32_product(device: torch.device, cpu_kernels: bool):
-    return _product("fp32", device, cpu_kernels)
 
 
 @contextlib.contextmanager
@@ -129,10 +117,8 @@ def bf32_math(enabled: bool = True):
 @functools.cache
 def onednn_bf32_available() -> bool:
     """Whether oneDNN here computes float32 products in bfloat16 when asked (:func:`bf32_math`),
-    told by the numbers: a product of float32 values that bfloat16 cannot hold differs from
-    the float32 one by bfloat16's rounding (2^-8 relative), not by float32's. torch sets the
-    mode on every CPU, but oneDNN has such kernels on AMX only; elsewhere the result is float32
-    math and ``bf32`` would only repeat the fp32 candidate."""
+    told by the numbers (bfloat16's rounding, 2^-8 relative, not float32's): torch sets the
+    mode on every CPU, but oneDNN has such kernels on AMX only."""
     from mt.fast.onednn import linear, onednn_available
 
     if not onednn_available():
@@ -149,9 +135,8 @@ def onednn_bf32_available() -> bool:
 
 
 def apply_fp32_math(device: torch.device) -> bool:
-    """Turn on oneDNN's bfloat16 math in float32 products (:func:`bf32_math`, for the rest of
-    the process) where this process's precision probe chose ``bf32`` (rank 0's choice, on the
-    other ranks of a distributed run: ``mt.fast.probe.adopt``). Returns whether it did."""
+    """Turn on oneDNN's bfloat16 math in float32 products for the rest of the process where the
+    precision probe (or rank 0's, ``mt.fast.probe.adopt``) chose ``bf32``. Returns whether."""
     if device.type != "cpu":
         return False
     chose = any(k.startswith("train.precision|") and v == "bf32"
@@ -169,15 +154,13 @@ ROW_SHARES = (1.0, 0.85, 0.7)  # the row counts a probe's calls take in turn, as
 def layer_step(precision: str, n: int, d: int, f: int, device: torch.device, product):
     """The products of one Transformer layer forward and backward (queries, keys and values
     (3d x d), the attention's output (d x d), the FFN (f x d, d x f)) in ``precision`` (fp32,
-    bf16, fp16, or bf32: float32 with :func:`bf32_math`) with
-    ``product`` (a ``linear(x, weight)``), as training runs them: the work the training
-    probes time.
+    bf16, fp16, or bf32: float32 with :func:`bf32_math`) with ``product`` (a
+    ``linear(x, weight)``), as training runs them: the work the training probes time.
 
-    Each call takes the next of ``n x ROW_SHARES`` rows. A batch of ``n`` tokens rarely fills
-    them: padding and sentence lengths leave fewer, and a kernel can be fast at one row count
-    only (a library can tie another at a power of two and lose at the row counts around it).
-    One call at every row count is made here, before timing,
-    so kernels built per row count are built outside it.
+    Each call takes the next of ``n x ROW_SHARES`` rows: a batch of ``n`` tokens rarely fills
+    them, and a kernel can be fast at one row count only (a library can tie another at a power
+    of two and lose around it). One call at every row count is made here, so kernels built per
+    row count are built before timing.
     """
     import torch.nn.functional as F
 
@@ -201,11 +184,9 @@ def layer_step(precision: str, n: int, d: int, f: int, device: torch.device, pro
 
 
 def projection_step(n: int, d: int, vocab: int, device: torch.device, product):
-    """The two products of one block of the blockwise loss (``mt.fast.loss``) in float32 with
-    ``product`` (a ``linear(x, weight)``): the scores ``x W^T`` of ``n`` rows and the input
-    gradient ``G W`` (``W^T`` as the weight, as the loss passes it). The weight gradient
-    ``G^T x`` is torch's whatever the product, so it is left out. Kernels are built on the
-    call made here, before timing."""
+    """The two products of a block of the blockwise loss (``mt.fast.loss``) in float32 through
+    ``product``: the scores ``x W^T`` of ``n`` rows and the input gradient ``G W``; the weight
+    gradient is torch's whatever the product. Kernels are built here, before timing."""
     g = torch.Generator(device="cpu").manual_seed(0)
     x, w, grad = (torch.randn(*s, generator=g).to(device)
                   for s in ((n, d), (vocab, d), (n, vocab)))  # fmt: skip
@@ -229,8 +210,8 @@ def set_fp32_precision(device: torch.device, tf32: bool) -> None:
 
 
 def machine(device: torch.device) -> dict:
-    """What a figure was measured on: the device, the CPU model, whether the device has native
-    bfloat16 arithmetic, and torch's intra-op threads (records, reports, README tables)."""
+    """What a figure was measured on (records, reports): the device, the CPU model, native
+    bfloat16 or not, and torch's intra-op threads."""
     out = {"device": str(device), "cpu": probe.cpu_model(), "native_bf16": native_bf16(device),
            "threads": torch.get_num_threads()}  # fmt: skip
     if device.type == "cuda":

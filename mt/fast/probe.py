@@ -1,19 +1,14 @@
 """Speed settings chosen by measuring on the device in hand, not by a CPU flag.
 
 The same AVX512-BF16 flag can mean bf16 well ahead of fp32 on one CPU and behind it on another,
-and a CPU without it still runs bf16 (emulated, many times slower). So ``auto`` settings run a
-short probe at the run's shapes: each candidate (e.g. fp32 and bf16) times the work that
-dominates the run (for training, a layer's products forward and backward at batches of up to
-the run's token count, ``mt.fast.precision.layer_step``), the fastest candidate that is
-numerically allowed wins, and the figures are logged.
-
-A probe costs a second or three, once per machine and shape: a candidate is first screened at
-a small size, where one that is more than :data:`SCREEN_RATIO` times the best is ruled out at
-once (emulated bf16 takes seconds at full size); the rest are timed at the run's size. At both
-sizes the candidates take turns, call by call, and each keeps the median of its calls, so a
-busy moment of a shared machine slows every candidate alike instead of ruling one out. Results
-are cached per machine (CPU model, GPU, threads) and torch version in ``<cache_dir>/probes.json``,
-beside the prepared data, so later runs reuse them.
+and a CPU without it still runs bf16 (emulated, many times slower). So ``auto`` settings time
+each candidate on the work that dominates the run, at the run's shapes (for training, a layer's
+products forward and backward, ``mt.fast.precision.layer_step``); the fastest wins and the
+figures are logged. A candidate more than :data:`SCREEN_RATIO` times the best at a small size is
+ruled out at once (emulated bf16 takes seconds at full size); the rest are timed at the run's
+size. The candidates take turns, call by call, and each keeps its median, so a busy moment of a
+shared machine slows every candidate alike. Results are cached per machine (CPU model, GPU,
+threads) and torch version in ``<cache_dir>/probes.json``, beside the prepared data.
 """
 
 from __future__ import annotations
@@ -27,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from mt.fast.native import cpu_fields
 from mt.files import write_json
 
 log = logging.getLogger(__name__)
@@ -38,8 +34,8 @@ REPEATS = 3  # timed calls per candidate at each size (after one warm-up call)
 
 
 def fastest(figures: dict[str, float], allowed: list[str]) -> str:
-    """The allowed candidate with the smallest time (ties: the first allowed, the exact one
-    listed first). Candidates without a figure (ruled out) are never chosen."""
+    """The allowed candidate with the smallest time (ties: the first allowed); one without a
+    figure (ruled out) is never chosen."""
     timed = [c for c in allowed if figures.get(c) is not None]
     if not timed:
         return allowed[0]
@@ -53,10 +49,8 @@ def measure(
     screen_size: int,
     sync=None,
 ) -> dict[str, float | None]:
-    """Seconds per call of each candidate at ``size`` (None: ruled out at ``screen_size``).
-
-    ``make(candidate, size)`` returns the call to time (inputs built once, outside the timing).
-    """
+    """Seconds per call of each candidate at ``size`` (None: ruled out at ``screen_size``);
+    ``make(candidate, size)`` returns the call to time (its inputs built outside the timing)."""
     screen = in_turns({c: make(c, screen_size) for c in candidates}, REPEATS, sync)
     best = min(screen.values())
     kept = [c for c in candidates if screen[c] <= SCREEN_RATIO * best]
@@ -86,13 +80,7 @@ def cpu_model() -> str:
     """The CPU's model name (``lscpu``'s), from /proc/cpuinfo; the platform's otherwise."""
     import platform
 
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_fields().get("model name") or platform.processor() or platform.machine()
 
 
 def _machine_key(device: torch.device) -> str:
@@ -171,10 +159,9 @@ def decided() -> dict[str, str]:
 
 
 def adopt(decisions: dict[str, str]) -> None:
-    """Take another process's :func:`decided` as this one's: the ranks of a distributed run on
-    one machine run rank 0's kernels instead of each probing its own, all at once on shared
-    cores (which skews every rank's figures) and possibly choosing differently. A key names
-    the machine and thread count, so a rank elsewhere still probes where it differs."""
+    """Take another process's :func:`decided` as this one's: a distributed run's ranks run rank
+    0's kernels instead of each probing at once on shared cores (skewing every rank's figures)
+    and possibly choosing differently; a key names the machine, so a rank elsewhere probes."""
     _DECIDED.update(decisions)
 
 

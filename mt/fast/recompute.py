@@ -1,17 +1,9 @@
-"""Activation checkpointing per layer (``train.activation_checkpointing``): each encoder and
-decoder layer of the training copy keeps only its inputs for the backward pass and runs its
-forward pass again there (``torch.utils.checkpoint``, non-reentrant), so a step holds one
-layer's activations at a time instead of all of them, for about one more forward pass of the
-layers (fairseq's ``--checkpoint-activations``).
-
-The gradients are the plain step's: the second forward pass draws the same dropout masks
-(``preserve_rng_state``: torch's generator is put back where it stood, and mt's dropout kernel
-draws its seed from that generator, ``mt.fast.dropout``), and a packed copy's layers see the
-rows of their own batch again (:class:`Checkpointed` holds them, ``mt.fast.packing``).
-
-Non-reentrant checkpointing composes with what the step wraps around the layers: autocast
-(the state of the forward pass is replayed), ``torch.compile`` (Dynamo traces it) and DDP
-(gradients arrive through the usual autograd hooks, once each).
+"""Activation checkpointing per layer (``train.activation_checkpointing``, fairseq's
+``--checkpoint-activations``): each encoder and decoder layer of the training copy keeps only its
+inputs and runs its forward pass again in the backward pass (``torch.utils.checkpoint``,
+non-reentrant, which composes with autocast, ``torch.compile`` and DDP). The gradients are the
+plain step's: the second pass draws the same dropout masks (``preserve_rng_state``; mt's dropout
+kernel seeds from torch's generator) and a packed copy's layers see their batch's rows again.
 """
 
 from __future__ import annotations
@@ -24,17 +16,11 @@ from mt.fast.packing import InFlight
 
 
 class Checkpointed(nn.Module):
-    """A layer whose activations are recomputed in the backward pass (module docstring): in
-    training mode with gradients on, its forward pass runs under
-    :func:`torch.utils.checkpoint.checkpoint`; elsewhere (validation, decoding) as it is.
-
-    Args:
-        layer: the encoder or decoder layer (its parameters stay its own: the state dict of a
-            model holding it names them ``...layer.<name>``, so wrap copies only).
-        in_flight: the packed products' rows (``mt.fast.packing.pack``) or None; the rows of
-            the forward pass are put back while the layer runs again, so a forward pass of
-            another batch in between (accumulation, a validation) cannot change what is
-            recomputed.
+    """``layer`` recomputing its activations in the backward pass, in training mode with
+    gradients on (elsewhere it runs as it is). A model holding it names its parameters
+    ``...layer.<name>``, so wrap copies only. The packed rows of ``in_flight`` (or None) are
+    put back while the layer runs again, so a forward pass of another batch in between
+    (accumulation, a validation) cannot change what is recomputed.
     """
 
     def __init__(self, layer: nn.Module, in_flight: InFlight | None = None) -> None:
@@ -72,8 +58,8 @@ def _set_rows(in_flight: InFlight, rows: tuple) -> None:
 
 
 def checkpoint_layers(model: nn.Module, in_flight: InFlight | None = None) -> int:
-    """In place (pass a copy: ``mt.fast.modules.shared_copy``): every encoder and decoder layer
-    of ``model`` becomes :class:`Checkpointed`. Returns how many layers were wrapped."""
+    """In place (pass a copy): every encoder and decoder layer of ``model`` becomes
+    :class:`Checkpointed`. Returns how many were wrapped."""
     wrapped = 0
     for stack in (model.encoder, model.decoder):
         for i, layer in enumerate(stack):

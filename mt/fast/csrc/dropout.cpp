@@ -10,9 +10,6 @@
 //   y_i = keep_i ? x_i * scale : 0, the product in float32 (also for 16-bit x).
 // masked_scale(g, keep, scale) -> keep_i ? g_i * scale : 0 (the backward pass; the dropped
 //   weights the attention's backward pass recomputes).
-//
-// Through torch's operators the same took five passes (random_ over int64 words, a comparison,
-// the bool mask cast to floats, scaled, multiplied) forward and three backward.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -64,9 +61,8 @@ typedef int16_t i16x16 __attribute__((vector_size(32)));
 typedef int16_t i16x8 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 
-// 8 elements as float32 lanes, and back: float32 as they are; bfloat16 through vec.h's
-// load_bf16 / store_bf16 (rounded as c10::BFloat16 rounds): eight lanes at once, where
-// element-wise conversions would make bfloat16's dropout far slower than float32's.
+// 8 elements as float32 lanes, and back (bfloat16 through vec.h, 8 lanes at once: element-wise
+// conversions would make bfloat16's dropout far slower than float32's).
 inline mt_vec::fvec load8(const float* p) { return mt_vec::load(p); }
 inline void store8(float* p, mt_vec::fvec v) { mt_vec::store(p, v); }
 

@@ -8,9 +8,8 @@
 //   smooth = V lse - sum_j z_j              (-sum_j log p_j)
 // and, with `grad`, the row is overwritten by the gradient of the smoothed loss for a unit
 // upstream gradient, softmax(z) - q: exp(z_j - lse) - eps_i, plus `on_target` at t; rows from
-// `rows` on (padding) are set to 0. Through torch the same is a cast, a log-softmax, a gather,
-// a sum, an exp, a subtraction, a scatter and a cast back: about ten passes over the block,
-// here three over each row while it is in the cache.
+// `rows` on (padding) are set to 0. Three passes over each row while it is in the cache, where
+// torch's operators make about ten over the block.
 //
 // float32 arithmetic but for the sums of the row (double across lanes) and an exp of relative
 // error ~1e-7 (vec.h); bfloat16 rows are widened exactly and the gradient is rounded to nearest
@@ -129,17 +128,12 @@ std::tuple<at::Tensor, at::Tensor> smoothed_ce(at::Tensor z, const at::Tensor& t
   float* z32 = bf16 ? nullptr : z.data_ptr<float>();
   uint16_t* z16 = bf16 ? reinterpret_cast<uint16_t*>(z.data_ptr<at::BFloat16>()) : nullptr;
   const float ei = static_cast<float>(eps_i), on = static_cast<float>(on_target);
+  const size_t row_bytes = V * z.element_size();
   at::parallel_for(0, R, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> wide(bf16 ? V : 0);
     for (int64_t i = begin; i < end; ++i) {
       if (i >= rows) {  // padding rows: no loss, no gradient
-        if (grad) {
-          if (bf16) {
-            std::memset(z16 + i * V, 0, V * sizeof(uint16_t));
-          } else {
-            std::memset(z32 + i * V, 0, V * sizeof(float));
-          }
-        }
+        if (grad) std::memset(static_cast<char*>(z.data_ptr()) + i * row_bytes, 0, row_bytes);
         continue;
       }
       const float* row = z32 + i * V;

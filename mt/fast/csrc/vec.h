@@ -1,6 +1,5 @@
-// Helpers shared by mt's training kernels (dropout.cpp, smoothed_ce.cpp): 8 floats as one
-// value through GCC's and Clang's vector extensions, so the code vectorizes for whatever
-// instruction set -march=native gives (AVX-512 or AVX2 on x86, NEON elsewhere).
+// Helpers shared by mt's training kernels (dropout.cpp, smoothed_ce.cpp), written with GCC's
+// and Clang's vector extensions so that they vectorize for whatever -march=native gives.
 
 #pragma once
 
@@ -9,9 +8,8 @@
 
 namespace mt_vec {
 
-// 8 floats as one value (GCC and Clang vector extensions): an AVX register. 8 lanes, not 16, even
-// with AVX-512: CPUs that execute AVX-512 in 256-bit halves gain nothing from 16, and pay for
-// the longer tails (docs/performance.md).
+// 8 floats as one value, an AVX register; not 16 even with AVX-512: CPUs that execute AVX-512
+// in 256-bit halves gain nothing from 16 and pay for the longer tails (docs/performance.md).
 constexpr int kLanes = 8;
 typedef float fvec __attribute__((vector_size(kLanes * 4)));
 typedef int32_t ivec __attribute__((vector_size(kLanes * 4)));
@@ -25,9 +23,8 @@ inline fvec load(const float* p) {
 
 inline void store(float* p, fvec x) { std::memcpy(p, &x, sizeof x); }
 
-// bfloat16, as its 16 bits, to and from float32: widened exactly (the bits shifted up), and
-// rounded back to nearest even as c10::BFloat16 rounds, NaN to its quiet NaN 0x7fc0 (what a
-// cast in torch gives); one element, or 8 lanes at a time (dropout.cpp, smoothed_ce.cpp).
+// bfloat16, as its 16 bits, to and from float32: widened exactly, and rounded back to nearest
+// even as c10::BFloat16 rounds, NaN to its quiet NaN 0x7fc0; one element or 8 lanes at a time.
 typedef uint16_t u16x8 __attribute__((vector_size(kLanes * 2)));
 typedef uint32_t u32x8 __attribute__((vector_size(kLanes * 4)));
 
