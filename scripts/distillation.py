@@ -190,6 +190,20 @@ def bench(checkpoints: list[Path], test_src: Path, decode, args, work: Path, log
     os.replace(partial, out)
 
 
+def cpu_name() -> str:
+    """The CPU as /proc/cpuinfo names it (model name, family, model), else the platform's."""
+    import platform
+
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    info = dict(line.split(":", 1) for line in text.split("\n\n")[0].splitlines() if ":" in line)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    return (f"{info.get('model name', platform.machine())} (family {info.get('cpu family', '?')}"
+            f", model {info.get('model', '?')})")  # fmt: skip
+
+
 def parameters(checkpoint: Path) -> int:
     """The model's parameters (a tied embedding counted once)."""
     from mt.checkpoint import load_model
@@ -205,7 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "preset's)")  # fmt: skip
     ap.add_argument("--teacher", help="the teacher's checkpoint (default: train one here)")
     ap.add_argument("--workdir", default="runs/distillation")
-    ap.add_argument("--steps", type=int, help="train.max_steps of both students")
+    ap.add_argument("--steps", type=int, help="train.max_steps of both students (--set "
+                    "train.max_steps=N: the teacher's, when it is trained here)")
     ap.add_argument(
         "--real-weight",
         type=float,
@@ -252,9 +267,10 @@ def main(argv: list[str] | None = None) -> dict:
             pipeline(dirs["teacher"], common, log)
         # 2. and 3.: the distilled corpus, the two students
         threads = [f"train.threads={max(1, (os.cpu_count() or 1) // args.jobs)}"]
-        student = [f"experiment={experiment}", "model=student", "train.max_minutes=0",
-                   f"train.max_steps={steps}", f"tokenizer.reuse={teacher}",
-                   *(threads if args.jobs > 1 else []), *args.set]  # fmt: skip
+        # the budget after --set: a train.max_steps there is the teacher's (trained here)
+        student = [f"experiment={experiment}", "model=student", f"tokenizer.reuse={teacher}",
+                   *(threads if args.jobs > 1 else []), *args.set, "train.max_minutes=0",
+                   f"train.max_steps={steps}"]  # fmt: skip
         record = {}
 
         def on_distilled() -> None:
@@ -325,7 +341,7 @@ def summarize(work: Path, dirs: dict, checkpoints: dict, record: dict, args, ste
         f"chrF: `{results['teacher'].get('chrf_signature', '')}`.", "",
         f"Speed: `scripts/bench.py translate` ({one['impl']}, {one['search']}, alpha "
         f"{one['alpha']:g}, batches of {one['batch_size']}, {one['sentences']} test sentences, "
-        f"median of {len(one['seconds'])} rounds, the models alternating) on {one['device_name']}"
+        f"median of {len(one['seconds'])} rounds, the models alternating) on {cpu_name()}"
         f" with {one['threads']} threads; load average {load['before'][0]:.2f} before, "
         f"{load['after'][0]:.2f} after.", "",
     ])  # fmt: skip

@@ -180,6 +180,7 @@ def test_the_recipe_end_to_end_on_a_tiny_teacher(monkeypatch, real_data, tmp_pat
     scores = distillation.main([
         "--workdir", str(work), "--steps", "20", "--bench-rounds", "1", "--bench-lines", "30",
         "--set", f"cache_dir={tmp_path / 'cache'}", f"data.dir={real_data / 'multi30k'}", *TINY,
+        "train.max_steps=40",  # the teacher's
     ])  # fmt: skip
     from mt.decode.translate import Translator
 
@@ -198,5 +199,5 @@ def test_the_recipe_end_to_end_on_a_tiny_teacher(monkeypatch, real_data, tmp_pat
     for key in ("teacher", "real", "distilled"):
         assert scores[key]["sent_per_s"] > 0
         assert f"| {distillation.LABELS[key]} | {scores[key]['bleu']:.2f} |" in summary
-    for d in ("student_real", "student_distilled"):  # --steps, not the teacher's 200
+    for d in ("student_real", "student_distilled"):  # --steps, not the teacher's 40
         assert "training stopped at step 20: " in (work / d / "train.log").read_text()
