@@ -23,7 +23,7 @@ endif
 STAMP := $(if $(VENV),$(VENV),.)/.mt-installed
 
 .PHONY: help install test lint smoke train prepare evaluate bench clean serve export browser gpu-check \
-	backtranslation
+	backtranslation distillation
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -97,6 +97,9 @@ serve: install  ## translation server and web page: ARGS="checkpoint=PATH [host=
 
 backtranslation: install  ## reverse model -> back-translated news -> forward model (ARGS="--help")
 	$(PY) scripts/backtranslation.py $(ARGS)
+
+distillation: install  ## teacher -> distilled corpus -> small students, a table (ARGS="--help")
+	$(PY) scripts/distillation.py $(ARGS)
 
 gpu-check:  ## on a GPU machine: GPU tests, benches, Multi30k, a profile -> gpu-check/summary.md
 	$(PYTHON) scripts/gpu_check.py $(ARGS)

@@ -17,6 +17,8 @@ Run through make (options pass through ARGS):
     make bench ARGS="serve --checkpoint runs/multi30k_de_en/checkpoints/best.pt --threads 2"
     make bench ARGS="translate --checkpoint runs/multi30k_de_en/checkpoints/best.pt \\
         --input $MT_DATA_DIR/multi30k/test_2016_flickr.de --threads 2"   # against CTranslate2
+    make bench ARGS="translate --checkpoint teacher.pt student.pt --settings mt:default \
+        --input $MT_DATA_DIR/multi30k/test_2016_flickr.de --beams 5 --threads 2"  # two models
 
 Each measurement is printed as one JSON object per line (and appended to ``--output FILE`` as
 JSONL); a short table follows at the end. Training throughput is ``tgt_tok_per_s`` (non-pad
@@ -171,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
         "against CTranslate2 called directly on the same converted model"
     )  # fmt: skip
     _common(real)
-    real.add_argument("--checkpoint", help="the trained model (required)")
+    real.add_argument("--checkpoint", nargs="+", help="the trained model (required); several: "
+                      "each round decodes with each in turn (models compared in one sitting)")
     real.add_argument("--input", help="source sentences, one per line (required)")
     real.add_argument("--lines", type=int, default=1000, help="sentences decoded")
     real.add_argument("--beams", type=int, nargs="+", default=[1, 5], help="1: greedy")

@@ -21,10 +21,12 @@ Each setting decodes the whole file in a process of its own (each peak RSS its o
 loads neither torch nor the mt checkpoint). A warm-up call over the first batch is not timed. The
 length limit is ``--max-len-a`` x source length + ``--max-len`` output tokens per sentence for
 mt; CTranslate2 has one limit per call, the largest of the file's (with ``--max-len-a 0``, the
-default, both have the same). Rounds alternate the settings; each figure is the median over
-rounds of sentences/s and output tokens/s (pieces + EOS). ``identical`` counts the sentences
-whose ids equal the first setting's. The conversion that mt makes on its first call is timed on
-its own, once per compute type, from a fresh copy of the checkpoint (``conversion`` records).
+default, both have the same). With several ``--checkpoint`` models (a teacher and its students)
+each round decodes with every model and setting in turn. Rounds alternate the settings; each
+figure is the median over rounds of sentences/s and output tokens/s (pieces + EOS).
+``identical`` counts the sentences whose ids equal the first setting's (of the same model). The
+conversion that mt makes on its first call is timed on its own, once per compute type and model,
+from a fresh copy of the checkpoint (``conversion`` records).
 """
 
 from __future__ import annotations
@@ -131,9 +133,9 @@ def worker(args) -> dict:
     }  # fmt: skip
 
 
-def _one(args, setting: str, beam: int) -> dict:
+def _one(args, setting: str, beam: int, checkpoint: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--setting", setting, "--beam", str(beam),
-           "--checkpoint", args.checkpoint, "--input", args.input, "--lines", str(args.lines),
+           "--checkpoint", checkpoint, "--input", args.input, "--lines", str(args.lines),
            "--batch-size", str(args.batch_size), "--max-len", str(args.max_len),
            "--max-len-a", str(args.max_len_a), "--alpha", str(args.alpha),
            "--threads", str(args.threads), "--inter-threads", str(args.inter_threads),
@@ -169,6 +171,7 @@ def run_translate(args, rec) -> None:
 
     if not args.checkpoint or not args.input:
         raise SystemExit("bench translate needs --checkpoint and --input")
+    checkpoints = [args.checkpoint] if isinstance(args.checkpoint, str) else args.checkpoint
     import torch
 
     args.threads = args.threads or torch.get_num_threads()  # 0: the count bench.py left in force
@@ -178,21 +181,23 @@ def run_translate(args, rec) -> None:
     chosen = [s for s in every if (s in args.settings if args.settings else s not in ON_REQUEST)]
     env = environment(args.device_obj)
     shortlist = (args.shortlist, args.shortlist_k, args.shortlist_frequent)
-    for compute in sorted({_compute(s) for s in chosen}):  # the first call's conversion alone
-        rec.emit({"bench": "translate", "impl": f"conversion {compute}",
-                  "seconds": round(conversion_seconds(args.checkpoint, compute, work), 3),
-                  "checkpoint": args.checkpoint, **env})  # fmt: skip
-        converted_model(args.checkpoint, compute, exporter)  # the model every setting then loads
-        if args.shortlist:
-            converted_model(args.checkpoint, compute, exporter, shortlist)
+    for checkpoint in checkpoints:
+        for compute in sorted({_compute(s) for s in chosen}):  # the first call's conversion
+            rec.emit({"bench": "translate", "impl": f"conversion {compute}",
+                      "seconds": round(conversion_seconds(checkpoint, compute, work), 3),
+                      "checkpoint": checkpoint, **env})  # fmt: skip
+            converted_model(checkpoint, compute, exporter)  # the model every setting then loads
+            if args.shortlist:
+                converted_model(checkpoint, compute, exporter, shortlist)
+    pairs = [(c, s) for c in checkpoints for s in chosen]
     for beam in args.beams:
-        runs: dict[str, list[dict]] = {k: [] for k in chosen}
+        runs: dict[tuple[str, str], list[dict]] = {k: [] for k in pairs}
         for r in range(args.rounds):
-            order = chosen if r % 2 == 0 else chosen[::-1]  # alternate the settings
-            for key in order:
-                runs[key].append(_one(args, key, beam))
-        reference = runs[chosen[0]][0]["outputs"]
-        for setting, results in runs.items():
+            order = pairs if r % 2 == 0 else pairs[::-1]  # alternate models and settings
+            for checkpoint, key in order:
+                runs[checkpoint, key].append(_one(args, key, beam, checkpoint))
+        for (checkpoint, setting), results in runs.items():
+            reference = runs[checkpoint, chosen[0]][0]["outputs"]
             secs = statistics.median(x["seconds"] for x in results)
             outs = results[0]["outputs"]
             rec.emit({
@@ -207,7 +212,7 @@ def run_translate(args, rec) -> None:
                 "inter_threads": results[0]["inter_threads"],
                 "intra_threads": results[0]["intra_threads"],
                 "shortlist": list(shortlist) if setting in SHORTLISTED else None,
-                "checkpoint": args.checkpoint, "input": args.input, **env,
+                "checkpoint": checkpoint, "input": args.input, **env,
             })  # fmt: skip
 
 
