@@ -53,8 +53,8 @@ def cpu_peak_bytes(prof) -> int:
 
 def _step(model_cfg, vocab, tokens, precision, master_weights, checkpointing, device) -> None:
     from mt.fast import for_training
+    from mt.fast.footprint import train_step
     from mt.fast.master import MasterWeights
-    from mt.fast.precision import autocast
     from mt.fast.training import TrainingModel, checkpointed
     from mt.model.transformer import build_model
 
@@ -72,15 +72,7 @@ def _step(model_cfg, vocab, tokens, precision, master_weights, checkpointing, de
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     src, tgt = (torch.randint(4, vocab, (max(1, tokens // SENTENCE), SENTENCE), device=device)
                 for _ in range(2))  # fmt: skip
-    if master is not None:
-        master.pull()
-    with autocast(device.type, precision if master is None else "fp32"):
-        h = step(src, tgt, None, project=False).reshape(-1, model_cfg.d_model)
-        loss, _ = step.loss(h, tgt.reshape(-1), 0.1)
-    loss.backward()
-    if master is not None:
-        master.push_grads()
-    opt.step()
+    train_step(step, opt, master, src, tgt, model_cfg.d_model, precision, device.type)
 
 
 def run_memory(args, rec) -> None:

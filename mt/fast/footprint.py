@@ -21,7 +21,6 @@ def estimate_step_gb(
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from mt.fast.master import MasterWeights
-    from mt.fast.precision import autocast
     from mt.fast.training import TrainingModel, checkpointed
     from mt.model.transformer import build_model
 
@@ -37,15 +36,7 @@ def estimate_step_gb(
         B, L = max(1, tokens // 25), 25
         src, tgt = (torch.randint(4, vocab_size, (B, L)) for _ in range(2))
         with tracker:
-            if master is not None:
-                master.pull()
-            with autocast("cpu", precision if master is None else "fp32"):
-                h = step(src, tgt, None, project=False).reshape(-1, model_cfg.d_model)
-                loss, _ = step.loss(h, tgt.reshape(-1), 0.1)
-            loss.backward()
-            if master is not None:
-                master.push_grads()
-            opt.step()
+            train_step(step, opt, master, src, tgt, model_cfg.d_model, precision, "cpu")
         peak = tracker.get_tracker_snapshot("peak")
     totals: dict[str, float] = {}
     for per_device in peak.values():
@@ -108,3 +99,19 @@ def fit_tokens(
     while tokens > low and estimate(tokens) > budget:
         tokens = max(low, tokens - step)
     return tokens
+
+
+def train_step(step, opt, master, src, tgt, d_model: int, precision: str, device_type: str) -> None:
+    """One update as training makes it (forward, the blockwise smoothed loss, backward, Adam),
+    the step the memory model counts and ``bench memory`` measures."""
+    from mt.fast.precision import autocast
+
+    if master is not None:
+        master.pull()
+    with autocast(device_type, precision if master is None else "fp32"):
+        h = step(src, tgt, None, project=False).reshape(-1, d_model)
+        loss, _ = step.loss(h, tgt.reshape(-1), 0.1)
+    loss.backward()
+    if master is not None:
+        master.push_grads()
+    opt.step()
