@@ -216,15 +216,6 @@ def all_gather_object(obj: object) -> list:
     return out
 
 
-def broadcast_object(obj: object) -> object:
-    """Rank 0's ``obj`` (picklable) on every rank (``obj`` itself in a single process)."""
-    if not is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=_CONTROL)
-    return box[0]
-
-
 class RankError(RuntimeError):
     """Another rank failed a check that every rank had to pass (its message is included)."""
 
@@ -254,7 +245,9 @@ def decide_on_rank0(decide: Callable[[], T], what: str = "rank 0's decision") ->
             outcome = ("ok", decide())
         except Exception as err:  # every rank stops, not only rank 0
             error, outcome = err, ("error", f"{type(err).__name__}: {err}")
-    status, value = broadcast_object(outcome)
+    box = [outcome]
+    dist.broadcast_object_list(box, src=0, group=_CONTROL)
+    status, value = box[0]
     if error is not None:
         raise error
     if status == "error":

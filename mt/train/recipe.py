@@ -439,8 +439,9 @@ def _fit_batch(cfg: Config, info: distributed.DistInfo, vocab_size: int) -> Conf
     rank); unchanged where it does not apply."""
     if not cfg.train.fit_batch:
         return cfg
-    fitted = fitted_max_tokens(cfg, vocab_size, info.device) if info.is_main else None
-    fitted = distributed.broadcast_object(fitted)
+    fitted = distributed.decide_on_rank0(
+        lambda: fitted_max_tokens(cfg, vocab_size, info.device), "fitting train.max_tokens"
+    )
     if fitted is None:
         log.info("train.fit_batch: applies on CUDA with train.batch_tokens; max_tokens stays %d",
                  cfg.train.max_tokens)  # fmt: skip
