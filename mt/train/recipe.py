@@ -22,6 +22,7 @@ then exits with 75 (130 for Ctrl-C), see :mod:`mt.train.preempt`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -69,6 +70,7 @@ from mt.train.schedule import (
 )
 from mt.train.snapshots import average_into_best, checkpoint_of, ema_into_best, restore, save
 from mt.train.state import (
+    HIGHER_IS_BETTER,
     TrainBatches,
     TrainState,
     agree_on_resume,
@@ -529,8 +531,6 @@ def selection_record(run: Run) -> dict[str, Any]:
     """What chose ``best.pt``, for the run's record (``report.md`` states it): the validation
     value (``metric``, ``better``: higher or lower) and the search that decoded the valid set
     (``search``; None without ``train.eval_bleu``, which decodes nothing)."""
-    from mt.train.state import HIGHER_IS_BETTER
-
     return {
         "metric": run.key,
         "better": "higher" if run.key in HIGHER_IS_BETTER else "lower",
@@ -577,11 +577,6 @@ def _limits(run: Run) -> Optional[str]:
 
 def _groups(batches, n: int):
     """Consecutive groups of ``n`` batches (the last one may be shorter): one update each."""
-    group = []
-    for batch in batches:
-        group.append(batch)
-        if len(group) == n:
-            yield group
-            group = []
-    if group:
+    batches = iter(batches)
+    while group := list(itertools.islice(batches, n)):
         yield group
