@@ -275,19 +275,15 @@ def wrap(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
     """
     if not info.distributed:
         return model
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    ids = [info.device.index] if info.device.type == "cuda" else None
-    return DDP(model, device_ids=ids, gradient_as_bucket_view=True, **_no_buffer_sync(DDP))
-
-
-def _no_buffer_sync(ddp: type) -> dict[str, bool]:
-    """DDP's keyword for "do not sync buffers before each forward" in this torch."""
     import inspect
 
-    if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters:
-        return {"forward_sync_buffers": False}
-    return {"broadcast_buffers": False}
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    no_sync = "forward_sync_buffers"
+    if no_sync not in inspect.signature(DDP.__init__).parameters:  # torch before 2.13
+        no_sync = "broadcast_buffers"
+    ids = [info.device.index] if info.device.type == "cuda" else None
+    return DDP(model, device_ids=ids, gradient_as_bucket_view=True, **{no_sync: False})
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
