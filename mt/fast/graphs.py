@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mt.device import autocast
 from mt.vocab import PAD
 
 log = logging.getLogger(__name__)
@@ -113,8 +114,6 @@ def bucket_loss(model, batch, eps: float, precision: str) -> tuple[torch.Tensor,
     """The update's ``loss_fn`` (``mt.train.update.Updater``) for a :class:`ShapeRouter` model
     (possibly DDP-wrapped, run inside DDP's forward so its all-reduce hooks are armed): summed
     (loss, NLL) of one batch, weight 0 for fillers."""
-    from mt.fast.precision import autocast
-
     with autocast(batch.src.device, precision):
         loss, nll = model(batch.src, batch.tgt_in, batch.tgt_out, float(eps))
     return loss * batch.weight, nll * batch.weight
