@@ -544,11 +544,10 @@ def _apply_cooldown(run: Run) -> float:
     scheduler recomputes the plain Noam rate after each update); returns it. The progress is
     the same on every rank: :func:`_limits` makes ``state.wall`` agree."""
     tc, optimizer = run.cfg.train, run.update.optimizer
-    if tc.cooldown <= 0:
-        return optimizer.param_groups[0]["lr"]
-    factor = cooldown_factor(budget_progress(tc, run.state), tc.cooldown)
-    for group, noam in zip(optimizer.param_groups, run.update.scheduler.get_last_lr()):
-        group["lr"] = noam * factor
+    if tc.cooldown > 0:
+        factor = cooldown_factor(budget_progress(tc, run.state), tc.cooldown)
+        for group, noam in zip(optimizer.param_groups, run.update.scheduler.get_last_lr()):
+            group["lr"] = noam * factor
     return optimizer.param_groups[0]["lr"]
 
 
