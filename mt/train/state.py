@@ -1,17 +1,9 @@
 """Where a training run stands, and what must hold for it to go on: one home for run state.
 
-- :class:`TrainState` and what a checkpoint of the run holds (:func:`training_state`), RNG
-  states included (:func:`rng_state`), so that a resumed run draws what the uninterrupted did.
-- The batch plan of an epoch (:func:`data_plan`, :func:`train_sampler`; each epoch's pairs and
-  sampler, :class:`TrainBatches`) and the checks a resume makes: a checkpoint's model fits the
-  configuration (:func:`check_compatible`), its position in an epoch means the same under
-  today's plan (:func:`check_data_plan`).
-- Which checkpoint resumes a run directory (:func:`resume_checkpoint`: ``last.pt``, or when it
-  is unreadable the newest readable periodic checkpoint), agreed by every rank
-  (:func:`agree_on_resume`); ``best.pt``'s value kept as the bar (:func:`keep_best_of_best_pt`).
-- Which validation value decides ``best.pt`` and patience (:func:`metric_key`, :func:`better`).
-- ``config.yaml`` keeps a run's original configuration; a resume with other settings writes
-  ``config.resume-<n>.yaml`` and logs each changed key (:func:`record_config`).
+:class:`TrainState` and what a checkpoint of the run holds, RNG states included (a resumed run
+draws what the uninterrupted did); each epoch's batch plan; which checkpoint resumes a run
+directory, agreed by every rank, and the checks a resume makes; which validation value decides
+``best.pt`` and patience; and the run's ``config.yaml`` (:func:`record_config`).
 """
 
 from __future__ import annotations
