@@ -1,22 +1,13 @@
 """Stage 4, ``mt-train``: the training recipe, setup -> train -> save -> cleanup.
 
-A run directory holds everything a run writes (rank 0 only, holding ``run_dir/.lock``)::
-
-    run_dir/config.yaml        the original configuration (config.resume-<n>.yaml: a resume's)
-    run_dir/train.log          the log
-    run_dir/metrics.jsonl      one JSON record per line (training and validation), appended
-    run_dir/tensorboard/       TensorBoard events (when tensorboard is installed)
-    run_dir/checkpoints/       last.pt (full training state), best.pt, checkpoint_<step>.pt
-                               (full state too: hard links to last.pt as saved),
-                               averaged.pt (train.average_last), ema.pt (train.ema)
-    run_dir/preempted.json     only after a stop by a signal
-
-Starting ``mt-train`` on a run directory that has ``checkpoints/last.pt`` resumes it exactly:
-model, optimiser, schedule, loss scale, every RNG state of every rank and the position in the
-data (an unreadable last.pt: the newest readable periodic checkpoint, see :mod:`mt.train.state`).
-``train.init_from=CKPT`` instead starts a NEW run from a checkpoint's weights (fresh optimiser,
-schedule and data order). SIGTERM, SIGUSR1 or Ctrl-C saves ``last.pt`` and stops; the command
-then exits with 75 (130 for Ctrl-C), see :mod:`mt.train.preempt`.
+The run directory holds everything a run writes (docs/training.md, "What a run writes"), written
+by rank 0 alone, holding ``run_dir/.lock``. Starting ``mt-train`` on a run directory that has
+``checkpoints/last.pt`` resumes it exactly: model, optimiser, schedule, loss scale, every RNG
+state of every rank and the position in the data (an unreadable last.pt: the newest readable
+periodic checkpoint, see :mod:`mt.train.state`). ``train.init_from=CKPT`` instead starts a NEW
+run from a checkpoint's weights (fresh optimiser, schedule and data order). SIGTERM, SIGUSR1 or
+Ctrl-C saves ``last.pt`` and stops; the command then exits with 75 (130 for Ctrl-C), see
+:mod:`mt.train.preempt`.
 """
 
 from __future__ import annotations
