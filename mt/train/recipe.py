@@ -194,19 +194,16 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     data.plan_ahead(0 if resume is None else int(resume["state"]["epoch"]))  # a guess on resume
     raw = build_model(cfg.model, prepared.vocab_size)  # same init on every rank (same seed)
     resets = resets_to_apply(tc, resume, resume_path)
+    pieces = prepared.tokenizer.to_bytes()
     if resume is not None:
-        check_compatible(
-            resume, cfg, prepared.vocab_size, resume_path, prepared.tokenizer.to_bytes()
-        )
+        check_compatible(resume, cfg, prepared.vocab_size, resume_path, pieces)
         if "data" not in resets:
             check_data_plan(resume, cfg, info.world_size, resume_path)
         raw.load_state_dict(resume["model"])
         log.info("resuming %s from %s (step %d)", run_dir, resume_path.name, resume["step"])
     elif tc.init_from:
         init = load_checkpoint(tc.init_from)
-        check_compatible(
-            init, cfg, prepared.vocab_size, Path(tc.init_from), prepared.tokenizer.to_bytes()
-        )
+        check_compatible(init, cfg, prepared.vocab_size, Path(tc.init_from), pieces)
         raw.load_state_dict(init["model"])
         log.info("initialised from %s (step %d); fresh optimiser", tc.init_from, init["step"])
     raw.to(info.device)
@@ -227,9 +224,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
         if "meters" not in resets:
             keep_best_of_best_pt(state, ckpt_dir / "best.pt", metric_key(cfg))
 
-    # The module the training step runs: on a CPU, a copy with faster kernels sharing raw's
-    # parameters (mt.fast.for_training), with train.master_weights a 16-bit copy following
-    # them; compiled, then wrapped in DDP.
+    # The module the training step runs (mt.fast.for_training), compiled, then wrapped in DDP
     forward = _training_forward(raw, cfg, info)
     model = compile_step(forward, tc, info.device, _bucket_shapes(data, state.epoch))
     model = distributed.wrap(model, info)
