@@ -11,6 +11,7 @@ Linux maps ``flock`` to POSIX byte-range locks, which the server arbitrates acro
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -100,10 +101,8 @@ class RunLock:
         file that was unlinked under it)."""
         if self.fd is None:
             return
-        try:
+        with contextlib.suppress(OSError):
             os.ftruncate(self.fd, 0)
-        except OSError:
-            pass
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
         self.fd = None
