@@ -112,6 +112,7 @@ class MLflowRun:
             if known:
                 return cls(client, known["run_id"])
             from mt.evaluation.sweep import _flatten
+
             found = client.get_experiment_by_name(cfg.name)
             experiment = found.experiment_id if found else client.create_experiment(cfg.name)
             tags = {f"machine.{k}": str(v) for k, v in (where or {}).items()}
