@@ -210,14 +210,11 @@ def size_onednn_kernels(capacity: int) -> int:
     stands. Returns oneDNN's capacity in effect. Like the cap, it counts only before the
     process's first oneDNN product."""
     _set_caps(capacity, resize=True)
-    for name in _CAPS[0]:
-        value = os.environ.get(name)
-        if value is not None:
-            try:
-                return int(value)
-            except ValueError:
-                break
-    return 1024  # oneDNN's default, where unset or unreadable
+    value = next((os.environ[name] for name in _CAPS[0] if name in os.environ), None)
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 1024  # oneDNN's default, where unset or unreadable
 
 
 def _set_caps(capacity: int, resize: bool) -> bool:

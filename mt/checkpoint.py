@@ -17,6 +17,7 @@ naming the file, never a silently wrong weight.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
@@ -185,18 +186,6 @@ def rotate_checkpoints(directory: str | Path, keep_last: int) -> list[Path]:
     return old
 
 
-def _owned(value: Any) -> Any:
-    """``value`` with every tensor in it (in dicts and lists) copied out of a mapped file: one
-    tensor left in the file keeps its whole mapping, and the pages read from it, resident."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: _owned(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_owned(v) for v in value)
-    return value
-
-
 def average_checkpoints(
     paths: list[str | Path], into: dict[str, torch.Tensor] | None = None
 ) -> dict[str, Any]:
@@ -240,7 +229,9 @@ def average_checkpoints(
             dtypes[k] = into[k].dtype if into is not None else v.dtype
         if i == len(paths) - 1:
             keep = {*MODEL_KEYS, "epoch", "train_cfg", "data_summary"} - {"model"}  # not weights
-            out = {k: _owned(v) for k, v in ckpt.items() if k in keep}
+            # copied out of the mapped file: one tensor left in it keeps its whole mapping, and
+            # the pages read from it, resident
+            out = copy.deepcopy({k: v for k, v in ckpt.items() if k in keep})
         ckpt = weights = v = None  # the mapping goes before the next file is mapped
     n = len(paths)
     out["model"] = {}

@@ -216,15 +216,6 @@ def all_gather_object(obj: object) -> list:
     return out
 
 
-def broadcast_object(obj: object) -> object:
-    """Rank 0's ``obj`` (picklable) on every rank (``obj`` itself in a single process)."""
-    if not is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=_CONTROL)
-    return box[0]
-
-
 class RankError(RuntimeError):
     """Another rank failed a check that every rank had to pass (its message is included)."""
 
@@ -254,7 +245,9 @@ def decide_on_rank0(decide: Callable[[], T], what: str = "rank 0's decision") ->
             outcome = ("ok", decide())
         except Exception as err:  # every rank stops, not only rank 0
             error, outcome = err, ("error", f"{type(err).__name__}: {err}")
-    status, value = broadcast_object(outcome)
+    box = [outcome]
+    dist.broadcast_object_list(box, src=0, group=_CONTROL)
+    status, value = box[0]
     if error is not None:
         raise error
     if status == "error":
@@ -282,19 +275,15 @@ def wrap(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
     """
     if not info.distributed:
         return model
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    ids = [info.device.index] if info.device.type == "cuda" else None
-    return DDP(model, device_ids=ids, gradient_as_bucket_view=True, **_no_buffer_sync(DDP))
-
-
-def _no_buffer_sync(ddp: type) -> dict[str, bool]:
-    """DDP's keyword for "do not sync buffers before each forward" in this torch."""
     import inspect
 
-    if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters:
-        return {"forward_sync_buffers": False}
-    return {"broadcast_buffers": False}
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    no_sync = "forward_sync_buffers"
+    if no_sync not in inspect.signature(DDP.__init__).parameters:  # torch before 2.13
+        no_sync = "broadcast_buffers"
+    ids = [info.device.index] if info.device.type == "cuda" else None
+    return DDP(model, device_ids=ids, gradient_as_bucket_view=True, **{no_sync: False})
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -6,7 +6,10 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.fx.experimental._config as fx_config
 
+from mt import distributed
+from mt.fast.graphs import BucketStep, ShapeRouter, bucket_loss, step_mode
 from mt.schema import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -35,7 +38,6 @@ def compile_model(raw: torch.nn.Module, tc: TrainConfig) -> torch.nn.Module:
     if not tc.compile:
         return raw
     import torch._dynamo
-    import torch.fx.experimental._config as fx_config
 
     if not torch._dynamo.config.optimize_ddp:
         log.warning("torch._dynamo.config.optimize_ddp is off: DDP cannot overlap all-reduces")
@@ -61,10 +63,6 @@ def compile_step(
     The step takes dynamic shapes: one compile for all the buckets, not one per bucket."""
     if not (tc.compile and tc.shape_buckets):
         return compile_model(forward, tc)
-    import torch.fx.experimental._config as fx_config
-
-    from mt.fast.graphs import BucketStep, ShapeRouter, step_mode
-
     fx_config.use_duck_shape = False  # the plain step's shapes, as compile_model's
     shapes = list(shapes or [])
     step = BucketStep(forward)
@@ -80,9 +78,6 @@ def compile_step(
 def step_loss(model: torch.nn.Module):
     """The update's ``loss_fn`` for what :func:`compile_step` returned (possibly DDP-wrapped):
     ``mt.fast.graphs.bucket_loss`` for the bucketed step, None (the default) otherwise."""
-    from mt import distributed
-    from mt.fast.graphs import ShapeRouter, bucket_loss
-
     return bucket_loss if isinstance(distributed.unwrap(model), ShapeRouter) else None
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mt.device import autocast
 from mt.vocab import PAD
 
 log = logging.getLogger(__name__)
@@ -66,10 +67,6 @@ def step_mode(device_type: str, buckets: int) -> str:
     return "reduce-overhead" if device_type == "cuda" and buckets > 0 else "default"
 
 
-def batch_shape(src: torch.Tensor, tgt_in: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    return tuple(src.shape), tuple(tgt_in.shape)
-
-
 class ShapeRouter(nn.Module):
     """Calls ``fixed`` (on CUDA replayed as CUDA graphs) for a batch of one of ``shapes``
     ((sentences, source width, target width) triples) and ``plain`` (compiled, no graphs) for
@@ -90,12 +87,9 @@ class ShapeRouter(nn.Module):
         self.graphs = graphs
         self.calls = {"fixed": 0, "plain": 0}
 
-    def route(self, src: torch.Tensor, tgt_in: torch.Tensor) -> str:
-        """``fixed`` for a known bucket shape, ``plain`` otherwise."""
-        return "fixed" if batch_shape(src, tgt_in) in self.shapes else "plain"
-
     def forward(self, src, tgt_in, tgt_out, eps):
-        which = self.route(src, tgt_in)
+        shape = (tuple(src.shape), tuple(tgt_in.shape))
+        which = "fixed" if shape in self.shapes else "plain"
         self.calls[which] += 1
         if which == "fixed":
             if self.graphs:
@@ -104,7 +98,7 @@ class ShapeRouter(nn.Module):
         if self.calls["plain"] == 1:
             log.warning(
                 "a batch of shape %s outside the shape buckets: a plain compiled step for it "
-                "(no CUDA graph)", batch_shape(src, tgt_in),
+                "(no CUDA graph)", shape,
             )  # fmt: skip
         return self._plain(src, tgt_in, tgt_out, eps)
 
@@ -113,8 +107,6 @@ def bucket_loss(model, batch, eps: float, precision: str) -> tuple[torch.Tensor,
     """The update's ``loss_fn`` (``mt.train.update.Updater``) for a :class:`ShapeRouter` model
     (possibly DDP-wrapped, run inside DDP's forward so its all-reduce hooks are armed): summed
     (loss, NLL) of one batch, weight 0 for fillers."""
-    from mt.fast.precision import autocast
-
     with autocast(batch.src.device, precision):
         loss, nll = model(batch.src, batch.tgt_in, batch.tgt_out, float(eps))
     return loss * batch.weight, nll * batch.weight

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import sys
 
@@ -17,9 +18,9 @@ log = logging.getLogger(__name__)
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit systems
-_held = False
 
 
+@functools.cache
 def hold_freed_memory() -> bool:
     """Keep memory that training frees inside the process, for its next step (glibc only).
 
@@ -29,9 +30,6 @@ def hold_freed_memory() -> bool:
     (glibc's ceiling) and no trimming keep those pages, resident memory staying at its peak.
     Returns whether glibc took the settings.
     """
-    global _held
-    if _held:
-        return True
     if not sys.platform.startswith("linux") or active_allocator() != "system":
         return False  # tcmalloc or jemalloc serves malloc: glibc's settings would do nothing
     try:
@@ -39,11 +37,11 @@ def hold_freed_memory() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # not glibc (e.g. musl has no mallopt)
         return False
-    _held = bool(
+    held = bool(
         mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
         and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
         and mallopt(_M_TOP_PAD, 64 << 20)
     )
-    if _held:
+    if held:
         log.info("glibc malloc: freed memory kept for reuse (mmap threshold 32 MB, no trim)")
-    return _held
+    return held

@@ -72,11 +72,7 @@ def layer_product_shapes(d_model: int, d_ff: int) -> int:
 
 
 def training_kernels(layer_shapes: int, max_rows: int, block_rows: int) -> int:
-    """The kernel cache a training step on oneDNN needs so that no batch rebuilds a kernel:
-
-        PASSES x (layer_shapes x bucket_count(max_rows // 2 + 1, max_rows)
-                  + bucket_count(1, min(block_rows, max_rows))) x KERNEL_MARGIN
-
+    """The kernel cache a training step on oneDNN needs so that no batch rebuilds a kernel,
     clamped to ``[16, MAX_TRAINING_KERNELS]``. A batch of up to ``max_rows`` tokens fills more
     than half of them (token batching), so its rows land in one doubling's 16 buckets; the
     loss's projection runs in blocks of ``block_rows`` and a last block of any bucketed count

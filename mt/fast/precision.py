@@ -11,10 +11,11 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import mt.fast.probe as probe
 from mt.device import autocast
-from mt.fast.onednn import size_kernel_cache
+from mt.fast.onednn import bucketed_linear, linear, onednn_available, size_kernel_cache
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +91,6 @@ def resolve_precision(
 def _product(precision: str, device: torch.device, cpu_kernels: bool):
     """The product ``mt.fast.for_training`` runs a layer with in ``precision``: on a CPU with
     ``cpu_kernels``, oneDNN's for float32, autocast's over bucketed row counts for 16-bit."""
-    import torch.nn.functional as F
-
-    from mt.fast.onednn import bucketed_linear, linear
-
     if device.type != "cpu" or not cpu_kernels:
         return F.linear
     return bucketed_linear if precision in ("bf16", "fp16") else linear
@@ -119,8 +116,6 @@ def onednn_bf32_available() -> bool:
     """Whether oneDNN here computes float32 products in bfloat16 when asked (:func:`bf32_math`),
     told by the numbers (bfloat16's rounding, 2^-8 relative, not float32's): torch sets the
     mode on every CPU, but oneDNN has such kernels on AMX only."""
-    from mt.fast.onednn import linear, onednn_available
-
     if not onednn_available():
         return False
     x = torch.full((16, 64), 1.0 + 2.0**-12)  # exact in float32, 1.0 in bfloat16
@@ -162,8 +157,6 @@ def layer_step(precision: str, n: int, d: int, f: int, device: torch.device, pro
     of two and lose around it). One call at every row count is made here, so kernels built per
     row count are built before timing.
     """
-    import torch.nn.functional as F
-
     g = torch.Generator(device="cpu").manual_seed(0)
     x, wqkv, wo, w1, w2 = (torch.randn(*s, generator=g).to(device).requires_grad_()
                            for s in ((n, d), (3 * d, d), (d, d), (f, d), (d, f)))  # fmt: skip

@@ -61,17 +61,16 @@ def measure(
 def in_turns(calls: dict[str, Callable[[], object]], repeats: int, sync=None) -> dict[str, float]:
     """Median seconds of each call, the calls taking turns: one warm-up call each, then
     ``repeats`` rounds of one timed call each."""
+    sync = sync or (lambda: None)
     for fn in calls.values():
         fn()
     times: dict[str, list[float]] = {c: [] for c in calls}
     for _ in range(repeats):
         for c, fn in calls.items():
-            if sync:
-                sync()
+            sync()
             start = time.perf_counter()
             fn()
-            if sync:
-                sync()
+            sync()
             times[c].append(time.perf_counter() - start)
     return {c: statistics.median(t) for c, t in times.items()}
 

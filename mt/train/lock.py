@@ -11,6 +11,7 @@ Linux maps ``flock`` to POSIX byte-range locks, which the server arbitrates acro
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -57,14 +58,6 @@ class RunLock:
             return {}
         return data if isinstance(data, dict) else {}
 
-    def _wait_for_holder(self, seconds: float = 2.0) -> dict:
-        """The holder's record, waiting briefly for it: a run that has just taken the lock
-        writes its record a moment later (between the two, the file is empty)."""
-        end = time.monotonic() + seconds
-        while not (who := self.holder()) and time.monotonic() < end:
-            time.sleep(0.02)
-        return who
-
     def acquire(self) -> RunLock:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -72,7 +65,11 @@ class RunLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            who = self._wait_for_holder()
+            # a run that has just taken the lock writes its record a moment later (between the
+            # two, the file is empty): wait briefly for it
+            end = time.monotonic() + 2.0
+            while not (who := self.holder()) and time.monotonic() < end:
+                time.sleep(0.02)
             host, pid = who.get("host", "?"), who.get("pid", "?")
             alive = ""
             if host == socket.gethostname() and isinstance(pid, int):
@@ -104,10 +101,8 @@ class RunLock:
         file that was unlinked under it)."""
         if self.fd is None:
             return
-        try:
+        with contextlib.suppress(OSError):
             os.ftruncate(self.fd, 0)
-        except OSError:
-            pass
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
         self.fd = None

@@ -1,27 +1,19 @@
 """Stage 4, ``mt-train``: the training recipe, setup -> train -> save -> cleanup.
 
-A run directory holds everything a run writes (rank 0 only, holding ``run_dir/.lock``)::
-
-    run_dir/config.yaml        the original configuration (config.resume-<n>.yaml: a resume's)
-    run_dir/train.log          the log
-    run_dir/metrics.jsonl      one JSON record per line (training and validation), appended
-    run_dir/tensorboard/       TensorBoard events (when tensorboard is installed)
-    run_dir/checkpoints/       last.pt (full training state), best.pt, checkpoint_<step>.pt
-                               (full state too: hard links to last.pt as saved),
-                               averaged.pt (train.average_last), ema.pt (train.ema)
-    run_dir/preempted.json     only after a stop by a signal
-
-Starting ``mt-train`` on a run directory that has ``checkpoints/last.pt`` resumes it exactly:
-model, optimiser, schedule, loss scale, every RNG state of every rank and the position in the
-data (an unreadable last.pt: the newest readable periodic checkpoint, see :mod:`mt.train.state`).
-``train.init_from=CKPT`` instead starts a NEW run from a checkpoint's weights (fresh optimiser,
-schedule and data order). SIGTERM, SIGUSR1 or Ctrl-C saves ``last.pt`` and stops; the command
-then exits with 75 (130 for Ctrl-C), see :mod:`mt.train.preempt`.
+The run directory holds everything a run writes (docs/training.md, "What a run writes"), written
+by rank 0 alone, holding ``run_dir/.lock``. Starting ``mt-train`` on a run directory that has
+``checkpoints/last.pt`` resumes it exactly: model, optimiser, schedule, loss scale, every RNG
+state of every rank and the position in the data (an unreadable last.pt: the newest readable
+periodic checkpoint, see :mod:`mt.train.state`). ``train.init_from=CKPT`` instead starts a NEW
+run from a checkpoint's weights (fresh optimiser, schedule and data order). SIGTERM, SIGUSR1 or
+Ctrl-C saves ``last.pt`` and stops; the command then exits with 75 (130 for Ctrl-C), see
+:mod:`mt.train.preempt`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -69,6 +61,7 @@ from mt.train.schedule import (
 )
 from mt.train.snapshots import average_into_best, checkpoint_of, ema_into_best, restore, save
 from mt.train.state import (
+    HIGHER_IS_BETTER,
     TrainBatches,
     TrainState,
     agree_on_resume,
@@ -201,19 +194,16 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     data.plan_ahead(0 if resume is None else int(resume["state"]["epoch"]))  # a guess on resume
     raw = build_model(cfg.model, prepared.vocab_size)  # same init on every rank (same seed)
     resets = resets_to_apply(tc, resume, resume_path)
+    pieces = prepared.tokenizer.to_bytes()
     if resume is not None:
-        check_compatible(
-            resume, cfg, prepared.vocab_size, resume_path, prepared.tokenizer.to_bytes()
-        )
+        check_compatible(resume, cfg, prepared.vocab_size, resume_path, pieces)
         if "data" not in resets:
             check_data_plan(resume, cfg, info.world_size, resume_path)
         raw.load_state_dict(resume["model"])
         log.info("resuming %s from %s (step %d)", run_dir, resume_path.name, resume["step"])
     elif tc.init_from:
         init = load_checkpoint(tc.init_from)
-        check_compatible(
-            init, cfg, prepared.vocab_size, Path(tc.init_from), prepared.tokenizer.to_bytes()
-        )
+        check_compatible(init, cfg, prepared.vocab_size, Path(tc.init_from), pieces)
         raw.load_state_dict(init["model"])
         log.info("initialised from %s (step %d); fresh optimiser", tc.init_from, init["step"])
     raw.to(info.device)
@@ -234,9 +224,7 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
         if "meters" not in resets:
             keep_best_of_best_pt(state, ckpt_dir / "best.pt", metric_key(cfg))
 
-    # The module the training step runs: on a CPU, a copy with faster kernels sharing raw's
-    # parameters (mt.fast.for_training), with train.master_weights a 16-bit copy following
-    # them; compiled, then wrapped in DDP.
+    # The module the training step runs (mt.fast.for_training), compiled, then wrapped in DDP
     forward = _training_forward(raw, cfg, info)
     model = compile_step(forward, tc, info.device, _bucket_shapes(data, state.epoch))
     model = distributed.wrap(model, info)
@@ -439,8 +427,9 @@ def _fit_batch(cfg: Config, info: distributed.DistInfo, vocab_size: int) -> Conf
     rank); unchanged where it does not apply."""
     if not cfg.train.fit_batch:
         return cfg
-    fitted = fitted_max_tokens(cfg, vocab_size, info.device) if info.is_main else None
-    fitted = distributed.broadcast_object(fitted)
+    fitted = distributed.decide_on_rank0(
+        lambda: fitted_max_tokens(cfg, vocab_size, info.device), "fitting train.max_tokens"
+    )
     if fitted is None:
         log.info("train.fit_batch: applies on CUDA with train.batch_tokens; max_tokens stays %d",
                  cfg.train.max_tokens)  # fmt: skip
@@ -528,8 +517,6 @@ def selection_record(run: Run) -> dict[str, Any]:
     """What chose ``best.pt``, for the run's record (``report.md`` states it): the validation
     value (``metric``, ``better``: higher or lower) and the search that decoded the valid set
     (``search``; None without ``train.eval_bleu``, which decodes nothing)."""
-    from mt.train.state import HIGHER_IS_BETTER
-
     return {
         "metric": run.key,
         "better": "higher" if run.key in HIGHER_IS_BETTER else "lower",
@@ -543,11 +530,10 @@ def _apply_cooldown(run: Run) -> float:
     scheduler recomputes the plain Noam rate after each update); returns it. The progress is
     the same on every rank: :func:`_limits` makes ``state.wall`` agree."""
     tc, optimizer = run.cfg.train, run.update.optimizer
-    if tc.cooldown <= 0:
-        return optimizer.param_groups[0]["lr"]
-    factor = cooldown_factor(budget_progress(tc, run.state), tc.cooldown)
-    for group, noam in zip(optimizer.param_groups, run.update.scheduler.get_last_lr()):
-        group["lr"] = noam * factor
+    if tc.cooldown > 0:
+        factor = cooldown_factor(budget_progress(tc, run.state), tc.cooldown)
+        for group, noam in zip(optimizer.param_groups, run.update.scheduler.get_last_lr()):
+            group["lr"] = noam * factor
     return optimizer.param_groups[0]["lr"]
 
 
@@ -576,11 +562,6 @@ def _limits(run: Run) -> Optional[str]:
 
 def _groups(batches, n: int):
     """Consecutive groups of ``n`` batches (the last one may be shorter): one update each."""
-    group = []
-    for batch in batches:
-        group.append(batch)
-        if len(group) == n:
-            yield group
-            group = []
-    if group:
+    batches = iter(batches)
+    while group := list(itertools.islice(batches, n)):
         yield group

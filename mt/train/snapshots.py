@@ -117,10 +117,9 @@ def restore(resume: dict, cfg: Config, resets: list[str], optimizer, scheduler, 
         log.info("train.reset: optimizer: Adam's moments start afresh")
     else:
         optimizer.load_state_dict(resume["optimizer"])
-        changes = changed_settings(stored, cfg, OPTIMIZER_KEYS)
         for group in optimizer.param_groups:  # the checkpoint's groups hold the old values
             group.update(adam_settings(tc))
-        for key, (old, new) in changes.items():
+        for key, (old, new) in changed_settings(stored, cfg, OPTIMIZER_KEYS).items():
             log.warning("resuming with train.%s %s -> %s: applied", key, old, new)
     if "schedule" in resets:
         log.info("train.reset: schedule: the learning rate starts from its first step")

@@ -1,17 +1,9 @@
 """Where a training run stands, and what must hold for it to go on: one home for run state.
 
-- :class:`TrainState` and what a checkpoint of the run holds (:func:`training_state`), RNG
-  states included (:func:`rng_state`), so that a resumed run draws what the uninterrupted did.
-- The batch plan of an epoch (:func:`data_plan`, :func:`train_sampler`; each epoch's pairs and
-  sampler, :class:`TrainBatches`) and the checks a resume makes: a checkpoint's model fits the
-  configuration (:func:`check_compatible`), its position in an epoch means the same under
-  today's plan (:func:`check_data_plan`).
-- Which checkpoint resumes a run directory (:func:`resume_checkpoint`: ``last.pt``, or when it
-  is unreadable the newest readable periodic checkpoint), agreed by every rank
-  (:func:`agree_on_resume`); ``best.pt``'s value kept as the bar (:func:`keep_best_of_best_pt`).
-- Which validation value decides ``best.pt`` and patience (:func:`metric_key`, :func:`better`).
-- ``config.yaml`` keeps a run's original configuration; a resume with other settings writes
-  ``config.resume-<n>.yaml`` and logs each changed key (:func:`record_config`).
+:class:`TrainState` and what a checkpoint of the run holds, RNG states included (a resumed run
+draws what the uninterrupted did); each epoch's batch plan; which checkpoint resumes a run
+directory, agreed by every rank, and the checks a resume makes; which validation value decides
+``best.pt`` and patience; and the run's ``config.yaml`` (:func:`record_config`).
 """
 
 from __future__ import annotations
@@ -96,8 +88,7 @@ def check_data_plan(ckpt: dict, cfg: Config, world_size: int, path: Path) -> Non
     now = data_plan(cfg, world_size)
     if stored is None or dict(stored) == now:
         return
-    diff = {k: (stored.get(k), now.get(k)) for k in sorted(set(now) | set(stored))
-            if stored.get(k) != now.get(k)}  # fmt: skip
+    diff = _differences(dict(stored), now)
     if int(data.get("batch", 0)) == 0:
         log.info("batch plan changed at an epoch boundary (stored, now): %s", diff)
         return
@@ -201,13 +192,12 @@ def check_compatible(
             f"the wrong pieces. Prepare the data with tokenizer.reuse={path} to encode it with "
             f"the checkpoint's own model"
         )
-    stored = model_cfg_from(ckpt)
+    stored, now = dataclasses.asdict(model_cfg_from(ckpt)), dataclasses.asdict(cfg.model)
     shape = ("N", "N_dec", "d_model", "d_ff", "h", "norm", "share_embeddings")
-    diff = {k: (getattr(stored, k), getattr(cfg.model, k)) for k in shape
-            if getattr(stored, k) != getattr(cfg.model, k)}  # fmt: skip
+    diff = _differences(stored, now, shape)
     if diff:
         raise CheckpointError(f"{path} holds a different model shape (stored, config): {diff}")
-    if dataclasses.asdict(stored) != dataclasses.asdict(cfg.model):
+    if stored != now:
         log.info("model settings differ from %s (dropout etc.): using the configuration", path)
 
 
@@ -401,21 +391,13 @@ def _changed_keys(old: str, new: str) -> list[str]:
     """``key: old -> new`` for each leaf that differs between two YAML configurations."""
     import yaml
 
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in (d or {}).items():
-            if isinstance(v, dict):
-                out.update(flat(v, f"{prefix}{k}."))
-            else:
-                out[f"{prefix}{k}"] = v
-        return out
+    from mt.evaluation.sweep import _flatten
 
     try:
-        a, b = flat(yaml.safe_load(old)), flat(yaml.safe_load(new))
+        a, b = (_flatten(yaml.safe_load(text) or {}) for text in (old, new))
     except yaml.YAMLError:
         return ["config.yaml is not valid YAML"]
-    keys = sorted(set(a) | set(b))
-    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+    return [f"{k}: {x!r} -> {y!r}" for k, (x, y) in _differences(a, b).items()]
 
 
 def training_state(
@@ -511,5 +493,11 @@ def resets_to_apply(tc, resume: Optional[dict], path: Optional[Path]) -> list[st
 
 def changed_settings(stored: dict, cfg: Config, keys: tuple[str, ...]) -> dict[str, tuple]:
     """``{key: (in the checkpoint, now)}`` for the train settings ``keys`` that differ."""
-    now = dataclasses.asdict(cfg.train)
-    return {k: (stored.get(k), now[k]) for k in keys if k in stored and stored[k] != now[k]}
+    return _differences(stored, dataclasses.asdict(cfg.train), [k for k in keys if k in stored])
+
+
+def _differences(old: dict, new: dict, keys=None) -> dict[str, tuple]:
+    """``{key: (old value, new value)}`` for each of ``keys`` (default: every key of either,
+    sorted) whose values differ."""
+    keys = sorted(set(old) | set(new)) if keys is None else keys
+    return {k: (old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)}

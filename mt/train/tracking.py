@@ -112,6 +112,7 @@ class MLflowRun:
             if known:
                 return cls(client, known["run_id"])
             from mt.evaluation.sweep import _flatten
+
             found = client.get_experiment_by_name(cfg.name)
             experiment = found.experiment_id if found else client.create_experiment(cfg.name)
             tags = {f"machine.{k}": str(v) for k, v in (where or {}).items()}
@@ -152,8 +153,6 @@ def resident_mb() -> tuple[float, float]:
     try:
         with open("/proc/self/statm") as f:
             pages = int(f.read().split()[1])
-        import os
-
         rss = pages * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (OSError, ValueError, IndexError):
         return 0.0, peak

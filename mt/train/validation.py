@@ -12,6 +12,7 @@ import torch
 from mt import distributed
 from mt.data.batches import BatchSampler, iterate_batches
 from mt.schema import Config, DecodeConfig
+from mt.train.state import HIGHER_IS_BETTER
 from mt.train.update import batch_loss
 
 
@@ -114,8 +115,6 @@ def describe_selection(cfg: Config, key: str) -> str:
     """Which validation value chooses ``best.pt`` and counts patience, and how it is made:
     ``valid_chrf (higher is better) of beam 5 (...) search`` or ``valid_loss (lower is
     better)``."""
-    from mt.train.state import HIGHER_IS_BETTER
-
     order = "higher" if key in HIGHER_IS_BETTER else "lower"
     if key == "valid_loss":
         return f"{key} ({order} is better)"
