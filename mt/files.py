@@ -126,6 +126,19 @@ def write_json(path: str | Path, data: Any, indent: int | None = 2) -> None:
     write_text(path, json.dumps(data, indent=indent, ensure_ascii=False, default=str) + "\n")
 
 
+def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; ``{}`` when it is missing, not an object or not UTF-8 JSON
+    (the last logged)."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        log.warning("%s: not JSON, skipped", path)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def write_lines(path: str | Path, lines: Iterable[str]) -> int:
     """Replace ``path`` with one line per item atomically (a line break inside an item becomes
     a space, so line i is always item i); returns the number of lines."""

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from mt.files import atomic_path, write_json, write_text
+from mt.files import atomic_path, read_json, write_json, write_text
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def stage_times(run_dir: str | Path, records: Sequence[Mapping[str, Any]]) -> di
     for record in records:
         if isinstance(record.get("stage"), str) and _is_number(record.get("seconds")):
             times[record["stage"]] = float(record["seconds"])
-    for stage, seconds in _read_json(Path(run_dir) / "timings.json").items():
+    for stage, seconds in read_json(Path(run_dir) / "timings.json").items():
         if _is_number(seconds):
             times[str(stage)] = float(seconds)
     return times
@@ -91,24 +91,13 @@ def stage_times(run_dir: str | Path, records: Sequence[Mapping[str, Any]]) -> di
 def record_stage_time(run_dir: str | Path, stage: str, seconds: float) -> None:
     """Add ``stage``'s wall time to ``run_dir/timings.json`` (written atomically)."""
     path = Path(run_dir) / "timings.json"
-    times = _read_json(path)
+    times = read_json(path)
     times[stage] = round(float(seconds), 3)
     write_json(path, times, indent=1)
 
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
-        log.warning("%s: not JSON, skipped", path)
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 # --------------------------------------------------------------------------- figures
@@ -330,28 +319,24 @@ def _training_summary(records: Sequence[Mapping[str, Any]]) -> list[str]:
         facts.append(("training wall time", _duration(wall[-1])))
     _, loss = series(records, "loss")
     facts.append(("last training loss", f"{_fmt(loss[-1])} (step {int(steps[-1])})"))
-    vsteps, vloss = series(records, "valid_loss")
-    if len(vloss):
-        i = int(np.argmin(vloss))
-        facts.append(("best validation loss", f"{_fmt(vloss[i])} (step {int(vsteps[i])})"))
-    bsteps, bleu = series(records, "valid_bleu")
-    if len(bleu):
-        i = int(np.argmax(bleu))
-        facts.append(("best validation BLEU", f"{_fmt(bleu[i])} (step {int(bsteps[i])})"))
-    csteps, chrf = series(records, "valid_chrf")
-    if len(chrf):
-        i = int(np.argmax(chrf))
-        facts.append(("best validation chrF", f"{_fmt(chrf[i])} (step {int(csteps[i])})"))
+    best_of = {"valid_loss": np.argmin, "valid_bleu": np.argmax, "valid_chrf": np.argmax}
+    for key, best in best_of.items():
+        vsteps, values = series(records, key)
+        if len(values):
+            i = int(best(values))
+            facts.append(
+                (f"best {_METRIC_NAMES[key]}", f"{_fmt(values[i])} (step {int(vsteps[i])})")
+            )
     chosen = _chosen_by(_selection(records))
     if chosen:
         facts.append(("best.pt chosen by", chosen))
     _, tps = series(records, "tgt_tok_per_s")
     if len(tps):
         facts.append(("median target tokens/s", f"{np.median(tps):,.0f}"))
-    end = next((r for r in reversed(records) if r.get("stage") == "train"), None)
-    if end is not None and end.get("stop"):
+    end = train_end(records)
+    if end.get("stop"):
         facts.append(("ended by", _ended_by(end)))
-    if end is not None and isinstance(end.get("machine"), Mapping):
+    if isinstance(end.get("machine"), Mapping):
         m = end["machine"]
         bf16 = "native bf16" if m.get("native_bf16") else "no native bf16"
         where = f"{m.get('gpu') or m.get('cpu')} ({bf16}, {m.get('threads')} threads)"
@@ -360,10 +345,14 @@ def _training_summary(records: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines + [""]
 
 
+def train_end(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """The last end-of-training record (``{}`` when there is none)."""
+    return next((r for r in reversed(records) if r.get("stage") == "train"), {})
+
+
 def _selection(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     """The training record's ``selection`` (what chose best.pt; ``{}`` when not logged)."""
-    end = next((r for r in reversed(records) if r.get("stage") == "train"), None)
-    selection = None if end is None else end.get("selection")
+    selection = train_end(records).get("selection")
     return selection if isinstance(selection, Mapping) else {}
 
 
@@ -435,7 +424,7 @@ def write_report(
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     records = load_metrics(run_dir / "metrics.jsonl")
-    results = _read_json(run_dir / "results.json")
+    results = read_json(run_dir / "results.json")
     config_path = run_dir / "config.yaml"
 
     title = run_dir.resolve().name
