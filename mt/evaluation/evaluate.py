@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mt import files
-from mt.evaluation.metrics import eval_kwargs, is_testset, score, testset_references
+from mt.evaluation.metrics import METRICS, eval_kwargs, is_testset, score, testset_references
 from mt.schema import Config
 
 log = logging.getLogger(__name__)
@@ -67,14 +67,13 @@ def score_files(
 
 def _print_scores(result: dict[str, Any]) -> None:
     out = sys.stdout
-    labels = {"bleu": "BLEU", "chrf": "chrF", "chrf++": "chrF++", "ter": "TER"}
     for name, metric in result["scores"].items():
         if name == "bleu":
             out.write(f"{metric['details']}\n")
         else:
-            shown = "chrF2" if name == "chrf" else labels[name]
+            shown = "chrF2" if name == "chrf" else METRICS[name]
             out.write(f"{shown} = {metric['score']:.2f}\n")
-        out.write(f"{labels[name]} signature: {metric['signature']}\n")
+        out.write(f"{METRICS[name]} signature: {metric['signature']}\n")
     if "compound_split_bleu" in result:
         cs = result["compound_split_bleu"]
         out.write(f"compound-split tokenized {cs['details']} ({cs['note']})\n")

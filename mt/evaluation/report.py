@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from mt.evaluation.metrics import METRICS
 from mt.files import atomic_path, read_json, write_json, write_text
 
 log = logging.getLogger(__name__)
@@ -274,7 +275,6 @@ def _results_section(results: Mapping[str, Any]) -> list[str]:
         )
         lines.append("")
     lines += ["| metric | score | signature |", "|---|---|---|"]
-    names = {"bleu": "BLEU", "chrf": "chrF", "chrf++": "chrF++", "ter": "TER"}
     scores = results.get("scores") or {
         metric: {"score": results[metric], "signature": results.get(sig, "")}
         for metric, sig in (("bleu", "signature"), ("chrf", "chrf_signature"))
@@ -282,7 +282,7 @@ def _results_section(results: Mapping[str, Any]) -> list[str]:
     }
     for metric, value in scores.items():
         lines.append(
-            f"| {names.get(metric, metric)} | {_fmt(value['score'])} "
+            f"| {METRICS.get(metric, metric)} | {_fmt(value['score'])} "
             f"| `{_cell(value.get('signature', ''))}` |"
         )
     split_bleu = results.get("compound_split_bleu")
