@@ -150,7 +150,6 @@ def plot_lines(
     path: str | Path,
     ylabel: str,
     title: str,
-    logy: bool = False,
     xlabel: str = "step",
 ) -> Path | None:
     """Draw ``(label, x, values)`` curves against the step (or ``xlabel``); ``None`` when all
@@ -168,8 +167,6 @@ def plot_lines(
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    if logy and all(np.all(v > 0) for _, _, v in curves):
-        ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
     if len(curves) > 1:
         ax.legend()
@@ -188,41 +185,33 @@ def plot_curves(records: Sequence[Mapping[str, Any]], out_dir: str | Path) -> di
     minutes of training: time to quality). A figure without data is not drawn.
     """
     out_dir = Path(out_dir)
+
+    def curves(*keys: tuple[str, str]) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        return [(label, *series(records, key)) for label, key in keys]
+
+    loss = curves(("train loss", "loss"), ("train nll", "nll"), ("valid loss", "valid_loss"),
+                  ("valid nll", "valid_nll"))  # fmt: skip
     specs = {
-        "loss": (
-            [
-                ("train loss", "loss"),
-                ("train nll", "nll"),
-                ("valid loss", "valid_loss"),
-                ("valid nll", "valid_nll"),
-            ],
-            "loss (nats per token)",
-            "Training and validation loss",
-        ),
-        "lr": ([("lr", "lr")], "learning rate", "Learning rate"),
-        "bleu": ([("valid BLEU", "valid_bleu")], "BLEU", "Validation BLEU"),
+        "loss": (loss, "loss (nats per token)", "Training and validation loss"),
+        "lr": (curves(("lr", "lr")), "learning rate", "Learning rate"),
+        "bleu": (curves(("valid BLEU", "valid_bleu")), "BLEU", "Validation BLEU"),
         "throughput": (
-            [("target tokens/s", "tgt_tok_per_s")],
+            curves(("target tokens/s", "tgt_tok_per_s")),
             "target tokens / s",
             "Training throughput",
         ),
+        "bleu_minutes": (
+            [("valid BLEU", *wall_series(records, "valid_bleu"))],
+            "BLEU",
+            "Validation BLEU against training time",
+        ),
     }
     figures = {}
-    for name, (keys, ylabel, title) in specs.items():
-        curves = [(label, *series(records, key)) for label, key in keys]
-        png = plot_lines(curves, out_dir / f"{name}.png", ylabel, title)
+    for name, (lines, ylabel, title) in specs.items():
+        xlabel = "minutes of training (validation included)" if name == "bleu_minutes" else "step"
+        png = plot_lines(lines, out_dir / f"{name}.png", ylabel, title, xlabel)
         if png is not None:
             figures[name] = png
-    minutes, bleu = wall_series(records, "valid_bleu")
-    png = plot_lines(
-        [("valid BLEU", minutes, bleu)],
-        out_dir / "bleu_minutes.png",
-        "BLEU",
-        "Validation BLEU against training time",
-        xlabel="minutes of training (validation included)",
-    )
-    if png is not None:
-        figures["bleu_minutes"] = png
     return figures
 
 
