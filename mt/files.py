@@ -244,9 +244,8 @@ def strip_line_end(raw: bytes) -> bytes:
     return raw
 
 
-def decode_line(raw: bytes, name: str, lineno: int, errors: str = "strict") -> str:
-    """One line's bytes as text (a :class:`TextError` for a NUL byte, or for invalid UTF-8
-    unless ``errors="replace"``, which substitutes U+FFFD)."""
+def decode_line(raw: bytes, name: str, lineno: int) -> str:
+    """One line's bytes as text (a :class:`TextError` for a NUL byte or invalid UTF-8)."""
     if b"\x00" in raw:
         raise TextError(
             f"{name}, line {lineno}: holds a NUL byte (column {raw.index(0) + 1}); "
@@ -255,8 +254,6 @@ def decode_line(raw: bytes, name: str, lineno: int, errors: str = "strict") -> s
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        if errors == "replace":
-            return raw.decode("utf-8", errors="replace")
         raise TextError(
             f"{name}, line {lineno}: not valid UTF-8 ({err.reason} at byte {err.start})"
         ) from None
