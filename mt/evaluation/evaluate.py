@@ -38,12 +38,12 @@ def read_lines(path: str | Path) -> list[str]:
 
 
 def score_files(
-    hyp: str | Path, ref: str | Path | list, langpair: str | None = None, **kwargs: Any
+    hyp: str | Path, ref: str | Path | list | None, langpair: str | None = None, **kwargs: Any
 ) -> dict[str, Any]:
     """Score a translation file against one or several reference files (:func:`score` takes
     ``kwargs``). A reference that is not a file but a sacreBLEU test-set name (``wmt14/full``)
     stands for that set's references for ``langpair`` (``de-en``) from sacreBLEU's cache."""
-    refs_given = [ref] if isinstance(ref, (str, Path)) else list(ref)
+    refs_given = [ref] if isinstance(ref, (str, Path)) else list(ref or [])
     if not refs_given:
         raise ValueError("mt-evaluate hyp=FILE needs ref=FILE (or ref=[FILE1,FILE2])")
     ref_paths: list[str | Path] = []
@@ -85,8 +85,6 @@ def evaluate_main(cfg: Config) -> dict[str, Any]:
     returns the results (what results.json / ``output=`` holds)."""
     args = cfg.eval
     if args.hyp is not None:
-        if args.ref is None:
-            raise ValueError("mt-evaluate hyp=FILE needs ref=FILE (or ref=[FILE1,FILE2])")
         langpair = f"{cfg.data.src_lang}-{cfg.data.tgt_lang}"
         result = score_files(args.hyp, args.ref, langpair, **eval_kwargs(cfg))
         _print_scores(result)
