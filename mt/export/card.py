@@ -20,14 +20,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mt.evaluation.metrics import METRICS
 from mt.evaluation.report import load_metrics, train_end
 from mt.evaluation.sweep import _flatten
 from mt.files import read_json
 from mt.schema import ModelConfig
 
-# sacreBLEU's metric names -> the hub's metric ids, and how a reader knows them
-HUB_METRICS = {"bleu": ("bleu", "BLEU"), "chrf": ("chrf", "chrF"), "chrf++": ("chrf", "chrF++"),
-               "ter": ("ter", "TER")}  # fmt: skip
+HUB_IDS = {"chrf++": "chrf"}  # the hub's metric id where it is not sacreBLEU's name
 
 
 def _run_facts(checkpoint: Path) -> tuple[dict, dict, dict]:
@@ -115,7 +114,7 @@ def _header(data: dict, langs: list[str], results: dict, name: str, license: str
     scores = {m: s for m, s in (results.get("scores") or {}).items()
               if isinstance(s, dict) and s.get("score") is not None}  # fmt: skip
     if scores:
-        meta["metrics"] = list(dict.fromkeys(HUB_METRICS.get(m, (m, m))[0] for m in scores))
+        meta["metrics"] = list(dict.fromkeys(HUB_IDS.get(m, m) for m in scores))
         split = results.get("split", "test")
         pair = "-".join(langs)
         dataset = {"type": data.get("hf_path") or str(data.get("name") or "unknown"),
@@ -128,8 +127,8 @@ def _header(data: dict, langs: list[str], results: dict, name: str, license: str
             dataset["config"] = data["hf_name"]
         if data.get("revision"):
             dataset["revision"] = data["revision"]
-        metrics = [{"type": HUB_METRICS.get(m, (m, m))[0], "value": round(float(s["score"]), 2),
-                    "name": HUB_METRICS.get(m, (m, m))[1],
+        metrics = [{"type": HUB_IDS.get(m, m), "value": round(float(s["score"]), 2),
+                    "name": METRICS.get(m, m),
                     "args": {"signature": str(s.get("signature"))}}
                    for m, s in scores.items()]  # fmt: skip
         task = {"type": "translation", "name": f"Translation {pair}" if pair else "Translation"}
