@@ -293,20 +293,17 @@ def _results_section(results: Mapping[str, Any]) -> list[str]:
 
 
 def _training_summary(records: Sequence[Mapping[str, Any]]) -> list[str]:
-    steps, _ = series(records, "loss")
+    steps, loss = series(records, "loss")
     if not len(steps):
         return []
     lines = ["## Training", ""]
     # The last update is the last record's step (a validation after the last logged update).
     last = max(int(r["step"]) for r in records if _is_number(r.get("step")))
     facts = [("updates", last)]
-    _, epochs = series(records, "epoch")
-    if len(epochs):
-        facts.append(("epochs", _fmt(epochs[-1])))
-    _, wall = series(records, "wall")
-    if len(wall):
-        facts.append(("training wall time", _duration(wall[-1])))
-    _, loss = series(records, "loss")
+    for key, label, fmt in (("epoch", "epochs", _fmt), ("wall", "training wall time", _duration)):
+        _, values = series(records, key)
+        if len(values):
+            facts.append((label, fmt(values[-1])))
     facts.append(("last training loss", f"{_fmt(loss[-1])} (step {int(steps[-1])})"))
     best_of = {"valid_loss": np.argmin, "valid_bleu": np.argmax, "valid_chrf": np.argmax}
     for key, best in best_of.items():
