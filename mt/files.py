@@ -143,14 +143,10 @@ def write_lines(path: str | Path, lines: Iterable[str]) -> int:
     """Replace ``path`` with one line per item atomically (a line break inside an item becomes
     a space, so line i is always item i); returns the number of lines."""
     count = 0
-
-    def fill(f: IO[bytes]) -> None:
-        nonlocal count
+    with _atomic_file(path) as f:
         for line in lines:
             f.write((one_line(line) + "\n").encode("utf-8"))
             count += 1
-
-    atomic_path(path, fill)
     return count
 
 
