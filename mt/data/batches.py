@@ -342,10 +342,8 @@ class BatchSampler:
                 cheapest = min(range(len(batches)), key=lambda i: len(batches[i]))
                 batches += [batches[cheapest]] * short
                 weights += [0.0] * short
-            self._plan = (
-                batches[self.rank :: self.world_size],
-                weights[self.rank :: self.world_size],
-            )
+            shard = slice(self.rank, None, self.world_size)
+            self._plan = (batches[shard], weights[shard])
             self._plan_epoch = epoch
         return self._plan
 
