@@ -411,10 +411,7 @@ def write_report(
     run_dir.mkdir(parents=True, exist_ok=True)
     records = load_metrics(run_dir / "metrics.jsonl")
     results = read_json(run_dir / "results.json")
-    config_path = run_dir / "config.yaml"
-
-    title = run_dir.resolve().name
-    lines = [f"# Run report: {title}", ""]
+    lines = [f"# Run report: {run_dir.resolve().name}", ""]
     if results:
         lines += _results_section(results)
     lines += _training_summary(records)
@@ -440,11 +437,8 @@ def write_report(
         lines += [f"| {_cell(stage)} | {_duration(sec)} |" for stage, sec in times.items()]
         lines += [f"| **total** | {_duration(sum(times.values()))} |", ""]
 
-    split = results.get("split", "test")
-    hyp_path = run_dir / "translations" / f"{split}.txt"
-    hypotheses = None
-    if hyp_path.is_file():
-        hypotheses = hyp_path.read_text(encoding="utf-8").splitlines()
+    hyp_path = run_dir / "translations" / f"{results.get('split', 'test')}.txt"
+    hypotheses = hyp_path.read_text(encoding="utf-8").splitlines() if hyp_path.is_file() else None
     lines += _examples_section(hypotheses, examples)
 
     if attention is not None:
@@ -466,6 +460,7 @@ def write_report(
                 "",
             ]
 
+    config_path = run_dir / "config.yaml"
     if config_path.is_file():
         text = config_path.read_text(encoding="utf-8").rstrip()
         lines += ["## Configuration", "", "<details><summary>config.yaml</summary>", ""]
