@@ -121,12 +121,8 @@ def _header(data: dict, langs: list[str], results: dict, name: str, license: str
                    "name": f"{data.get('name') or 'unknown'} {split} split "
                            f"({(data.get('splits') or {}).get(split, split)})",
                    "split": split}  # fmt: skip
-        if pair:
-            dataset["args"] = pair
-        if data.get("hf_name"):
-            dataset["config"] = data["hf_name"]
-        if data.get("revision"):
-            dataset["revision"] = data["revision"]
+        extra = {"args": pair, "config": data.get("hf_name"), "revision": data.get("revision")}
+        dataset.update({k: v for k, v in extra.items() if v})
         metrics = [{"type": HUB_IDS.get(m, m), "value": round(float(s["score"]), 2),
                     "name": METRICS.get(m, m),
                     "args": {"signature": str(s.get("signature"))}}
