@@ -12,14 +12,8 @@ import sys
 from mt import cli
 
 STAGES = {
-    "prepare": cli.prepare_main,
-    "train": cli.train_main,
-    "translate": cli.translate_main,
-    "evaluate": cli.evaluate_main,
-    "export": cli.export_main,
-    "serve": cli.serve_main,
-    "score": cli.score_main,
-    "backtranslate": cli.backtranslate_main,
+    stage: getattr(cli, f"{stage}_main")
+    for stage in "prepare train translate evaluate export serve score backtranslate".split()
 }
 
 

@@ -126,18 +126,27 @@ def write_json(path: str | Path, data: Any, indent: int | None = 2) -> None:
     write_text(path, json.dumps(data, indent=indent, ensure_ascii=False, default=str) + "\n")
 
 
+def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; ``{}`` when it is missing, not an object or not UTF-8 JSON
+    (the last logged)."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        log.warning("%s: not JSON, skipped", path)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def write_lines(path: str | Path, lines: Iterable[str]) -> int:
     """Replace ``path`` with one line per item atomically (a line break inside an item becomes
     a space, so line i is always item i); returns the number of lines."""
     count = 0
-
-    def fill(f: IO[bytes]) -> None:
-        nonlocal count
+    with _atomic_file(path) as f:
         for line in lines:
             f.write((one_line(line) + "\n").encode("utf-8"))
             count += 1
-
-    atomic_path(path, fill)
     return count
 
 
@@ -231,9 +240,8 @@ def strip_line_end(raw: bytes) -> bytes:
     return raw
 
 
-def decode_line(raw: bytes, name: str, lineno: int, errors: str = "strict") -> str:
-    """One line's bytes as text (a :class:`TextError` for a NUL byte, or for invalid UTF-8
-    unless ``errors="replace"``, which substitutes U+FFFD)."""
+def decode_line(raw: bytes, name: str, lineno: int) -> str:
+    """One line's bytes as text (a :class:`TextError` for a NUL byte or invalid UTF-8)."""
     if b"\x00" in raw:
         raise TextError(
             f"{name}, line {lineno}: holds a NUL byte (column {raw.index(0) + 1}); "
@@ -242,8 +250,6 @@ def decode_line(raw: bytes, name: str, lineno: int, errors: str = "strict") -> s
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        if errors == "replace":
-            return raw.decode("utf-8", errors="replace")
         raise TextError(
             f"{name}, line {lineno}: not valid UTF-8 ({err.reason} at byte {err.start})"
         ) from None

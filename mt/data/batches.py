@@ -143,14 +143,13 @@ def collate_flat(
     tgt_out[np.arange(len(tgt_lengths)), tgt_lengths] = EOS
     src_len, tgt_len = src_lengths + 1, tgt_lengths + 1  # + EOS; + BOS / EOS
     if rows is not None and rows > len(src_lengths):  # the empty rows
-        extra = rows - len(src_lengths)
-        src = np.concatenate([src, np.full((extra, src.shape[1]), PAD, dtype=np.int64)])
-        src[-extra:, 0] = EOS
-        tgt_in = np.concatenate([tgt_in, np.full((extra, tgt_in.shape[1]), PAD, dtype=np.int64)])
-        tgt_in[-extra:, 0] = BOS
-        tgt_out = np.concatenate([tgt_out, np.full((extra, tgt_out.shape[1]), PAD, np.int64)])
-        src_len = np.concatenate([src_len, np.ones(extra, dtype=np.int64)])
-        tgt_len = np.concatenate([tgt_len, np.zeros(extra, dtype=np.int64)])
+        extra = ((0, rows - len(src_lengths)), (0, 0))
+        src, tgt_in, tgt_out = (
+            np.pad(a, extra, constant_values=PAD) for a in (src, tgt_in, tgt_out)
+        )
+        src[len(src_lengths) :, 0], tgt_in[len(src_lengths) :, 0] = EOS, BOS
+        src_len = np.pad(src_len, extra[0], constant_values=1)
+        tgt_len = np.pad(tgt_len, extra[0])
     return Batch(
         src=torch.from_numpy(src),
         tgt_in=torch.from_numpy(tgt_in),
@@ -343,10 +342,8 @@ class BatchSampler:
                 cheapest = min(range(len(batches)), key=lambda i: len(batches[i]))
                 batches += [batches[cheapest]] * short
                 weights += [0.0] * short
-            self._plan = (
-                batches[self.rank :: self.world_size],
-                weights[self.rank :: self.world_size],
-            )
+            shard = slice(self.rank, None, self.world_size)
+            self._plan = (batches[shard], weights[shard])
             self._plan_epoch = epoch
         return self._plan
 

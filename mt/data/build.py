@@ -54,7 +54,7 @@ from mt.data.corpus import (
 from mt.data.encode import Sampling, encode_files
 from mt.data.store import FORMAT_VERSION, CacheError, Prepared, meta_digest
 from mt.data.tokenizer import SIDES, Tokenizer, TokenizerError, num_threads
-from mt.files import file_crc, write_json
+from mt.files import file_crc, read_json, write_json
 from mt.schema import Config
 
 log = logging.getLogger(__name__)
@@ -138,10 +138,7 @@ def prepare(cfg: Config, build: bool = True) -> Prepared:
 
 
 def _valid(path: Path, key: str) -> bool:
-    try:
-        return json.loads((path / "meta.json").read_text(encoding="utf-8"))["key"] == key
-    except (OSError, ValueError, KeyError):
-        return False
+    return read_json(path / "meta.json").get("key") == key
 
 
 def _build(

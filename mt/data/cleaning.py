@@ -252,9 +252,7 @@ class TextNormalizer:
 
     def steps(self, text: str) -> tuple[str, bool, bool]:
         """``(normalised text, punctuation changed it, non-printing removal changed it)``."""
-        if self.spec.nfc:
-            text = unicodedata.normalize("NFC", text)
-        text = text.strip()
+        text = normalize_line(text, self.spec.nfc)
         punct = nonprint = False
         if self.spec.moses_punct:
             new = self._moses.normalize(text)

@@ -133,27 +133,25 @@ class TextCorpus(Corpus):
         return f"found in {self.dir}: splits {prefixes or 'none'}; languages/extensions {exts}"
 
     def _files(self, role: str) -> list[tuple[Path, ...]]:
-        names = split_names(getattr(self.cfg.splits, role))
+        cfg = self.cfg
+        names = split_names(getattr(cfg.splits, role))
         if not names:
             raise DataError(f"data.splits.{role} is empty; {self._found()}")
         out = []
         for name in names:
-            if self.cfg.format == "tsv":
+            if cfg.format == "tsv":
                 paths: tuple[Path, ...] = (self.dir / f"{name}.tsv",)
             else:
-                paths = tuple(self.dir / f"{name}.{lang}" for lang in self._langs())
+                paths = tuple(self.dir / f"{name}.{lang}" for lang in (cfg.src_lang, cfg.tgt_lang))
             for path in paths:
                 if not path.is_file():
                     raise DataError(
                         f"missing {role} split file {path} (data.splits.{role}={name}, "
-                        f"src_lang={self.cfg.src_lang}, tgt_lang={self.cfg.tgt_lang}); "
+                        f"src_lang={cfg.src_lang}, tgt_lang={cfg.tgt_lang}); "
                         f"{self._found()}"
                     )
             out.append(paths)
         return out
-
-    def _langs(self) -> tuple[str, str]:
-        return self.cfg.src_lang, self.cfg.tgt_lang
 
     def num_parts(self, role: str) -> int:
         return len(self.files[role])

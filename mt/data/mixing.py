@@ -144,12 +144,10 @@ class Mix:
     def describe(self, counts: Sequence[int]) -> str:
         """One log line: each corpus's pairs in an epoch, its share and weight."""
         total = max(int(sum(counts)), 1)
-        parts = []
-        for name, size, weight, count in zip(self.names, self.sizes, self.weights, counts):
-            parts.append(
-                f"{name} {int(count):,} ({100 * int(count) / total:.1f}%; {size:,} pairs x "
-                f"{weight:g})"
-            )
+        parts = [
+            f"{name} {int(count):,} ({100 * int(count) / total:.1f}%; {size:,} pairs x {weight:g})"
+            for name, size, weight, count in zip(self.names, self.sizes, self.weights, counts)
+        ]
         temp = f", temperature {self.temperature:g}" if self.temperature != 1.0 else ""
         return "; ".join(parts) + temp
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import unicodedata
 import zipfile
 from pathlib import Path
 
 import sentencepiece as spm
 
+from mt.data.cleaning import normalize_line
 from mt.files import one_line, write_bytes
 from mt.schema import TokenizerConfig
 from mt.vocab import BOS, EOS, PAD, SPECIALS, UNK
@@ -267,7 +267,7 @@ class Tokenizer:
     @staticmethod
     def normalize(text: str) -> str:
         """The pipeline's normalisation applied before encoding: Unicode NFC, then strip."""
-        return unicodedata.normalize("NFC", text).strip()
+        return normalize_line(text)
 
     def encode(self, texts: list[str], side: str = "src") -> list[list[int]]:
         """Piece ids of each text, no BOS/EOS. Texts should already be :meth:`normalize`-d."""

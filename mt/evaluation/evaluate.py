@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mt import files
-from mt.evaluation.metrics import eval_kwargs, is_testset, score, testset_references
+from mt.evaluation.metrics import METRICS, eval_kwargs, is_testset, score, testset_references
 from mt.schema import Config
 
 log = logging.getLogger(__name__)
@@ -38,12 +38,12 @@ def read_lines(path: str | Path) -> list[str]:
 
 
 def score_files(
-    hyp: str | Path, ref: str | Path | list, langpair: str | None = None, **kwargs: Any
+    hyp: str | Path, ref: str | Path | list | None, langpair: str | None = None, **kwargs: Any
 ) -> dict[str, Any]:
     """Score a translation file against one or several reference files (:func:`score` takes
     ``kwargs``). A reference that is not a file but a sacreBLEU test-set name (``wmt14/full``)
     stands for that set's references for ``langpair`` (``de-en``) from sacreBLEU's cache."""
-    refs_given = [ref] if isinstance(ref, (str, Path)) else list(ref)
+    refs_given = [ref] if isinstance(ref, (str, Path)) else list(ref or [])
     if not refs_given:
         raise ValueError("mt-evaluate hyp=FILE needs ref=FILE (or ref=[FILE1,FILE2])")
     ref_paths: list[str | Path] = []
@@ -67,14 +67,13 @@ def score_files(
 
 def _print_scores(result: dict[str, Any]) -> None:
     out = sys.stdout
-    labels = {"bleu": "BLEU", "chrf": "chrF", "chrf++": "chrF++", "ter": "TER"}
     for name, metric in result["scores"].items():
         if name == "bleu":
             out.write(f"{metric['details']}\n")
         else:
-            shown = "chrF2" if name == "chrf" else labels[name]
+            shown = "chrF2" if name == "chrf" else METRICS[name]
             out.write(f"{shown} = {metric['score']:.2f}\n")
-        out.write(f"{labels[name]} signature: {metric['signature']}\n")
+        out.write(f"{METRICS[name]} signature: {metric['signature']}\n")
     if "compound_split_bleu" in result:
         cs = result["compound_split_bleu"]
         out.write(f"compound-split tokenized {cs['details']} ({cs['note']})\n")
@@ -86,8 +85,6 @@ def evaluate_main(cfg: Config) -> dict[str, Any]:
     returns the results (what results.json / ``output=`` holds)."""
     args = cfg.eval
     if args.hyp is not None:
-        if args.ref is None:
-            raise ValueError("mt-evaluate hyp=FILE needs ref=FILE (or ref=[FILE1,FILE2])")
         langpair = f"{cfg.data.src_lang}-{cfg.data.tgt_lang}"
         result = score_files(args.hyp, args.ref, langpair, **eval_kwargs(cfg))
         _print_scores(result)

@@ -24,7 +24,7 @@ from typing import Any
 
 from mt.schema import Config
 
-METRICS = ("bleu", "chrf", "chrf++", "ter")
+METRICS = {"bleu": "BLEU", "chrf": "chrF", "chrf++": "chrF++", "ter": "TER"}  # and their labels
 COMPOUND_SPLIT_NOTE = (
     "tokenized BLEU (Moses tokenizer, compound splitting ##AT##-##AT##, multi-bleu style) as in "
     "papers; NOT comparable with sacreBLEU"

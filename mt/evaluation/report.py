@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from mt.files import atomic_path, write_json, write_text
+from mt.evaluation.metrics import METRICS
+from mt.files import atomic_path, read_json, write_json, write_text
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def stage_times(run_dir: str | Path, records: Sequence[Mapping[str, Any]]) -> di
     for record in records:
         if isinstance(record.get("stage"), str) and _is_number(record.get("seconds")):
             times[record["stage"]] = float(record["seconds"])
-    for stage, seconds in _read_json(Path(run_dir) / "timings.json").items():
+    for stage, seconds in read_json(Path(run_dir) / "timings.json").items():
         if _is_number(seconds):
             times[str(stage)] = float(seconds)
     return times
@@ -91,24 +92,13 @@ def stage_times(run_dir: str | Path, records: Sequence[Mapping[str, Any]]) -> di
 def record_stage_time(run_dir: str | Path, stage: str, seconds: float) -> None:
     """Add ``stage``'s wall time to ``run_dir/timings.json`` (written atomically)."""
     path = Path(run_dir) / "timings.json"
-    times = _read_json(path)
+    times = read_json(path)
     times[stage] = round(float(seconds), 3)
     write_json(path, times, indent=1)
 
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
-        log.warning("%s: not JSON, skipped", path)
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 # --------------------------------------------------------------------------- figures
@@ -160,7 +150,6 @@ def plot_lines(
     path: str | Path,
     ylabel: str,
     title: str,
-    logy: bool = False,
     xlabel: str = "step",
 ) -> Path | None:
     """Draw ``(label, x, values)`` curves against the step (or ``xlabel``); ``None`` when all
@@ -178,8 +167,6 @@ def plot_lines(
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    if logy and all(np.all(v > 0) for _, _, v in curves):
-        ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
     if len(curves) > 1:
         ax.legend()
@@ -198,41 +185,33 @@ def plot_curves(records: Sequence[Mapping[str, Any]], out_dir: str | Path) -> di
     minutes of training: time to quality). A figure without data is not drawn.
     """
     out_dir = Path(out_dir)
+
+    def curves(*keys: tuple[str, str]) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        return [(label, *series(records, key)) for label, key in keys]
+
+    loss = curves(("train loss", "loss"), ("train nll", "nll"), ("valid loss", "valid_loss"),
+                  ("valid nll", "valid_nll"))  # fmt: skip
     specs = {
-        "loss": (
-            [
-                ("train loss", "loss"),
-                ("train nll", "nll"),
-                ("valid loss", "valid_loss"),
-                ("valid nll", "valid_nll"),
-            ],
-            "loss (nats per token)",
-            "Training and validation loss",
-        ),
-        "lr": ([("lr", "lr")], "learning rate", "Learning rate"),
-        "bleu": ([("valid BLEU", "valid_bleu")], "BLEU", "Validation BLEU"),
+        "loss": (loss, "loss (nats per token)", "Training and validation loss"),
+        "lr": (curves(("lr", "lr")), "learning rate", "Learning rate"),
+        "bleu": (curves(("valid BLEU", "valid_bleu")), "BLEU", "Validation BLEU"),
         "throughput": (
-            [("target tokens/s", "tgt_tok_per_s")],
+            curves(("target tokens/s", "tgt_tok_per_s")),
             "target tokens / s",
             "Training throughput",
         ),
+        "bleu_minutes": (
+            [("valid BLEU", *wall_series(records, "valid_bleu"))],
+            "BLEU",
+            "Validation BLEU against training time",
+        ),
     }
     figures = {}
-    for name, (keys, ylabel, title) in specs.items():
-        curves = [(label, *series(records, key)) for label, key in keys]
-        png = plot_lines(curves, out_dir / f"{name}.png", ylabel, title)
+    for name, (lines, ylabel, title) in specs.items():
+        xlabel = "minutes of training (validation included)" if name == "bleu_minutes" else "step"
+        png = plot_lines(lines, out_dir / f"{name}.png", ylabel, title, xlabel)
         if png is not None:
             figures[name] = png
-    minutes, bleu = wall_series(records, "valid_bleu")
-    png = plot_lines(
-        [("valid BLEU", minutes, bleu)],
-        out_dir / "bleu_minutes.png",
-        "BLEU",
-        "Validation BLEU against training time",
-        xlabel="minutes of training (validation included)",
-    )
-    if png is not None:
-        figures["bleu_minutes"] = png
     return figures
 
 
@@ -285,7 +264,6 @@ def _results_section(results: Mapping[str, Any]) -> list[str]:
         )
         lines.append("")
     lines += ["| metric | score | signature |", "|---|---|---|"]
-    names = {"bleu": "BLEU", "chrf": "chrF", "chrf++": "chrF++", "ter": "TER"}
     scores = results.get("scores") or {
         metric: {"score": results[metric], "signature": results.get(sig, "")}
         for metric, sig in (("bleu", "signature"), ("chrf", "chrf_signature"))
@@ -293,7 +271,7 @@ def _results_section(results: Mapping[str, Any]) -> list[str]:
     }
     for metric, value in scores.items():
         lines.append(
-            f"| {names.get(metric, metric)} | {_fmt(value['score'])} "
+            f"| {METRICS.get(metric, metric)} | {_fmt(value['score'])} "
             f"| `{_cell(value.get('signature', ''))}` |"
         )
     split_bleu = results.get("compound_split_bleu")
@@ -315,43 +293,36 @@ def _results_section(results: Mapping[str, Any]) -> list[str]:
 
 
 def _training_summary(records: Sequence[Mapping[str, Any]]) -> list[str]:
-    steps, _ = series(records, "loss")
+    steps, loss = series(records, "loss")
     if not len(steps):
         return []
     lines = ["## Training", ""]
     # The last update is the last record's step (a validation after the last logged update).
     last = max(int(r["step"]) for r in records if _is_number(r.get("step")))
     facts = [("updates", last)]
-    _, epochs = series(records, "epoch")
-    if len(epochs):
-        facts.append(("epochs", _fmt(epochs[-1])))
-    _, wall = series(records, "wall")
-    if len(wall):
-        facts.append(("training wall time", _duration(wall[-1])))
-    _, loss = series(records, "loss")
+    for key, label, fmt in (("epoch", "epochs", _fmt), ("wall", "training wall time", _duration)):
+        _, values = series(records, key)
+        if len(values):
+            facts.append((label, fmt(values[-1])))
     facts.append(("last training loss", f"{_fmt(loss[-1])} (step {int(steps[-1])})"))
-    vsteps, vloss = series(records, "valid_loss")
-    if len(vloss):
-        i = int(np.argmin(vloss))
-        facts.append(("best validation loss", f"{_fmt(vloss[i])} (step {int(vsteps[i])})"))
-    bsteps, bleu = series(records, "valid_bleu")
-    if len(bleu):
-        i = int(np.argmax(bleu))
-        facts.append(("best validation BLEU", f"{_fmt(bleu[i])} (step {int(bsteps[i])})"))
-    csteps, chrf = series(records, "valid_chrf")
-    if len(chrf):
-        i = int(np.argmax(chrf))
-        facts.append(("best validation chrF", f"{_fmt(chrf[i])} (step {int(csteps[i])})"))
+    best_of = {"valid_loss": np.argmin, "valid_bleu": np.argmax, "valid_chrf": np.argmax}
+    for key, best in best_of.items():
+        vsteps, values = series(records, key)
+        if len(values):
+            i = int(best(values))
+            facts.append(
+                (f"best {_METRIC_NAMES[key]}", f"{_fmt(values[i])} (step {int(vsteps[i])})")
+            )
     chosen = _chosen_by(_selection(records))
     if chosen:
         facts.append(("best.pt chosen by", chosen))
     _, tps = series(records, "tgt_tok_per_s")
     if len(tps):
         facts.append(("median target tokens/s", f"{np.median(tps):,.0f}"))
-    end = next((r for r in reversed(records) if r.get("stage") == "train"), None)
-    if end is not None and end.get("stop"):
+    end = train_end(records)
+    if end.get("stop"):
         facts.append(("ended by", _ended_by(end)))
-    if end is not None and isinstance(end.get("machine"), Mapping):
+    if isinstance(end.get("machine"), Mapping):
         m = end["machine"]
         bf16 = "native bf16" if m.get("native_bf16") else "no native bf16"
         where = f"{m.get('gpu') or m.get('cpu')} ({bf16}, {m.get('threads')} threads)"
@@ -360,10 +331,14 @@ def _training_summary(records: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines + [""]
 
 
+def train_end(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """The last end-of-training record (``{}`` when there is none)."""
+    return next((r for r in reversed(records) if r.get("stage") == "train"), {})
+
+
 def _selection(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     """The training record's ``selection`` (what chose best.pt; ``{}`` when not logged)."""
-    end = next((r for r in reversed(records) if r.get("stage") == "train"), None)
-    selection = None if end is None else end.get("selection")
+    selection = train_end(records).get("selection")
     return selection if isinstance(selection, Mapping) else {}
 
 
@@ -435,11 +410,8 @@ def write_report(
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     records = load_metrics(run_dir / "metrics.jsonl")
-    results = _read_json(run_dir / "results.json")
-    config_path = run_dir / "config.yaml"
-
-    title = run_dir.resolve().name
-    lines = [f"# Run report: {title}", ""]
+    results = read_json(run_dir / "results.json")
+    lines = [f"# Run report: {run_dir.resolve().name}", ""]
     if results:
         lines += _results_section(results)
     lines += _training_summary(records)
@@ -465,11 +437,8 @@ def write_report(
         lines += [f"| {_cell(stage)} | {_duration(sec)} |" for stage, sec in times.items()]
         lines += [f"| **total** | {_duration(sum(times.values()))} |", ""]
 
-    split = results.get("split", "test")
-    hyp_path = run_dir / "translations" / f"{split}.txt"
-    hypotheses = None
-    if hyp_path.is_file():
-        hypotheses = hyp_path.read_text(encoding="utf-8").splitlines()
+    hyp_path = run_dir / "translations" / f"{results.get('split', 'test')}.txt"
+    hypotheses = hyp_path.read_text(encoding="utf-8").splitlines() if hyp_path.is_file() else None
     lines += _examples_section(hypotheses, examples)
 
     if attention is not None:
@@ -491,6 +460,7 @@ def write_report(
                 "",
             ]
 
+    config_path = run_dir / "config.yaml"
     if config_path.is_file():
         text = config_path.read_text(encoding="utf-8").rstrip()
         lines += ["## Configuration", "", "<details><summary>config.yaml</summary>", ""]

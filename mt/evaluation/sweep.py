@@ -21,7 +21,7 @@ import numpy as np
 from hydra.experimental.callback import Callback
 
 from mt.evaluation.report import load_metrics, plot_lines
-from mt.files import write_text
+from mt.files import read_json, write_text
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 def decode_trial(run_dir: Path) -> dict | None:
     """A decoding trial: ``mt-evaluate split=valid`` results (None for any other split: the
     test sets never choose settings)."""
-    result = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
+    result = read_json(run_dir / "results.json")
     if result.get("split") != "valid":
         return None
     keys = ("beam_size", "alpha", "max_len_a", "max_len_b", "precision", "checkpoint")
@@ -74,12 +74,11 @@ def trial(run_dir: Path) -> dict | None:
     wall = max((r["wall"] for r in records if isinstance(r.get("wall"), (int, float))), default=0)
     # reported beside the valid figures, never ranked by (train.evaluate wrote them)
     test = {}
-    if (run_dir / "results.test.json").is_file():
-        scores = json.loads((run_dir / "results.test.json").read_text(encoding="utf-8"))
-        for metric, label in (("bleu", "test BLEU"), ("chrf", "test chrF")):
-            value = (scores.get("scores") or {}).get(metric) or {}
-            if value.get("score") is not None:
-                test[label] = f"{value['score']:.2f}"
+    scores = read_json(run_dir / "results.test.json").get("scores") or {}
+    for metric, label in (("bleu", "test BLEU"), ("chrf", "test chrF")):
+        value = scores.get(metric) or {}
+        if value.get("score") is not None:
+            test[label] = f"{value['score']:.2f}"
     return {
         "run": run_dir.name,
         "config": _flatten(config),

@@ -17,22 +17,16 @@ Whatever is missing is said to be unknown rather than guessed.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from mt.evaluation.metrics import METRICS
+from mt.evaluation.report import load_metrics, train_end
+from mt.evaluation.sweep import _flatten
+from mt.files import read_json
 from mt.schema import ModelConfig
 
-# sacreBLEU's metric names -> the hub's metric ids, and how a reader knows them
-HUB_METRICS = {"bleu": ("bleu", "BLEU"), "chrf": ("chrf", "chrF"), "chrf++": ("chrf", "chrF++"),
-               "ter": ("ter", "TER")}  # fmt: skip
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
+HUB_IDS = {"chrf++": "chrf"}  # the hub's metric id where it is not sacreBLEU's name
 
 
 def _run_facts(checkpoint: Path) -> tuple[dict, dict, dict]:
@@ -46,19 +40,10 @@ def _run_facts(checkpoint: Path) -> tuple[dict, dict, dict]:
         config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) or {}
     except (OSError, ValueError):
         pass
-    results = _read_json(run_dir / "results.test.json") or _read_json(run_dir / "results.json")
-    trained: dict = {}
-    try:
-        for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and record.get("stage") == "train":
-                trained = record  # the last start's (a resumed run: over all its starts)
-    except OSError:
-        pass
-    return config, results, trained
+    results = read_json(run_dir / "results.test.json") or read_json(run_dir / "results.json")
+    # the last start's end-of-training record (a resumed run: over all its starts)
+    trained = train_end(load_metrics(run_dir / "metrics.jsonl"))
+    return config, results, dict(trained)
 
 
 def _data(ckpt: dict, config: dict) -> dict:
@@ -75,7 +60,7 @@ def _data(ckpt: dict, config: dict) -> dict:
     from mt.train.state import data_summary
 
     for path in sorted(Path(cache).glob(f"{data.get('name')}-*/meta.json")):
-        meta = _read_json(path)
+        meta = read_json(path)
         if meta.get("data") == data and meta.get("tokenizer") == config.get("tokenizer"):
             return data_summary(SimpleNamespace(meta=meta))
     return {}
@@ -95,15 +80,7 @@ def _command(config: dict) -> str:
     except Exception:  # not an experiment of this installation: against the defaults
         base, experiment = asdict(load_config([])), False
 
-    def flat(d: Any, prefix: str = "") -> dict:
-        if not isinstance(d, dict):
-            return {prefix[:-1]: d}
-        out: dict = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}."))
-        return out
-
-    now, then = flat(config), flat(base)
+    now, then = _flatten(config), _flatten(base)
     skip = ("run_dir", "cache_dir", "data.dir") + (("name",) if experiment else ())
     diff = [f"{k}={now[k]}" for k in sorted(now)
             if k not in skip and not k.startswith(("translate.", "score.", "export.", "serve."))
@@ -137,21 +114,17 @@ def _header(data: dict, langs: list[str], results: dict, name: str, license: str
     scores = {m: s for m, s in (results.get("scores") or {}).items()
               if isinstance(s, dict) and s.get("score") is not None}  # fmt: skip
     if scores:
-        meta["metrics"] = list(dict.fromkeys(HUB_METRICS.get(m, (m, m))[0] for m in scores))
+        meta["metrics"] = list(dict.fromkeys(HUB_IDS.get(m, m) for m in scores))
         split = results.get("split", "test")
         pair = "-".join(langs)
         dataset = {"type": data.get("hf_path") or str(data.get("name") or "unknown"),
                    "name": f"{data.get('name') or 'unknown'} {split} split "
                            f"({(data.get('splits') or {}).get(split, split)})",
                    "split": split}  # fmt: skip
-        if pair:
-            dataset["args"] = pair
-        if data.get("hf_name"):
-            dataset["config"] = data["hf_name"]
-        if data.get("revision"):
-            dataset["revision"] = data["revision"]
-        metrics = [{"type": HUB_METRICS.get(m, (m, m))[0], "value": round(float(s["score"]), 2),
-                    "name": HUB_METRICS.get(m, (m, m))[1],
+        extra = {"args": pair, "config": data.get("hf_name"), "revision": data.get("revision")}
+        dataset.update({k: v for k, v in extra.items() if v})
+        metrics = [{"type": HUB_IDS.get(m, m), "value": round(float(s["score"]), 2),
+                    "name": METRICS.get(m, m),
                     "args": {"signature": str(s.get("signature"))}}
                    for m, s in scores.items()]  # fmt: skip
         task = {"type": "translation", "name": f"Translation {pair}" if pair else "Translation"}
@@ -206,7 +179,9 @@ def _training_lines(config: dict, trained: dict, step) -> list[str]:
         f"{trained.get('step')} updates in {float(trained.get('seconds') or 0) / 60:.1f} minutes "
         f"of training (stopped by {trained.get('stop')}; budget: {budget or 'none'}), precision "
         f"{trained.get('precision')}, on {machine.get('device', 'an unknown device')}"
-        + (f" ({where})" if where else "") + (f", {threads} threads" if threads else "") + "."
+        + (f" ({where})" if where else "")
+        + (f", {threads} threads" if threads else "")
+        + "."
     )
     return lines
 
@@ -228,7 +203,7 @@ def model_card(
     lines = [
         f"# {name} ({pair})",
         "",
-        "A Transformer of \"Attention Is All You Need\" trained with mt and exported as a "
+        'A Transformer of "Attention Is All You Need" trained with mt and exported as a '
         "`MarianMTModel` that computes mt's logits exactly (token-identical greedy and beam "
         "outputs).",
         "",

@@ -48,37 +48,26 @@ def ct2_spec(state: dict[str, torch.Tensor], cfg: ModelConfig, pieces: list[str]
     def norm(dst, src: str) -> None:
         dst.gamma, dst.beta = arr(state[f"{src}.weight"]), arr(state[f"{src}.bias"])
 
-    def ffn(dst, src: str, norm_src: str) -> None:
-        linear(dst.linear_0, f"{src}.w1")
-        linear(dst.linear_1, f"{src}.w2")
-        norm(dst.layer_norm, norm_src)
-
     pe = arr(sinusoidal_positions(cfg.max_positions, cfg.d_model))  # mt's interleaved table
     tgt = arr(state["embed"][:V])
-    src_emb = tgt if cfg.share_embeddings else arr(state["src_embed"][:V])
-    spec.encoder.embeddings[0].weight = src_emb
-    spec.encoder.scale_embeddings = True
-    spec.encoder.position_encodings.encodings = pe
-    for i, layer in enumerate(spec.encoder.layer):
-        src = f"encoder.{i}"
-        linear(layer.self_attention.linear[0], f"{src}.self_attn.qkv")
-        linear(layer.self_attention.linear[1], f"{src}.self_attn.out")
-        norm(layer.self_attention.layer_norm, f"{src}.norms.0")
-        ffn(layer.ffn, f"{src}.ffn", f"{src}.norms.1")
+    spec.encoder.embeddings[0].weight = tgt if cfg.share_embeddings else arr(state["src_embed"][:V])
     spec.decoder.embeddings.weight = tgt
-    spec.decoder.scale_embeddings = True
-    spec.decoder.position_encodings.encodings = pe
     spec.decoder.projection.weight = tgt  # tied; CTranslate2 stores one copy
-    for i, layer in enumerate(spec.decoder.layer):
-        src = f"decoder.{i}"
-        linear(layer.self_attention.linear[0], f"{src}.self_attn.qkv")
-        linear(layer.self_attention.linear[1], f"{src}.self_attn.out")
-        norm(layer.self_attention.layer_norm, f"{src}.norms.0")
-        linear(layer.attention.linear[0], f"{src}.cross_attn.q")
-        linear(layer.attention.linear[1], f"{src}.cross_attn.kv")
-        linear(layer.attention.linear[2], f"{src}.cross_attn.out")
-        norm(layer.attention.layer_norm, f"{src}.norms.1")
-        ffn(layer.ffn, f"{src}.ffn", f"{src}.norms.2")
+    for side, stack in (("encoder", spec.encoder), ("decoder", spec.decoder)):
+        stack.scale_embeddings = True
+        stack.position_encodings.encodings = pe
+        for i, layer in enumerate(stack.layer):
+            src = f"{side}.{i}"
+            linear(layer.self_attention.linear[0], f"{src}.self_attn.qkv")
+            linear(layer.self_attention.linear[1], f"{src}.self_attn.out")
+            norm(layer.self_attention.layer_norm, f"{src}.norms.0")
+            if side == "decoder":
+                for k, part in enumerate(("q", "kv", "out")):
+                    linear(layer.attention.linear[k], f"{src}.cross_attn.{part}")
+                norm(layer.attention.layer_norm, f"{src}.norms.1")
+            linear(layer.ffn.linear_0, f"{src}.ffn.w1")
+            linear(layer.ffn.linear_1, f"{src}.ffn.w2")
+            norm(layer.ffn.layer_norm, f"{src}.norms.{1 + (side == 'decoder')}")
     spec.register_source_vocabulary(pieces)
     spec.register_target_vocabulary(pieces)
     spec.config.unk_token = pieces[UNK]

@@ -134,21 +134,18 @@ def marian_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig, vocab_si
     def split(prefix: str, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return list(zip(state[f"{prefix}.weight"].chunk(n), state[f"{prefix}.bias"].chunk(n)))
 
-    for i in range(cfg.N):
-        src, dst = f"encoder.{i}", f"model.encoder.layers.{i}"
-        attn(f"{dst}.self_attn", *split(f"{src}.self_attn.qkv", 3), f"{src}.self_attn")
-        norm(f"{dst}.self_attn_layer_norm", f"{src}.norms.0")
-        ffn(dst, f"{src}.ffn")
-        norm(f"{dst}.final_layer_norm", f"{src}.norms.1")
-    for i in range(cfg.N_dec or cfg.N):
-        src, dst = f"decoder.{i}", f"model.decoder.layers.{i}"
-        attn(f"{dst}.self_attn", *split(f"{src}.self_attn.qkv", 3), f"{src}.self_attn")
-        norm(f"{dst}.self_attn_layer_norm", f"{src}.norms.0")
-        q = (state[f"{src}.cross_attn.q.weight"], state[f"{src}.cross_attn.q.bias"])
-        attn(f"{dst}.encoder_attn", q, *split(f"{src}.cross_attn.kv", 2), f"{src}.cross_attn")
-        norm(f"{dst}.encoder_attn_layer_norm", f"{src}.norms.1")
-        ffn(dst, f"{src}.ffn")
-        norm(f"{dst}.final_layer_norm", f"{src}.norms.2")
+    for side, layers in (("encoder", cfg.N), ("decoder", cfg.N_dec or cfg.N)):
+        for i in range(layers):
+            src, dst = f"{side}.{i}", f"model.{side}.layers.{i}"
+            attn(f"{dst}.self_attn", *split(f"{src}.self_attn.qkv", 3), f"{src}.self_attn")
+            norm(f"{dst}.self_attn_layer_norm", f"{src}.norms.0")
+            if side == "decoder":
+                q = (state[f"{src}.cross_attn.q.weight"], state[f"{src}.cross_attn.q.bias"])
+                kv = split(f"{src}.cross_attn.kv", 2)
+                attn(f"{dst}.encoder_attn", q, *kv, f"{src}.cross_attn")
+                norm(f"{dst}.encoder_attn_layer_norm", f"{src}.norms.1")
+            ffn(dst, f"{src}.ffn")
+            norm(f"{dst}.final_layer_norm", f"{src}.norms.{1 + (side == 'decoder')}")
     tgt = cols(state["embed"][:vocab_size])  # (V, D)
     if cfg.share_embeddings:
         out["model.shared.weight"] = tgt
