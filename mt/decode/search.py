@@ -223,8 +223,7 @@ def generate(
         if settle and K > 1:
             ended |= _settled(rows.sents, finished, chosen.score, ended, limits, nbest, alpha)
         alive = torch.isfinite(chosen.score).any(dim=1)  # all beams dead: nothing more to find
-        if not bool(alive.all()):
-            ended |= {i for i, a in enumerate(alive.tolist()) if not a}
+        ended |= {i for i, a in enumerate(alive.tolist()) if not a}
         token = chosen.token if shortlist is None else shortlist.ids[chosen.token]
         rows.advance(chosen.beam, token, chosen.score)
         if ended:
@@ -329,9 +328,9 @@ def search(
     a, b = cfg.max_len_a, cfg.max_len_b
     if cfg.sample:
         seeds = seeds if seeds is not None else list(range(src.size(0)))
-        hyps = sample(model, src, seeds, cfg.temperature, cfg.top_k, cfg.top_p, a, b,
-                      min_len, cfg.alpha, prefix, shortlist)  # fmt: skip
-        return [[h] for h in hyps]
+        strategy = Sampling(seeds, cfg.temperature, cfg.top_k, cfg.top_p)
+        return generate(model, src, strategy, a, b, 1, min_len, cfg.alpha, prefix,
+                        shortlist=shortlist)  # fmt: skip
     if cfg.beam_size <= 1:
         hyps = greedy_search(model, src, a, b, min_len, cfg.alpha, prefix, shortlist)
         return [[h] for h in hyps]
