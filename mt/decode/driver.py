@@ -22,13 +22,12 @@ from typing import Any
 
 import torch
 
-from mt.data.batches import make_src
+from mt.data.batches import collate, make_src
 from mt.decode.ensemble import Ensemble
 from mt.decode.search import Hypothesis, prefix_tensor, search
 from mt.decode.shortlist import check_settings, load_lexicon
 from mt.device import autocast, gpu_attention
 from mt.schema import DecodeConfig
-from mt.vocab import BOS, EOS
 
 log = logging.getLogger(__name__)
 
@@ -283,17 +282,10 @@ def score_ids(
     tgt_ids = fit_to_model(tgt_ids, model.max_positions, "truncate", what="target")
     out: list[list[float]] = [[] for _ in src_ids]
     for batch in make_batches([len(s) for s in src_ids], batch_size):
-        src = make_src([list(src_ids[i]) for i in batch]).to(device)
-        T = max(len(tgt_ids[i]) for i in batch) + 1
-        tgt_in = torch.zeros(len(batch), T, dtype=torch.long)  # PAD-padded
-        tgt_out = torch.zeros(len(batch), T, dtype=torch.long)
-        for row, i in enumerate(batch):
-            ids = list(tgt_ids[i])
-            tgt_in[row, : len(ids) + 1] = torch.tensor([BOS, *ids])
-            tgt_out[row, : len(ids) + 1] = torch.tensor([*ids, EOS])
-        logits = model.decode(tgt_in.to(device), model.encode(src), None)  # (B, T, V)
+        pairs = collate([(src_ids[i], tgt_ids[i]) for i in batch]).to(device)
+        logits = model.decode(pairs.tgt_in, model.encode(pairs.src), None)  # (B, T, V)
         lprobs = torch.log_softmax(logits.float(), dim=-1)
-        picked = lprobs.gather(-1, tgt_out.to(device)[..., None]).squeeze(-1).cpu()  # (B, T)
+        picked = lprobs.gather(-1, pairs.tgt_out[..., None]).squeeze(-1).cpu()  # (B, T)
         for row, i in enumerate(batch):
             out[i] = picked[row, : len(tgt_ids[i]) + 1].tolist()
     return out
