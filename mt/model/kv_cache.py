@@ -12,9 +12,12 @@ Shape letters: B decoder rows, n sentences, H heads, C capacity, S source length
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
+@dataclass(slots=True, eq=False)
 class SelfAttentionCache:
     """Keys and values of the positions decoded so far, in preallocated buffers: new positions
     are written in place (no re-concatenation of the whole prefix each step), and the capacity
@@ -24,16 +27,10 @@ class SelfAttentionCache:
     the C positions are filled; ``dtype``: what the buffers hold (None: the keys/values' own).
     """
 
-    __slots__ = ("k", "v", "length", "dtype")
-
-    def __init__(
-        self,
-        k: torch.Tensor | None = None,
-        v: torch.Tensor | None = None,
-        length: int = 0,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        self.k, self.v, self.length, self.dtype = k, v, length, dtype
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    length: int = 0
+    dtype: torch.dtype | None = None
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the keys/values (B, H, T, d_k) of T new positions; returns (B, H, length + T,
@@ -87,19 +84,14 @@ class SelfAttentionCache:
         return SelfAttentionCache(self.k[:n], self.v[:n], self.length, self.dtype)
 
 
+@dataclass(slots=True, eq=False)
 class CrossAttentionCache:
     """Keys and values of the encoder output for one layer's encoder-decoder attention,
     computed at the first step: (n, H, S, d_k) each, one row per sentence."""
 
-    __slots__ = ("k", "v", "dtype")
-
-    def __init__(
-        self,
-        k: torch.Tensor | None = None,
-        v: torch.Tensor | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        self.k, self.v, self.dtype = k, v, dtype
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    dtype: torch.dtype | None = None
 
     def store(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep the memory's keys/values (n, H, S, d_k), contiguous once (not copied by every
@@ -110,33 +102,26 @@ class CrossAttentionCache:
 
     def select(self, sents: torch.Tensor) -> CrossAttentionCache:
         """A new cache holding the sentences ``sents``."""
-        if self.k is None or self.v is None:
+        if self.k is None:
             return CrossAttentionCache(dtype=self.dtype)
         k, v = self.k.index_select(0, sents), self.v.index_select(0, sents)
         return CrossAttentionCache(k, v, self.dtype)
 
     def compact(self, sents: torch.Tensor, moved: torch.Tensor | None) -> CrossAttentionCache:
         """:meth:`select` in this cache's buffers, as :meth:`SelfAttentionCache.compact`."""
-        if self.k is None or self.v is None or moved is None or _tracked(self.k):
+        if self.k is None or moved is None or _tracked(self.k):
             return self.select(sents)
         _copy_rows((self.k, self.v), moved, sents[moved])
         n = sents.numel()
         return CrossAttentionCache(self.k[:n], self.v[:n], self.dtype)
 
 
+@dataclass(slots=True, eq=False)
 class LayerCache:
     """One decoder layer's state: its self-attention and encoder-decoder attention caches."""
 
-    __slots__ = ("self_attn", "cross_attn")
-
-    def __init__(
-        self,
-        self_attn: SelfAttentionCache | None = None,
-        cross_attn: CrossAttentionCache | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        self.self_attn = self_attn or SelfAttentionCache(dtype=dtype)
-        self.cross_attn = cross_attn or CrossAttentionCache(dtype=dtype)
+    self_attn: SelfAttentionCache
+    cross_attn: CrossAttentionCache
 
 
 class DecoderCache:
@@ -144,7 +129,10 @@ class DecoderCache:
     ``dtype`` (None: the keys/values' own, e.g. bfloat16 under autocast)."""
 
     def __init__(self, n_layers: int, dtype: torch.dtype | None = None) -> None:
-        self.layers = [LayerCache(dtype=dtype) for _ in range(n_layers)]
+        self.layers = [
+            LayerCache(SelfAttentionCache(dtype=dtype), CrossAttentionCache(dtype=dtype))
+            for _ in range(n_layers)
+        ]
         self.dtype = dtype
 
     @property
