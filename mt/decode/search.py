@@ -90,13 +90,16 @@ def length_penalty(length: int, alpha: float) -> float:
     return float(length) ** alpha
 
 
+def max_length(src_len: int, a: float, b: float, cap: int | None) -> int:
+    """The maximum output length ``int(a * src_len + b)`` of a source of ``src_len`` ids
+    (without EOS), at least 1, at most ``cap`` (the model's ``max_positions``; None: none)."""
+    return max(1, min(cap or 1 << 30, int(a * src_len + b)))
+
+
 def max_lengths(src: torch.Tensor, a: float, b: float, model: IncrementalDecoder) -> list[int]:
-    """Per-sentence maximum output length ``int(a * src_len + b)`` of ``src`` (B, S) (rows
-    ``ids + EOS``, PAD-padded; ``src_len`` without EOS), at least 1, at most the model's
-    ``max_positions``."""
+    """:func:`max_length` of each sentence of ``src`` (B, S) (rows ``ids + EOS``, PAD-padded)."""
     src_len = ((src != PAD).sum(dim=1) - 1).clamp(min=0).tolist()
-    cap = model.max_positions or 1 << 30
-    return [max(1, min(cap, int(a * n + b))) for n in src_len]
+    return [max_length(n, a, b, model.max_positions) for n in src_len]
 
 
 def _hyp(tokens: torch.Tensor, logprob: float, length: int, alpha: float) -> Hypothesis:
