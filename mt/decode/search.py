@@ -1,15 +1,11 @@
 """Search over a trained Transformer: greedy, beam and sampling, batched over sentences.
 
-Every search runs the encoder once and then the decoder one token per row and step, through
-the contract :class:`IncrementalDecoder` (``encode``, ``new_cache``, ``decode``) and the row
-operations of its state (``select``, ``copy_rows``). It uses nothing else of the model, so stub
-models with hand-set probabilities can test it.
-
-The loop (:func:`generate`) is shared; a *strategy* (``mt.decode.strategies``: ``Greedy``, ``Beam``,
-``Sampling``) decides which candidates survive a step, and ``mt.decode.rows.Rows`` keeps the
-hypotheses' tokens, scores and model state rows. All sentences of a batch and all their beams
-go through one decoder call per step, over the typed KV cache (``mt.model.kv_cache``). This is
-the readable reference that every other engine is held to, and the path on a GPU.
+The loop (:func:`generate`) runs the encoder once, then the decoder one token per step for all
+sentences and beams of a batch in one call, using only :class:`IncrementalDecoder` (so stub
+models with hand-set probabilities can test it); a *strategy* (``mt.decode.strategies``) decides
+which candidates survive a step, and ``mt.decode.rows.Rows`` keeps the hypotheses' tokens,
+scores and model state rows. It is the readable reference that every other engine is held to,
+and the path on a GPU.
 
 Conventions (the paper's, made exact):
 
@@ -194,14 +190,6 @@ def generate(
         forced = shortlist.columns(forced)
     rows = Rows(model, src, K)
     finished: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
-    out: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
-
-    def finish(ended: set[int]) -> None:
-        for i in ended:
-            s = rows.sents[i]
-            out[s] = sorted(finished[s], key=lambda h: -h.score)[:nbest]
-        rows.drop([i for i in range(len(rows.sents)) if i not in ended])
-
     step = 0
     while rows.sents:
         at_max = {i for i, s in enumerate(rows.sents) if limits[s] <= step}
@@ -212,7 +200,7 @@ def generate(
                     if flat[i][k] > NEG_INF:
                         hyp = _hyp(rows.hyp(i, k), flat[i][k], step, alpha)
                         finished[rows.sents[i]].append(hyp)
-            finish(at_max)
+            rows.drop([i for i in range(len(rows.sents)) if i not in at_max])
             if not rows.sents:
                 break
         if isinstance(strategy, Sampling):
@@ -230,8 +218,8 @@ def generate(
         token = chosen.token if shortlist is None else shortlist.ids[chosen.token]
         rows.advance(chosen.beam, token, chosen.score)
         if ended:
-            finish(ended)
-    return out
+            rows.drop([i for i in range(len(rows.sents)) if i not in ended])
+    return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]
 
 
 def _settled(
