@@ -158,17 +158,12 @@ def side_by_side(
 ) -> Iterator[Callable[[list[list[int]]], Iterator[Any]]]:
     """``map`` of ``job`` over batches, ``workers`` batches at a time, sharing this process's
     intra-op threads between them; results in order, the first error raised (and the batches not
-    yet started cancelled).
+    yet started cancelled); the thread count is restored after.
 
-    Decoding spends much of a step in Python between small products, under the interpreter's
-    lock: two threads decoding side by side then mostly wait for each other, and two thread
-    workers can be slower than one worker of two intra-op threads. So where
-    :func:`forks_workers`, the workers are processes forked from this one (the model and the
-    inputs inherited, nothing pickled but batch indices and hypotheses), each on one thread,
-    as CTranslate2's ``inter_threads`` and Marian's CPU workers are threads of their own;
-    elsewhere threads (where the products dominate a step, workers of one thread each still
-    outrun one worker of several threads; docs/performance.md). The thread count is restored
-    after."""
+    Decoding spends much of a step in Python under the interpreter's lock, where threads side
+    by side mostly wait for each other. So where :func:`forks_workers`, the workers are forked
+    processes of one thread each (the model and inputs inherited, nothing pickled but batch
+    indices and hypotheses); elsewhere threads (docs/performance.md)."""
     global _JOB
     total = torch.get_num_threads()
     each = max(1, total // workers)
