@@ -66,17 +66,13 @@ def make_batches(lengths: list[int], batch_size: int, max_tokens: int = 0) -> li
     (0: no limit); every index appears exactly once."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     batches: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        width = lengths[current[0]] + 1 if current else lengths[i] + 1
-        too_many = len(current) >= max(1, batch_size)
-        too_big = max_tokens > 0 and (len(current) + 1) * width > max_tokens
-        if current and (too_many or too_big):
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
+    for i in order:  # longest first: a batch is as wide as its first source
+        if batches:
+            n, width = len(batches[-1]), lengths[batches[-1][0]] + 1
+            if n < max(1, batch_size) and not (max_tokens > 0 and (n + 1) * width > max_tokens):
+                batches[-1].append(i)
+                continue
+        batches.append([i])
     return batches
 
 
