@@ -21,6 +21,7 @@ of the task's valid set far better than its target side, is refused with one lin
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import time
@@ -122,15 +123,8 @@ def check_language(path: Path, cfg: Config, profiles: tuple[set[str], set[str]])
 
 def mono_lines(paths: list[Path], limit: int = 0) -> Iterator[str]:
     """The non-empty lines of the monolingual files, in order, at most ``limit`` (0: all)."""
-    n = 0
-    for path in paths:
-        for line in read_lines(path):
-            if not Tokenizer.normalize(line):
-                continue
-            yield line
-            n += 1
-            if limit and n >= limit:
-                return
+    lines = (line for path in paths for line in read_lines(path) if Tokenizer.normalize(line))
+    return itertools.islice(lines, limit or None)
 
 
 def backtranslate(cfg: Config) -> dict:
