@@ -180,8 +180,6 @@ def _one_token_step(scores: torch.Tensor, lprob: torch.Tensor, token: torch.Tens
     """The Step of a one-hypothesis strategy: token (n,) with its log-prob (n,)."""
     score = scores[:, 0] + lprob
     ended = token == EOS
-    done = []
-    if bool(ended.any()):
-        done = [(i, 0, float(score[i])) for i in ended.nonzero().squeeze(1).tolist()]
+    done = [(i, 0, float(score[i])) for i in ended.nonzero().squeeze(1).tolist()]
     zero = torch.zeros_like(token)
     return Step(done, zero[:, None], token[:, None], score.masked_fill(ended, NEG_INF)[:, None])
