@@ -186,18 +186,14 @@ def run_info(checkpoint: str | Path, translator: Translator) -> dict[str, Any]:
         "source_lang": None, "target_lang": None, "bleu": None,
     }  # fmt: skip
     run_dir = Path(checkpoint).resolve().parent.parent
-    try:
+    with contextlib.suppress(Exception):  # no run directory beside the checkpoint: unknown
         from omegaconf import OmegaConf
 
         data = OmegaConf.load(run_dir / "config.yaml").data
         info["source_lang"], info["target_lang"] = data.src_lang, data.tgt_lang
-    except Exception:  # no run directory beside the checkpoint: languages unknown
-        pass
-    try:
+    with contextlib.suppress(OSError, ValueError):
         results = json.loads((run_dir / "results.json").read_text())
         info["bleu"] = {k: results.get(k) for k in ("bleu", "signature", "split")}
-    except (OSError, ValueError):
-        pass
     return info
 
 
