@@ -178,11 +178,6 @@ class Transformer(nn.Module):
         return nn.Parameter(weight)
 
     @property
-    def src_embedding(self) -> nn.Parameter:
-        """The source embedding table (the shared one unless ``share_embeddings=false``)."""
-        return self.embed if self.src_embed is None else self.src_embed
-
-    @property
     def output_weight(self) -> nn.Parameter:
         """The pre-softmax projection, tied to the target embedding."""
         return self.embed
@@ -202,7 +197,7 @@ class Transformer(nn.Module):
         memory (B, S, D) and its key mask. With ``real`` (training batches,
         ``mt.data.batches.Batch.real``) a source without padding needs no mask (None)."""
         mask = None if real is not None and real.src is None else pad_mask(src)
-        x = self._embed(src, self.src_embedding)
+        x = self._embed(src, self.embed if self.src_embed is None else self.src_embed)
         for layer in self.encoder:
             x = layer(x, mask)
         return EncoderOut(self.encoder_norm(x), mask)
