@@ -166,10 +166,8 @@ class CTranslate2Engine:
             groups.setdefault(limit, []).append(i)
         pending = []
         for limit, members in groups.items():
-            source = [[self.pieces[t] for t in src_ids[i]] for i in members]
-            target = None
-            if prefix is not None:
-                target = [[self.pieces[t] for t in prefix[i]] for i in members]
+            source = self._pieces([src_ids[i] for i in members])
+            target = None if prefix is None else self._pieces([prefix[i] for i in members])
             results = self.translator.translate_batch(
                 source, target_prefix=target, max_decoding_length=limit, asynchronous=True,
                 **options,
@@ -200,8 +198,6 @@ class CTranslate2Engine:
         """mt's scores of hypotheses with a forced prefix: CTranslate2 leaves the prefix's
         log-probabilities out of its score, mt's search counts every output token."""
         rows = [(i, k) for i, hyps in enumerate(out) if prefix[i] for k in range(len(hyps))]
-        if not rows:
-            return
         per_token = self.score([src_ids[i] for i, _ in rows],
                                [out[i][k].tokens for i, k in rows], cfg)  # fmt: skip
         for (i, k), lp in zip(rows, per_token):
@@ -215,8 +211,9 @@ class CTranslate2Engine:
         if not src_ids:
             return []
         results = self.translator.score_batch(
-            [[self.pieces[t] for t in s] for s in src_ids],
-            [[self.pieces[t] for t in t_] for t_ in tgt_ids],
-            max_input_length=0, **self._batching(cfg),
-        )  # fmt: skip
+            self._pieces(src_ids), self._pieces(tgt_ids), max_input_length=0, **self._batching(cfg)
+        )
         return [list(r.log_probs) for r in results]
+
+    def _pieces(self, rows: list[list[int]]) -> list[list[str]]:
+        return [[self.pieces[t] for t in ids] for ids in rows]
