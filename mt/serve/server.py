@@ -43,7 +43,8 @@ OPTIONS = {
     "beam_size": int, "nbest": int, "alpha": float,
     "sample": bool, "temperature": float, "top_k": int, "top_p": float, "seed": int,
 }  # fmt: skip
-SAMPLING = ("temperature", "top_k", "top_p", "seed")
+SAMPLING = {"temperature": (0.0, 100.0), "top_k": (0, 1 << 20), "top_p": (1e-9, 1.0),
+            "seed": (0, (1 << 63) - 1)}  # fmt: skip
 
 
 class BadRequest(ValueError):
@@ -100,10 +101,8 @@ def _check_sampling(options: dict[str, Any]) -> None:
         return
     if options.get("nbest", 1) != 1 or "beam_size" in options:
         raise BadRequest(422, "'sample' draws one translation: no 'beam_size', 'nbest' 1")
-    bounds = {"temperature": (0.0, 100.0), "top_k": (0, 1 << 20), "top_p": (1e-9, 1.0),
-              "seed": (0, (1 << 63) - 1)}  # fmt: skip
     for key in given:
-        low, high = bounds[key]
+        low, high = SAMPLING[key]
         if not low <= options[key] <= high:
             raise BadRequest(422, f"'{key}' must be between {low} and {high}, got {options[key]}")
 
