@@ -146,10 +146,8 @@ def prefix_tensor(prefixes: list[list[int]] | None, device: Any = "cpu") -> torc
     """(B, P) forced tokens per sentence, -1 where the search is free; None without prefixes."""
     if not prefixes or not any(prefixes):
         return None
-    out = torch.full((len(prefixes), max(len(p) for p in prefixes)), -1, dtype=torch.long)
-    for i, p in enumerate(prefixes):
-        out[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-    return out.to(device)
+    rows = [torch.tensor(p, dtype=torch.long) for p in prefixes]
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=-1).to(device)
 
 
 @torch.inference_mode()
