@@ -193,11 +193,10 @@ def generate(
         at_max = {i for i, s in enumerate(rows.sents) if limits[s] <= step}
         if at_max:  # unfinished hypotheses are finalised as they are, without EOS
             flat = rows.scores.tolist()
-            for i in sorted(at_max):
-                for k in range(K):
-                    if flat[i][k] > NEG_INF:
-                        hyp = _hyp(rows.hyp(i, k), flat[i][k], step, alpha)
-                        finished[rows.sents[i]].append(hyp)
+            for i in at_max:
+                for k, logprob in enumerate(flat[i]):
+                    if logprob > NEG_INF:
+                        finished[rows.sents[i]].append(_hyp(rows.hyp(i, k), logprob, step, alpha))
             rows.drop([i for i in range(len(rows.sents)) if i not in at_max])
             if not rows.sents:
                 break
