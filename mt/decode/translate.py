@@ -211,23 +211,20 @@ class Translator:
     def translate(
         self,
         sentences: list[str],
-        beam_size: int | None = None,
-        alpha: float | None = None,
         first_line: int = 1,
         prefix: list[str] | None = None,
         **overrides: Any,
     ) -> list[str]:
         """The best translation of each sentence, in input order ("" for an empty one).
 
-        ``beam_size`` (1: greedy), ``alpha`` and ``**overrides`` (any other DecodeConfig field)
+        ``**overrides`` (any DecodeConfig field: ``beam_size``, 1 for greedy, ``alpha``, ...)
         default to the Translator's decode settings. ``first_line`` is the line number of
         ``sentences[0]`` in error messages (a sentence longer than ``max_positions`` is a
         ValueError unless ``too_long=truncate``) and, with ``sample=True``, seeds each
         sentence's draw with ``seed``. ``prefix``: one target text per sentence that its
         translation must start with ("" for none).
         """
-        nbest = self.translate_nbest(sentences, first_line, prefix, beam_size=beam_size,
-                                     alpha=alpha, nbest=1, **overrides)  # fmt: skip
+        nbest = self.translate_nbest(sentences, first_line, prefix, nbest=1, **overrides)
         return [hyps[0][0] for hyps in nbest]
 
     def attention(self, sentence: str, **overrides: Any) -> tuple[list[str], list[str], Any]:
