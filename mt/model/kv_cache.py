@@ -21,16 +21,12 @@ import torch
 class SelfAttentionCache:
     """Keys and values of the positions decoded so far, in preallocated buffers: new positions
     are written in place (no re-concatenation of the whole prefix each step), and the capacity
-    doubles when it runs out.
+    doubles when it runs out."""
 
-    ``k``, ``v``: (B, H, C, d_k) buffers, or None before the first step; ``length``: how many of
-    the C positions are filled; ``dtype``: what the buffers hold (None: the keys/values' own).
-    """
-
-    k: torch.Tensor | None = None
+    k: torch.Tensor | None = None  # (B, H, C, d_k) buffers, None before the first step
     v: torch.Tensor | None = None
-    length: int = 0
-    dtype: torch.dtype | None = None
+    length: int = 0  # how many of the C positions are filled
+    dtype: torch.dtype | None = None  # what the buffers hold (None: the keys/values' own)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the keys/values (B, H, T, d_k) of T new positions; returns (B, H, length + T,
