@@ -81,13 +81,14 @@ class FeedForward(nn.Module):
 
 
 class _Layer(nn.Module):
-    """Residual wiring shared by encoder and decoder layers."""
+    """Residual wiring and self-attention, shared by encoder and decoder layers."""
 
-    def __init__(self, d_model: int, dropout: float, pre_norm: bool, n_sublayers: int) -> None:
+    def __init__(self, cfg: ModelConfig, attention_dropout: float, n_sublayers: int) -> None:
         super().__init__()
-        self.pre_norm = pre_norm
-        self.dropout = nn.Dropout(dropout)
-        self.norms = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(n_sublayers))
+        self.pre_norm = cfg.norm == "pre"
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.norms = nn.ModuleList(nn.LayerNorm(cfg.d_model) for _ in range(n_sublayers))
+        self.self_attn = SelfAttention(cfg.d_model, cfg.h, attention_dropout)
 
     def residual(self, x: torch.Tensor, i: int, sublayer: Callable) -> torch.Tensor:
         """post-LN: LayerNorm(x + Dropout(Sublayer(x))); pre-LN: x + Dropout(Sublayer(LN(x)))."""
@@ -100,8 +101,7 @@ class EncoderLayer(_Layer):
     """Self-attention then FFN."""
 
     def __init__(self, cfg: ModelConfig, attention_dropout: float) -> None:
-        super().__init__(cfg.d_model, cfg.dropout, cfg.norm == "pre", 2)
-        self.self_attn = SelfAttention(cfg.d_model, cfg.h, attention_dropout)
+        super().__init__(cfg, attention_dropout, 2)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -114,8 +114,7 @@ class DecoderLayer(_Layer):
     """Causal self-attention, encoder-decoder attention, then FFN."""
 
     def __init__(self, cfg: ModelConfig, attention_dropout: float) -> None:
-        super().__init__(cfg.d_model, cfg.dropout, cfg.norm == "pre", 3)
-        self.self_attn = SelfAttention(cfg.d_model, cfg.h, attention_dropout)
+        super().__init__(cfg, attention_dropout, 3)
         self.cross_attn = CrossAttention(cfg.d_model, cfg.h, attention_dropout)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
 
