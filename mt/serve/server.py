@@ -143,8 +143,7 @@ def parse_translate(body: Any, limits: ServeConfig, translator: Translator):
         raise BadRequest(413, f"{len(text)} sentences, more than serve.max_sentences="
                               f"{limits.max_sentences}")  # fmt: skip
     sentences = [check_sentence(s, f"text[{i}]", limits, translator) for i, s in enumerate(text)]
-    default_beam = translator.decode_cfg.beam_size
-    return sentences, parse_options(body, limits, set(OPTIONS), default_beam)
+    return sentences, parse_options(body, limits, set(OPTIONS), translator.decode_cfg.beam_size)
 
 
 async def read_json(request, limits: ServeConfig) -> Any:
