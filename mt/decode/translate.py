@@ -389,6 +389,5 @@ def _draw_attention(translator: Translator, first: list[str], path: str) -> None
     if not first:
         log.warning("attention=: the input has no non-empty line; nothing drawn")
         return
-    src_pieces, tgt_pieces, matrix = translator.attention(first[0])
-    plot_attention(src_pieces, tgt_pieces, matrix, path)
+    plot_attention(*translator.attention(first[0]), path)
     log.info("attention of the first sentence drawn in %s", path)
