@@ -64,10 +64,6 @@ class SelfAttentionCache:
             out.append(new)
         return SelfAttentionCache(out[0], out[1], self.length, self.dtype)
 
-    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """In place: rows ``dst`` take the contents of rows ``src`` (disjoint index sets)."""
-        _copy_rows(self.filled(), dst, src)
-
     def compact(self, rows: torch.Tensor, moved: torch.Tensor | None) -> SelfAttentionCache:
         """What :meth:`select` gives, made in this cache's buffers: the places ``moved``
         (``_moves_from_beyond(rows)``) take their rows from beyond the new end, and the buffers
@@ -75,7 +71,7 @@ class SelfAttentionCache:
         (``rows`` not of that form): :meth:`select`."""
         if self.k is None or moved is None or _tracked(self.k):
             return self.select(rows)
-        self.copy_rows(moved, rows[moved])
+        _copy_rows(self.filled(), moved, rows[moved])
         n = rows.numel()
         return SelfAttentionCache(self.k[:n], self.v[:n], self.length, self.dtype)
 
@@ -169,7 +165,7 @@ class DecoderCache:
         from ``dst``; encoder-side rows are unchanged (the hypotheses stay in their sentence)."""
         for layer in self.layers:
             if layer.self_attn.k is not None:
-                layer.self_attn.copy_rows(dst, src)
+                _copy_rows(layer.self_attn.filled(), dst, src)
 
 
 def _copy_rows(tensors, dst: torch.Tensor, src: torch.Tensor) -> None:
