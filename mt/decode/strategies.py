@@ -71,8 +71,7 @@ class Greedy:
 
     def step(self, scores: torch.Tensor, lprobs: torch.Tensor) -> Step:
         """scores (n, 1); lprobs (n, 1, V)."""
-        best, token = row_max(lprobs[:, 0])  # (n,), (n,)
-        return _one_token_step(scores, best, token)
+        return _one_token_step(scores, *row_max(lprobs[:, 0]))  # best (n,), its token (n,)
 
 
 BLOCK = 64  # row_topk's block: 64 floats, one cache line's worth four times over
