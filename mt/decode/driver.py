@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from mt.data.batches import collate, make_src
-from mt.decode.ensemble import Ensemble
 from mt.decode.search import Hypothesis, prefix_tensor, search
 from mt.decode.shortlist import check_settings, load_lexicon
 from mt.device import autocast, gpu_attention
@@ -93,8 +92,7 @@ def resolve_decode(cfg: DecodeConfig, model: Any, device: torch.device | str | N
     if cfg.precision != "auto":
         return cfg
     if device is None:
-        member = model.members[0] if isinstance(model, Ensemble) else model
-        first = next(iter(member.parameters()), None) if hasattr(member, "parameters") else None
+        first = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
         device = "cpu" if first is None else first.device
     device = torch.device(device)
     native = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
