@@ -129,19 +129,15 @@ def plot_attention(
     if hasattr(matrix, "detach"):  # a torch tensor, without importing torch here
         matrix = matrix.detach().float().cpu().numpy()
     weights = np.asarray(matrix, dtype=np.float64)
-    expected = (len(tgt_tokens), len(src_tokens))
+    T, S = expected = (len(tgt_tokens), len(src_tokens))
     if weights.shape != expected:
         raise ValueError(f"attention matrix is {weights.shape}, tokens give (T, S) = {expected}")
     plt = pyplot()
-    S, T = expected[1], expected[0]
     fig, ax = plt.subplots(figsize=(min(2.0 + 0.35 * S, 30), min(1.5 + 0.35 * T, 30)))
     image = ax.imshow(weights, cmap="viridis", aspect="auto", vmin=0.0, interpolation="nearest")
-    ax.set_xticks(range(S))
-    ax.set_xticklabels(list(src_tokens), rotation=90, fontsize=8)
-    ax.set_yticks(range(T))
-    ax.set_yticklabels(list(tgt_tokens), fontsize=8)
-    ax.set_xlabel("source")
-    ax.set_ylabel("output")
+    ax.set_xticks(range(S), list(src_tokens), rotation=90, fontsize=8)
+    ax.set_yticks(range(T), list(tgt_tokens), fontsize=8)
+    ax.set(xlabel="source", ylabel="output")
     ax.xaxis.set_ticks_position("top")
     ax.xaxis.set_label_position("top")
     fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)

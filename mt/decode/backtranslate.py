@@ -2,17 +2,15 @@
 corpus out (Sennrich et al. 2016; Edunov et al. 2018; the commands: docs/data.md).
 
 A reverse model (trained target -> source) translates monolingual text of the target language;
-each translation becomes a synthetic source paired with the real sentence it came from. The
-corpus is written as ``<output>/<name>.<src_lang>`` and ``<output>/<name>.<tgt_lang>`` (a text
-corpus like any other), plus ``<name>.json`` saying how it was made, so the forward model mixes
-it with the real pairs at a weight (``data.splits.train=[train,{name:...,weight:0.5}]``).
+each translation becomes a synthetic source paired with the real sentence it came from, written
+as ``<output>/<name>.<src_lang>`` and ``<output>/<name>.<tgt_lang>`` (a text corpus like any
+other) plus ``<name>.json`` saying how it was made, for the forward model to mix in at a weight
+(``data.splits.train=[train,{name:...,weight:0.5}]``).
 
 The synthetic sources come from ``decode.*``: ``decode=sample`` draws them (unrestricted
-sampling, the best of Edunov et al.'s methods at scale), a beam search with ``noise=true`` adds
-their noise to the beam's output (words deleted with p=0.1, replaced by a filler with p=0.1,
-and shuffled no further than 3 positions). ``tag=<BT>`` starts each synthetic source with a
-tag (tagged back-translation, Caswell et al. 2019); give the forward run
-``tokenizer.user_symbols=[<BT>]`` so that the tag is one piece.
+sampling, the best of Edunov et al.'s methods at scale); ``noise=true`` adds their noise to a
+beam's output (:func:`add_noise`). ``tag=<BT>`` starts each synthetic source with a tag (Caswell
+et al. 2019); give the forward run ``tokenizer.user_symbols=[<BT>]`` so that it is one piece.
 
 The configuration's ``data`` is the forward task's (``src_lang`` -> ``tgt_lang``); the input
 must be in ``tgt_lang``. A file named ``*.<src_lang>``, or whose words match the source side
@@ -21,6 +19,7 @@ of the task's valid set far better than its target side, is refused with one lin
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import time
@@ -122,15 +121,8 @@ def check_language(path: Path, cfg: Config, profiles: tuple[set[str], set[str]])
 
 def mono_lines(paths: list[Path], limit: int = 0) -> Iterator[str]:
     """The non-empty lines of the monolingual files, in order, at most ``limit`` (0: all)."""
-    n = 0
-    for path in paths:
-        for line in read_lines(path):
-            if not Tokenizer.normalize(line):
-                continue
-            yield line
-            n += 1
-            if limit and n >= limit:
-                return
+    lines = (line for path in paths for line in read_lines(path) if Tokenizer.normalize(line))
+    return itertools.islice(lines, limit or None)
 
 
 def backtranslate(cfg: Config) -> dict:

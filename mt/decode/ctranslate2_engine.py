@@ -28,7 +28,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from mt.decode.search import Hypothesis, length_penalty
+from mt.decode.search import Hypothesis, length_penalty, max_length
 from mt.decode.shortlist import load_lexicon, vocabulary_map
 from mt.schema import DecodeConfig
 from mt.vocab import BOS, PAD
@@ -137,11 +137,6 @@ class CTranslate2Engine:
             return {"max_batch_size": cfg.max_tokens, "batch_type": "tokens"}
         return {"max_batch_size": max(1, cfg.batch_size), "batch_type": "examples"}
 
-    def _limit(self, n: int, cfg: DecodeConfig) -> int:
-        """mt.decode.search.max_lengths of a source of ``n`` ids."""
-        cap = self.max_positions or 1 << 30
-        return max(1, min(cap, int(cfg.max_len_a * n + cfg.max_len_b)))
-
     def translate_nbest(
         self,
         src_ids: list[list[int]],
@@ -164,50 +159,49 @@ class CTranslate2Engine:
             options.update(sampling_topk=max(0, cfg.top_k), sampling_topp=cfg.top_p,
                            sampling_temperature=cfg.temperature)  # fmt: skip
             ctranslate2.set_random_seed(cfg.seed)  # seeds the threads not yet drawing
+        limits = [max_length(len(ids), cfg.max_len_a, cfg.max_len_b, self.max_positions)
+                  for ids in src_ids]  # fmt: skip
         groups: dict[int, list[int]] = {}
-        for i, ids in enumerate(src_ids):
-            groups.setdefault(self._limit(len(ids), cfg), []).append(i)
+        for i, limit in enumerate(limits):
+            groups.setdefault(limit, []).append(i)
         pending = []
         for limit, members in groups.items():
-            source = [[self.pieces[t] for t in src_ids[i]] for i in members]
-            target = None
-            if prefix is not None:
-                target = [[self.pieces[t] for t in prefix[i]] for i in members]
+            source = self._pieces([src_ids[i] for i in members])
+            target = None if prefix is None else self._pieces([prefix[i] for i in members])
             results = self.translator.translate_batch(
                 source, target_prefix=target, max_decoding_length=limit, asynchronous=True,
                 **options,
             )  # fmt: skip
-            pending.append((limit, members, results))
+            pending.append((members, results))
         out: list[list[Hypothesis]] = [[] for _ in src_ids]
-        for limit, members, results in pending:
+        for members, results in pending:
             for i, result in zip(members, results):
                 r = result.result()
-                out[i] = [self._hypothesis(h, s, limit, cfg.alpha)
+                out[i] = [self._hypothesis([self.ids[p] for p in h], limits[i], cfg.alpha, s)
                           for h, s in zip(r.hypotheses, r.scores)]  # fmt: skip
         if prefix is not None and any(prefix):
-            self._rescore(src_ids, out, prefix, cfg)
+            self._rescore(src_ids, out, prefix, limits, cfg)
         return out
 
-    def _hypothesis(self, pieces: list[str], score: float, limit: int, alpha: float):
-        tokens = [self.ids[p] for p in pieces]
-        length = len(tokens) + (len(tokens) < limit)  # EOS counted where it ended with one
-        return Hypothesis(tokens, score, score * length_penalty(length, alpha))
+    @staticmethod
+    def _hypothesis(tokens: list[int], limit: int, alpha: float, score: float | None = None,
+                    token_lprobs: list[float] | None = None) -> Hypothesis:  # fmt: skip
+        """A hypothesis of ``tokens`` from CTranslate2's ``score``, or from the log-probabilities
+        of its tokens and EOS; its length counts EOS where it ended with one (below ``limit``)."""
+        length = len(tokens) + (len(tokens) < limit)
+        if token_lprobs is None:
+            return Hypothesis(tokens, score, score * length_penalty(length, alpha))
+        logprob = sum(token_lprobs[:length])
+        return Hypothesis(tokens, logprob / length_penalty(length, alpha), logprob)
 
-    def _rescore(self, src_ids, out, prefix, cfg: DecodeConfig) -> None:
+    def _rescore(self, src_ids, out, prefix, limits: list[int], cfg: DecodeConfig) -> None:
         """mt's scores of hypotheses with a forced prefix: CTranslate2 leaves the prefix's
         log-probabilities out of its score, mt's search counts every output token."""
         rows = [(i, k) for i, hyps in enumerate(out) if prefix[i] for k in range(len(hyps))]
-        if not rows:
-            return
         per_token = self.score([src_ids[i] for i, _ in rows],
                                [out[i][k].tokens for i, k in rows], cfg)  # fmt: skip
         for (i, k), lp in zip(rows, per_token):
-            hyp = out[i][k]
-            limit = self._limit(len(src_ids[i]), cfg)
-            length = len(hyp.tokens) + (len(hyp.tokens) < limit)
-            logprob = sum(lp[:length])
-            out[i][k] = Hypothesis(hyp.tokens, logprob / length_penalty(length, cfg.alpha),
-                                   logprob)  # fmt: skip
+            out[i][k] = self._hypothesis(out[i][k].tokens, limits[i], cfg.alpha, token_lprobs=lp)
 
     def score(
         self, src_ids: list[list[int]], tgt_ids: list[list[int]], cfg: DecodeConfig
@@ -217,8 +211,9 @@ class CTranslate2Engine:
         if not src_ids:
             return []
         results = self.translator.score_batch(
-            [[self.pieces[t] for t in s] for s in src_ids],
-            [[self.pieces[t] for t in t_] for t_ in tgt_ids],
-            max_input_length=0, **self._batching(cfg),
-        )  # fmt: skip
+            self._pieces(src_ids), self._pieces(tgt_ids), max_input_length=0, **self._batching(cfg)
+        )
         return [list(r.log_probs) for r in results]
+
+    def _pieces(self, rows: list[list[int]]) -> list[list[str]]:
+        return [[self.pieces[t] for t in ids] for ids in rows]

@@ -22,13 +22,11 @@ from typing import Any
 
 import torch
 
-from mt.data.batches import make_src
-from mt.decode.ensemble import Ensemble
+from mt.data.batches import collate, make_src
 from mt.decode.search import Hypothesis, prefix_tensor, search
 from mt.decode.shortlist import check_settings, load_lexicon
 from mt.device import autocast, gpu_attention
 from mt.schema import DecodeConfig
-from mt.vocab import BOS, EOS
 
 log = logging.getLogger(__name__)
 
@@ -67,17 +65,13 @@ def make_batches(lengths: list[int], batch_size: int, max_tokens: int = 0) -> li
     (0: no limit); every index appears exactly once."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     batches: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        width = lengths[current[0]] + 1 if current else lengths[i] + 1
-        too_many = len(current) >= max(1, batch_size)
-        too_big = max_tokens > 0 and (len(current) + 1) * width > max_tokens
-        if current and (too_many or too_big):
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
+    for i in order:  # longest first: a batch is as wide as its first source
+        if batches:
+            n, width = len(batches[-1]), lengths[batches[-1][0]] + 1
+            if n < max(1, batch_size) and not (max_tokens > 0 and (n + 1) * width > max_tokens):
+                batches[-1].append(i)
+                continue
+        batches.append([i])
     return batches
 
 
@@ -98,8 +92,7 @@ def resolve_decode(cfg: DecodeConfig, model: Any, device: torch.device | str | N
     if cfg.precision != "auto":
         return cfg
     if device is None:
-        member = model.members[0] if isinstance(model, Ensemble) else model
-        first = next(iter(member.parameters()), None) if hasattr(member, "parameters") else None
+        first = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
         device = "cpu" if first is None else first.device
     device = torch.device(device)
     native = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
@@ -159,17 +152,12 @@ def side_by_side(
 ) -> Iterator[Callable[[list[list[int]]], Iterator[Any]]]:
     """``map`` of ``job`` over batches, ``workers`` batches at a time, sharing this process's
     intra-op threads between them; results in order, the first error raised (and the batches not
-    yet started cancelled).
+    yet started cancelled); the thread count is restored after.
 
-    Decoding spends much of a step in Python between small products, under the interpreter's
-    lock: two threads decoding side by side then mostly wait for each other, and two thread
-    workers can be slower than one worker of two intra-op threads. So where
-    :func:`forks_workers`, the workers are processes forked from this one (the model and the
-    inputs inherited, nothing pickled but batch indices and hypotheses), each on one thread,
-    as CTranslate2's ``inter_threads`` and Marian's CPU workers are threads of their own;
-    elsewhere threads (where the products dominate a step, workers of one thread each still
-    outrun one worker of several threads; docs/performance.md). The thread count is restored
-    after."""
+    Decoding spends much of a step in Python under the interpreter's lock, where threads side
+    by side mostly wait for each other. So where :func:`forks_workers`, the workers are forked
+    processes of one thread each (the model and inputs inherited, nothing pickled but batch
+    indices and hypotheses); elsewhere threads (docs/performance.md)."""
     global _JOB
     total = torch.get_num_threads()
     each = max(1, total // workers)
@@ -283,17 +271,10 @@ def score_ids(
     tgt_ids = fit_to_model(tgt_ids, model.max_positions, "truncate", what="target")
     out: list[list[float]] = [[] for _ in src_ids]
     for batch in make_batches([len(s) for s in src_ids], batch_size):
-        src = make_src([list(src_ids[i]) for i in batch]).to(device)
-        T = max(len(tgt_ids[i]) for i in batch) + 1
-        tgt_in = torch.zeros(len(batch), T, dtype=torch.long)  # PAD-padded
-        tgt_out = torch.zeros(len(batch), T, dtype=torch.long)
-        for row, i in enumerate(batch):
-            ids = list(tgt_ids[i])
-            tgt_in[row, : len(ids) + 1] = torch.tensor([BOS, *ids])
-            tgt_out[row, : len(ids) + 1] = torch.tensor([*ids, EOS])
-        logits = model.decode(tgt_in.to(device), model.encode(src), None)  # (B, T, V)
+        pairs = collate([(src_ids[i], tgt_ids[i]) for i in batch]).to(device)
+        logits = model.decode(pairs.tgt_in, model.encode(pairs.src), None)  # (B, T, V)
         lprobs = torch.log_softmax(logits.float(), dim=-1)
-        picked = lprobs.gather(-1, tgt_out.to(device)[..., None]).squeeze(-1).cpu()  # (B, T)
+        picked = lprobs.gather(-1, pairs.tgt_out[..., None]).squeeze(-1).cpu()  # (B, T)
         for row, i in enumerate(batch):
             out[i] = picked[row, : len(tgt_ids[i]) + 1].tolist()
     return out

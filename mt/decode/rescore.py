@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from mt.decode.translate import CHUNK_LINES, chunks, load_translator
-from mt.files import TextError, atomic_text_output, read_lines
+from mt.files import atomic_text_output, read_lines
 from mt.schema import Config
 
 log = logging.getLogger(__name__)
@@ -44,9 +44,7 @@ def score_main(cfg: Config, exporter: Any = None) -> dict[str, float]:
                     dst.write(f"{logprob:.4f}\t{count}\t{logprob / count:.4f}\n")
                     total, tokens, n = total + logprob, tokens + count, n + 1
                 dst.flush()
-    except TextError as err:  # names the file and line itself
-        raise SystemExit(f"mt-score: {err}") from None
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError) as err:  # a TextError names the file and line itself
         raise SystemExit(f"mt-score: {err}") from None
     result = {"sentences": n, "logprob": total, "tokens": tokens,
               "logprob_per_token": total / max(tokens, 1)}  # fmt: skip

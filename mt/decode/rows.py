@@ -46,9 +46,8 @@ class Rows:
         """Keep only the live sentences ``keep`` (indices into ``sents``, ascending). The last
         ones kept take the places of the dropped ones (:func:`fill_from_the_end`), so the
         decoder state moves only their rows, in place, instead of being copied whole."""
-        device = self.tokens.device
         keep = fill_from_the_end(keep)
-        keep_t = torch.tensor(keep, dtype=torch.long, device=device)
+        keep_t = torch.tensor(keep, dtype=torch.long, device=self.tokens.device)
         self.sents = [self.sents[i] for i in keep]
         self.scores = self.scores[keep_t]
         self.tokens = self.tokens[_group_rows(keep_t, self.K)]

@@ -1,15 +1,11 @@
 """Search over a trained Transformer: greedy, beam and sampling, batched over sentences.
 
-Every search runs the encoder once and then the decoder one token per row and step, through
-the contract :class:`IncrementalDecoder` (``encode``, ``new_cache``, ``decode``) and the row
-operations of its state (``select``, ``copy_rows``). It uses nothing else of the model, so stub
-models with hand-set probabilities can test it.
-
-The loop (:func:`generate`) is shared; a *strategy* (``mt.decode.strategies``: ``Greedy``, ``Beam``,
-``Sampling``) decides which candidates survive a step, and ``mt.decode.rows.Rows`` keeps the
-hypotheses' tokens, scores and model state rows. All sentences of a batch and all their beams
-go through one decoder call per step, over the typed KV cache (``mt.model.kv_cache``). This is
-the readable reference that every other engine is held to, and the path on a GPU.
+The loop (:func:`generate`) runs the encoder once, then the decoder one token per step for all
+sentences and beams of a batch in one call, using only :class:`IncrementalDecoder` (so stub
+models with hand-set probabilities can test it); a *strategy* (``mt.decode.strategies``) decides
+which candidates survive a step, and ``mt.decode.rows.Rows`` keeps the hypotheses' tokens,
+scores and model state rows. It is the readable reference that every other engine is held to,
+and the path on a GPU.
 
 Conventions (the paper's, made exact):
 
@@ -90,13 +86,16 @@ def length_penalty(length: int, alpha: float) -> float:
     return float(length) ** alpha
 
 
+def max_length(src_len: int, a: float, b: float, cap: int | None) -> int:
+    """The maximum output length ``int(a * src_len + b)`` of a source of ``src_len`` ids
+    (without EOS), at least 1, at most ``cap`` (the model's ``max_positions``; None: none)."""
+    return max(1, min(cap or 1 << 30, int(a * src_len + b)))
+
+
 def max_lengths(src: torch.Tensor, a: float, b: float, model: IncrementalDecoder) -> list[int]:
-    """Per-sentence maximum output length ``int(a * src_len + b)`` of ``src`` (B, S) (rows
-    ``ids + EOS``, PAD-padded; ``src_len`` without EOS), at least 1, at most the model's
-    ``max_positions``."""
+    """:func:`max_length` of each sentence of ``src`` (B, S) (rows ``ids + EOS``, PAD-padded)."""
     src_len = ((src != PAD).sum(dim=1) - 1).clamp(min=0).tolist()
-    cap = model.max_positions or 1 << 30
-    return [max(1, min(cap, int(a * n + b))) for n in src_len]
+    return [max_length(n, a, b, model.max_positions) for n in src_len]
 
 
 def _hyp(tokens: torch.Tensor, logprob: float, length: int, alpha: float) -> Hypothesis:
@@ -147,10 +146,8 @@ def prefix_tensor(prefixes: list[list[int]] | None, device: Any = "cpu") -> torc
     """(B, P) forced tokens per sentence, -1 where the search is free; None without prefixes."""
     if not prefixes or not any(prefixes):
         return None
-    out = torch.full((len(prefixes), max(len(p) for p in prefixes)), -1, dtype=torch.long)
-    for i, p in enumerate(prefixes):
-        out[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-    return out.to(device)
+    rows = [torch.tensor(p, dtype=torch.long) for p in prefixes]
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=-1).to(device)
 
 
 @torch.inference_mode()
@@ -191,25 +188,16 @@ def generate(
         forced = shortlist.columns(forced)
     rows = Rows(model, src, K)
     finished: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
-    out: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
-
-    def finish(ended: set[int]) -> None:
-        for i in ended:
-            s = rows.sents[i]
-            out[s] = sorted(finished[s], key=lambda h: -h.score)[:nbest]
-        rows.drop([i for i in range(len(rows.sents)) if i not in ended])
-
     step = 0
     while rows.sents:
         at_max = {i for i, s in enumerate(rows.sents) if limits[s] <= step}
         if at_max:  # unfinished hypotheses are finalised as they are, without EOS
             flat = rows.scores.tolist()
-            for i in sorted(at_max):
-                for k in range(K):
-                    if flat[i][k] > NEG_INF:
-                        hyp = _hyp(rows.hyp(i, k), flat[i][k], step, alpha)
-                        finished[rows.sents[i]].append(hyp)
-            finish(at_max)
+            for i in at_max:
+                for k, logprob in enumerate(flat[i]):
+                    if logprob > NEG_INF:
+                        finished[rows.sents[i]].append(_hyp(rows.hyp(i, k), logprob, step, alpha))
+            rows.drop([i for i in range(len(rows.sents)) if i not in at_max])
             if not rows.sents:
                 break
         if isinstance(strategy, Sampling):
@@ -223,13 +211,12 @@ def generate(
         if settle and K > 1:
             ended |= _settled(rows.sents, finished, chosen.score, ended, limits, nbest, alpha)
         alive = torch.isfinite(chosen.score).any(dim=1)  # all beams dead: nothing more to find
-        if not bool(alive.all()):
-            ended |= {i for i, a in enumerate(alive.tolist()) if not a}
+        ended |= {i for i, a in enumerate(alive.tolist()) if not a}
         token = chosen.token if shortlist is None else shortlist.ids[chosen.token]
         rows.advance(chosen.beam, token, chosen.score)
         if ended:
-            finish(ended)
-    return out
+            rows.drop([i for i in range(len(rows.sents)) if i not in ended])
+    return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]
 
 
 def _settled(
@@ -329,9 +316,9 @@ def search(
     a, b = cfg.max_len_a, cfg.max_len_b
     if cfg.sample:
         seeds = seeds if seeds is not None else list(range(src.size(0)))
-        hyps = sample(model, src, seeds, cfg.temperature, cfg.top_k, cfg.top_p, a, b,
-                      min_len, cfg.alpha, prefix, shortlist)  # fmt: skip
-        return [[h] for h in hyps]
+        strategy = Sampling(seeds, cfg.temperature, cfg.top_k, cfg.top_p)
+        return generate(model, src, strategy, a, b, 1, min_len, cfg.alpha, prefix,
+                        shortlist=shortlist)  # fmt: skip
     if cfg.beam_size <= 1:
         hyps = greedy_search(model, src, a, b, min_len, cfg.alpha, prefix, shortlist)
         return [[h] for h in hyps]

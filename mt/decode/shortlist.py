@@ -136,18 +136,14 @@ class Lexicon:
 
 
 class Shortlist:
-    """One batch's candidate target pieces: column ``c`` of its logits is vocabulary id
-    ``ids[c]`` (C,), the special ids 0-3 first (so PAD, BOS and EOS keep their columns), then
-    increasing ids. The batch is projected onto all C pieces; each sentence then keeps only
-    its own (``allowed``: (B, C) bool, None: all), so its translation does not depend on the
-    batch it is in."""
+    """One batch's candidate target pieces (see the module docstring): column ``c`` of its
+    logits is vocabulary id ``ids[c]`` (C,), the special ids 0-3 first, then increasing ids;
+    ``allowed`` (B, C) bool: the pieces each sentence keeps (None: all)."""
 
     def __init__(self, ids: torch.Tensor, allowed: torch.Tensor | None = None) -> None:
         self.ids = ids
-        self.bias = None  # (B, C): 0 where a sentence may use a piece, -inf elsewhere
-        if allowed is not None:
-            bias = torch.zeros(allowed.shape, device=allowed.device)
-            self.bias = bias.masked_fill_(~allowed, float("-inf"))
+        # (B, C): 0 where a sentence may use a piece, -inf elsewhere
+        self.bias = None if allowed is None else torch.where(allowed, 0.0, float("-inf"))
         self._rows: dict[tuple, torch.Tensor] = {}  # project's rows, by weight
         self._bias_rows: tuple[tuple[int, ...], torch.Tensor] | None = None  # bias_rows' last
 

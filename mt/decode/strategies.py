@@ -71,8 +71,7 @@ class Greedy:
 
     def step(self, scores: torch.Tensor, lprobs: torch.Tensor) -> Step:
         """scores (n, 1); lprobs (n, 1, V)."""
-        best, token = row_max(lprobs[:, 0])  # (n,), (n,)
-        return _one_token_step(scores, best, token)
+        return _one_token_step(scores, *row_max(lprobs[:, 0]))  # best (n,), its token (n,)
 
 
 BLOCK = 64  # row_topk's block: 64 floats, one cache line's worth four times over
@@ -180,8 +179,6 @@ def _one_token_step(scores: torch.Tensor, lprob: torch.Tensor, token: torch.Tens
     """The Step of a one-hypothesis strategy: token (n,) with its log-prob (n,)."""
     score = scores[:, 0] + lprob
     ended = token == EOS
-    done = []
-    if bool(ended.any()):
-        done = [(i, 0, float(score[i])) for i in ended.nonzero().squeeze(1).tolist()]
+    done = [(i, 0, float(score[i])) for i in ended.nonzero().squeeze(1).tolist()]
     zero = torch.zeros_like(token)
     return Step(done, zero[:, None], token[:, None], score.masked_fill(ended, NEG_INF)[:, None])

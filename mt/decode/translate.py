@@ -169,9 +169,12 @@ class Translator:
         changes = {k: v for k, v in overrides.items() if v is not None}
         return dataclasses.replace(self.decode_cfg, **changes)
 
+    def _ids(self, texts: list[str], side: str) -> list[list[int]]:
+        return self.tokenizer.encode([self.tokenizer.normalize(t) for t in texts], side=side)
+
     def encode(self, sentences: list[str], cfg: DecodeConfig, first_line: int = 1):
         """Source ids of each sentence, checked (or truncated) against ``max_positions``."""
-        ids = self.tokenizer.encode([self.tokenizer.normalize(s) for s in sentences], side="src")
+        ids = self._ids(sentences, "src")
         return fit_to_model(ids, self.max_positions, cfg.too_long, first_line, "input")
 
     def translate_nbest(
@@ -194,18 +197,12 @@ class Translator:
         every = self.encode(sentences, cfg, first_line)  # errors name the caller's lines
         ids = [every[i] for i in keep]
         indices = [first_line - 1 + i for i in keep]  # sampling seeds follow the line number
-        forced = None
-        if prefix is not None:
-            forced = self.tokenizer.encode(
-                [self.tokenizer.normalize(prefix[i]) for i in keep], "tgt"
-            )
+        forced = None if prefix is None else self._ids([prefix[i] for i in keep], "tgt")
         ct2 = self.engine(cfg, bool(forced and any(forced)))
         if ct2 is not None:
             results: list[list[Hypothesis]] = ct2.translate_nbest(ids, cfg, forced)
         else:
-            results = translate_nbest(
-                self.model, ids, cfg, self.device, prefix=forced, indices=indices
-            )
+            results = translate_nbest(self.model, ids, cfg, self.device, 0, forced, indices)
         for i, hyps in zip(keep, results):
             texts = self.tokenizer.decode([h.tokens for h in hyps], side="tgt")
             out[i] = [(text, h.score) for text, h in zip(texts, hyps)]
@@ -214,23 +211,20 @@ class Translator:
     def translate(
         self,
         sentences: list[str],
-        beam_size: int | None = None,
-        alpha: float | None = None,
         first_line: int = 1,
         prefix: list[str] | None = None,
         **overrides: Any,
     ) -> list[str]:
         """The best translation of each sentence, in input order ("" for an empty one).
 
-        ``beam_size`` (1: greedy), ``alpha`` and ``**overrides`` (any other DecodeConfig field)
+        ``**overrides`` (any DecodeConfig field: ``beam_size``, 1 for greedy, ``alpha``, ...)
         default to the Translator's decode settings. ``first_line`` is the line number of
         ``sentences[0]`` in error messages (a sentence longer than ``max_positions`` is a
         ValueError unless ``too_long=truncate``) and, with ``sample=True``, seeds each
         sentence's draw with ``seed``. ``prefix``: one target text per sentence that its
         translation must start with ("" for none).
         """
-        nbest = self.translate_nbest(sentences, first_line, prefix, beam_size=beam_size,
-                                     alpha=alpha, nbest=1, **overrides)  # fmt: skip
+        nbest = self.translate_nbest(sentences, first_line, prefix, nbest=1, **overrides)
         return [hyps[0][0] for hyps in nbest]
 
     def attention(self, sentence: str, **overrides: Any) -> tuple[list[str], list[str], Any]:
@@ -242,9 +236,8 @@ class Translator:
 
     def _pairs(self, sentences: list[str], translations: list[str]):
         """Source and target ids of sentence pairs, cut to the model's ``max_positions``."""
-        tok, limit = self.tokenizer, self.max_positions
-        src = tok.encode([tok.normalize(s) for s in sentences], side="src")
-        tgt = tok.encode([tok.normalize(t) for t in translations], side="tgt")
+        src, tgt = self._ids(sentences, "src"), self._ids(translations, "tgt")
+        limit = self.max_positions
         return fit_to_model(src, limit), fit_to_model(tgt, limit, what="target")
 
     def alignments(
@@ -269,13 +262,8 @@ class Translator:
 
 def chunks(lines: Iterable[str], size: int) -> Iterator[list[str]]:
     """Successive lists of at most ``size`` lines (without their newline)."""
-    chunk: list[str] = []
-    for line in lines:
-        chunk.append(line.rstrip("\r\n"))
-        if len(chunk) >= size:
-            yield chunk
-            chunk = []
-    if chunk:
+    lines = iter(lines)
+    while chunk := [line.rstrip("\r\n") for line in itertools.islice(lines, size)]:
         yield chunk
 
 
@@ -401,6 +389,5 @@ def _draw_attention(translator: Translator, first: list[str], path: str) -> None
     if not first:
         log.warning("attention=: the input has no non-empty line; nothing drawn")
         return
-    src_pieces, tgt_pieces, matrix = translator.attention(first[0])
-    plot_attention(src_pieces, tgt_pieces, matrix, path)
+    plot_attention(*translator.attention(first[0]), path)
     log.info("attention of the first sentence drawn in %s", path)

@@ -12,28 +12,21 @@ Shape letters: B decoder rows, n sentences, H heads, C capacity, S source length
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
+@dataclass(slots=True, eq=False)
 class SelfAttentionCache:
     """Keys and values of the positions decoded so far, in preallocated buffers: new positions
     are written in place (no re-concatenation of the whole prefix each step), and the capacity
-    doubles when it runs out.
+    doubles when it runs out."""
 
-    ``k``, ``v``: (B, H, C, d_k) buffers, or None before the first step; ``length``: how many of
-    the C positions are filled; ``dtype``: what the buffers hold (None: the keys/values' own).
-    """
-
-    __slots__ = ("k", "v", "length", "dtype")
-
-    def __init__(
-        self,
-        k: torch.Tensor | None = None,
-        v: torch.Tensor | None = None,
-        length: int = 0,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        self.k, self.v, self.length, self.dtype = k, v, length, dtype
+    k: torch.Tensor | None = None  # (B, H, C, d_k) buffers, None before the first step
+    v: torch.Tensor | None = None
+    length: int = 0  # how many of the C positions are filled
+    dtype: torch.dtype | None = None  # what the buffers hold (None: the keys/values' own)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the keys/values (B, H, T, d_k) of T new positions; returns (B, H, length + T,
@@ -71,10 +64,6 @@ class SelfAttentionCache:
             out.append(new)
         return SelfAttentionCache(out[0], out[1], self.length, self.dtype)
 
-    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """In place: rows ``dst`` take the contents of rows ``src`` (disjoint index sets)."""
-        _copy_rows(self.filled(), dst, src)
-
     def compact(self, rows: torch.Tensor, moved: torch.Tensor | None) -> SelfAttentionCache:
         """What :meth:`select` gives, made in this cache's buffers: the places ``moved``
         (``_moves_from_beyond(rows)``) take their rows from beyond the new end, and the buffers
@@ -82,24 +71,19 @@ class SelfAttentionCache:
         (``rows`` not of that form): :meth:`select`."""
         if self.k is None or moved is None or _tracked(self.k):
             return self.select(rows)
-        self.copy_rows(moved, rows[moved])
+        _copy_rows(self.filled(), moved, rows[moved])
         n = rows.numel()
         return SelfAttentionCache(self.k[:n], self.v[:n], self.length, self.dtype)
 
 
+@dataclass(slots=True, eq=False)
 class CrossAttentionCache:
     """Keys and values of the encoder output for one layer's encoder-decoder attention,
     computed at the first step: (n, H, S, d_k) each, one row per sentence."""
 
-    __slots__ = ("k", "v", "dtype")
-
-    def __init__(
-        self,
-        k: torch.Tensor | None = None,
-        v: torch.Tensor | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        self.k, self.v, self.dtype = k, v, dtype
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    dtype: torch.dtype | None = None
 
     def store(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep the memory's keys/values (n, H, S, d_k), contiguous once (not copied by every
@@ -110,33 +94,26 @@ class CrossAttentionCache:
 
     def select(self, sents: torch.Tensor) -> CrossAttentionCache:
         """A new cache holding the sentences ``sents``."""
-        if self.k is None or self.v is None:
+        if self.k is None:
             return CrossAttentionCache(dtype=self.dtype)
         k, v = self.k.index_select(0, sents), self.v.index_select(0, sents)
         return CrossAttentionCache(k, v, self.dtype)
 
     def compact(self, sents: torch.Tensor, moved: torch.Tensor | None) -> CrossAttentionCache:
         """:meth:`select` in this cache's buffers, as :meth:`SelfAttentionCache.compact`."""
-        if self.k is None or self.v is None or moved is None or _tracked(self.k):
+        if self.k is None or moved is None or _tracked(self.k):
             return self.select(sents)
         _copy_rows((self.k, self.v), moved, sents[moved])
         n = sents.numel()
         return CrossAttentionCache(self.k[:n], self.v[:n], self.dtype)
 
 
+@dataclass(slots=True, eq=False)
 class LayerCache:
     """One decoder layer's state: its self-attention and encoder-decoder attention caches."""
 
-    __slots__ = ("self_attn", "cross_attn")
-
-    def __init__(
-        self,
-        self_attn: SelfAttentionCache | None = None,
-        cross_attn: CrossAttentionCache | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        self.self_attn = self_attn or SelfAttentionCache(dtype=dtype)
-        self.cross_attn = cross_attn or CrossAttentionCache(dtype=dtype)
+    self_attn: SelfAttentionCache
+    cross_attn: CrossAttentionCache
 
 
 class DecoderCache:
@@ -144,7 +121,10 @@ class DecoderCache:
     ``dtype`` (None: the keys/values' own, e.g. bfloat16 under autocast)."""
 
     def __init__(self, n_layers: int, dtype: torch.dtype | None = None) -> None:
-        self.layers = [LayerCache(dtype=dtype) for _ in range(n_layers)]
+        self.layers = [
+            LayerCache(SelfAttentionCache(dtype=dtype), CrossAttentionCache(dtype=dtype))
+            for _ in range(n_layers)
+        ]
         self.dtype = dtype
 
     @property
@@ -185,7 +165,7 @@ class DecoderCache:
         from ``dst``; encoder-side rows are unchanged (the hypotheses stay in their sentence)."""
         for layer in self.layers:
             if layer.self_attn.k is not None:
-                layer.self_attn.copy_rows(dst, src)
+                _copy_rows(layer.self_attn.filled(), dst, src)
 
 
 def _copy_rows(tensors, dst: torch.Tensor, src: torch.Tensor) -> None:

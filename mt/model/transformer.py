@@ -81,13 +81,14 @@ class FeedForward(nn.Module):
 
 
 class _Layer(nn.Module):
-    """Residual wiring shared by encoder and decoder layers."""
+    """Residual wiring and self-attention, shared by encoder and decoder layers."""
 
-    def __init__(self, d_model: int, dropout: float, pre_norm: bool, n_sublayers: int) -> None:
+    def __init__(self, cfg: ModelConfig, attention_dropout: float, n_sublayers: int) -> None:
         super().__init__()
-        self.pre_norm = pre_norm
-        self.dropout = nn.Dropout(dropout)
-        self.norms = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(n_sublayers))
+        self.pre_norm = cfg.norm == "pre"
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.norms = nn.ModuleList(nn.LayerNorm(cfg.d_model) for _ in range(n_sublayers))
+        self.self_attn = SelfAttention(cfg.d_model, cfg.h, attention_dropout)
 
     def residual(self, x: torch.Tensor, i: int, sublayer: Callable) -> torch.Tensor:
         """post-LN: LayerNorm(x + Dropout(Sublayer(x))); pre-LN: x + Dropout(Sublayer(LN(x)))."""
@@ -100,8 +101,7 @@ class EncoderLayer(_Layer):
     """Self-attention then FFN."""
 
     def __init__(self, cfg: ModelConfig, attention_dropout: float) -> None:
-        super().__init__(cfg.d_model, cfg.dropout, cfg.norm == "pre", 2)
-        self.self_attn = SelfAttention(cfg.d_model, cfg.h, attention_dropout)
+        super().__init__(cfg, attention_dropout, 2)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -114,8 +114,7 @@ class DecoderLayer(_Layer):
     """Causal self-attention, encoder-decoder attention, then FFN."""
 
     def __init__(self, cfg: ModelConfig, attention_dropout: float) -> None:
-        super().__init__(cfg.d_model, cfg.dropout, cfg.norm == "pre", 3)
-        self.self_attn = SelfAttention(cfg.d_model, cfg.h, attention_dropout)
+        super().__init__(cfg, attention_dropout, 3)
         self.cross_attn = CrossAttention(cfg.d_model, cfg.h, attention_dropout)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
 
@@ -178,11 +177,6 @@ class Transformer(nn.Module):
         return nn.Parameter(weight)
 
     @property
-    def src_embedding(self) -> nn.Parameter:
-        """The source embedding table (the shared one unless ``share_embeddings=false``)."""
-        return self.embed if self.src_embed is None else self.src_embed
-
-    @property
     def output_weight(self) -> nn.Parameter:
         """The pre-softmax projection, tied to the target embedding."""
         return self.embed
@@ -202,7 +196,7 @@ class Transformer(nn.Module):
         memory (B, S, D) and its key mask. With ``real`` (training batches,
         ``mt.data.batches.Batch.real``) a source without padding needs no mask (None)."""
         mask = None if real is not None and real.src is None else pad_mask(src)
-        x = self._embed(src, self.src_embedding)
+        x = self._embed(src, self.embed if self.src_embed is None else self.src_embed)
         for layer in self.encoder:
             x = layer(x, mask)
         return EncoderOut(self.encoder_norm(x), mask)

@@ -43,7 +43,8 @@ OPTIONS = {
     "beam_size": int, "nbest": int, "alpha": float,
     "sample": bool, "temperature": float, "top_k": int, "top_p": float, "seed": int,
 }  # fmt: skip
-SAMPLING = ("temperature", "top_k", "top_p", "seed")
+SAMPLING = {"temperature": (0.0, 100.0), "top_k": (0, 1 << 20), "top_p": (1e-9, 1.0),
+            "seed": (0, (1 << 63) - 1)}  # fmt: skip
 
 
 class BadRequest(ValueError):
@@ -100,10 +101,8 @@ def _check_sampling(options: dict[str, Any]) -> None:
         return
     if options.get("nbest", 1) != 1 or "beam_size" in options:
         raise BadRequest(422, "'sample' draws one translation: no 'beam_size', 'nbest' 1")
-    bounds = {"temperature": (0.0, 100.0), "top_k": (0, 1 << 20), "top_p": (1e-9, 1.0),
-              "seed": (0, (1 << 63) - 1)}  # fmt: skip
     for key in given:
-        low, high = bounds[key]
+        low, high = SAMPLING[key]
         if not low <= options[key] <= high:
             raise BadRequest(422, f"'{key}' must be between {low} and {high}, got {options[key]}")
 
@@ -144,8 +143,7 @@ def parse_translate(body: Any, limits: ServeConfig, translator: Translator):
         raise BadRequest(413, f"{len(text)} sentences, more than serve.max_sentences="
                               f"{limits.max_sentences}")  # fmt: skip
     sentences = [check_sentence(s, f"text[{i}]", limits, translator) for i, s in enumerate(text)]
-    default_beam = translator.decode_cfg.beam_size
-    return sentences, parse_options(body, limits, set(OPTIONS), default_beam)
+    return sentences, parse_options(body, limits, set(OPTIONS), translator.decode_cfg.beam_size)
 
 
 async def read_json(request, limits: ServeConfig) -> Any:
@@ -186,18 +184,14 @@ def run_info(checkpoint: str | Path, translator: Translator) -> dict[str, Any]:
         "source_lang": None, "target_lang": None, "bleu": None,
     }  # fmt: skip
     run_dir = Path(checkpoint).resolve().parent.parent
-    try:
+    with contextlib.suppress(Exception):  # no run directory beside the checkpoint: unknown
         from omegaconf import OmegaConf
 
         data = OmegaConf.load(run_dir / "config.yaml").data
         info["source_lang"], info["target_lang"] = data.src_lang, data.tgt_lang
-    except Exception:  # no run directory beside the checkpoint: languages unknown
-        pass
-    try:
+    with contextlib.suppress(OSError, ValueError):
         results = json.loads((run_dir / "results.json").read_text())
         info["bleu"] = {k: results.get(k) for k in ("bleu", "signature", "split")}
-    except (OSError, ValueError):
-        pass
     return info
 
 
