@@ -34,13 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mt.data.cleaning import (
-    Cleaner,
-    NormSpec,
-    drop_encoded,
-    filter_encoded_pairs,
-    normalize_pairs,
-)
+from mt.data.cleaning import Cleaner, NormSpec, drop_encoded, filter_encoded_pairs, normalize_pairs
 from mt.data.corpus import (
     ROLES,
     Corpus,

@@ -26,11 +26,7 @@ import mt.fast.probe as probe
 from mt.device import gpu_attention
 from mt.fast.attention import CPUTrainingAttention
 from mt.fast.dropout import Dropout
-from mt.fast.loss import (
-    label_smoothed_cross_entropy,
-    projected_block_rows,
-    projected_cross_entropy,
-)
+from mt.fast.loss import label_smoothed_cross_entropy, projected_block_rows, projected_cross_entropy
 from mt.fast.master import MasterWeights
 from mt.fast.memory import hold_freed_memory
 from mt.fast.modules import replace_modules, shared_copy

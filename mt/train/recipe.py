@@ -25,10 +25,7 @@ import torch
 
 from mt import distributed
 from mt.allocator import describe_allocator
-from mt.checkpoint import (
-    load_checkpoint,
-    save_checkpoint,
-)
+from mt.checkpoint import load_checkpoint, save_checkpoint
 from mt.data.batches import batch_plan, iterate_batches
 from mt.data.build import prepare
 from mt.data.prefetch import Prefetcher
@@ -52,13 +49,7 @@ from mt.train import preempt
 from mt.train.ema import WeightEMA
 from mt.train.lock import RunLock
 from mt.train.progress import progress
-from mt.train.schedule import (
-    STOPS,
-    budget_progress,
-    cooldown_factor,
-    describe_budget,
-    noam_lambda,
-)
+from mt.train.schedule import STOPS, budget_progress, cooldown_factor, describe_budget, noam_lambda
 from mt.train.snapshots import average_into_best, checkpoint_of, ema_into_best, restore, save
 from mt.train.state import (
     HIGHER_IS_BETTER,
@@ -128,10 +119,7 @@ def train(cfg: Config) -> dict[str, Any]:
     ``step``, ``epoch``, ``stop`` (why training ended), ``signal``, ``best`` (the best validation
     value), ``metric`` and ``run_dir``."""
     info = distributed.setup(cfg.train.device, cfg.train.dist_timeout_minutes)
-    file_log = None
-    restore_signals = None
-    lock = None
-    run = None
+    file_log = restore_signals = lock = run = None
     try:
         lock = _lock_run_dir(Path(cfg.run_dir))
         if info.is_main:
@@ -289,16 +277,9 @@ def train_loop(run: Run) -> str:
         counts = sampler.corpus_counts(state.epoch)
         if counts is not None:
             log.info("epoch %d pairs by corpus: %s", state.epoch, sampler.mix.describe(counts))
-        batches = run.prefetch(
-            iterate_batches(
-                split,
-                sampler,
-                state.epoch,
-                start=state.batch,
-                pad_multiple=pad_multiple(tc),
-                one_graph=tc.compile,
-            )
-        )
+        source = iterate_batches(split, sampler, state.epoch, start=state.batch,
+                                 pad_multiple=pad_multiple(tc), one_graph=tc.compile)  # fmt: skip
+        batches = run.prefetch(source)
         for group in _groups(batches, tc.accum_steps):
             group = [b.to(run.info.device) for b in group]
             lr = _apply_cooldown(run)
