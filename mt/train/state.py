@@ -120,18 +120,11 @@ def train_sampler(
     (``corpus_sizes``: the prepared pairs of each, ``Prepared.corpus_sizes``)."""
     tc = cfg.train
     return BatchSampler(
-        split.src.lengths,
-        split.tgt.lengths,
-        tc.max_tokens,
-        seed=tc.seed,
-        rank=rank,
-        world_size=world_size,
-        max_len=cfg.model.max_positions - 1 if tc.skip_long else None,
-        group=world_size * tc.accum_steps,
-        mix=train_mix(cfg.data, corpus_sizes),
-        buckets=tc.shape_buckets,
-        multiple=max(1, tc.pad_multiple),
-    )
+        split.src.lengths, split.tgt.lengths, tc.max_tokens, seed=tc.seed, rank=rank,
+        world_size=world_size, max_len=cfg.model.max_positions - 1 if tc.skip_long else None,
+        group=world_size * tc.accum_steps, mix=train_mix(cfg.data, corpus_sizes),
+        buckets=tc.shape_buckets, multiple=max(1, tc.pad_multiple),
+    )  # fmt: skip
 
 
 class TrainBatches:
