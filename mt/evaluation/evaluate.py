@@ -143,21 +143,14 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
     result = score(hyps, refs, **eval_kwargs(cfg))
     shortlist = [decode.shortlist, decode.shortlist_k, decode.shortlist_frequent]
     result.update(
-        split=args.split,
-        checkpoint=str(ckpt_path),
-        step=int(ckpt.get("step", 0)),
-        beam_size=decode.beam_size,
-        alpha=decode.alpha,
-        max_len_a=decode.max_len_a,
-        max_len_b=decode.max_len_b,
-        precision=decode.precision,
-        shortlist=decode.shortlist and shortlist,
-        device=str(device),
-        decode_seconds=round(seconds, 3),
-        sent_per_s=round(len(src_ids) / max(seconds, 1e-9), 2),
+        split=args.split, checkpoint=str(ckpt_path), step=int(ckpt.get("step", 0)),
+        beam_size=decode.beam_size, alpha=decode.alpha, max_len_a=decode.max_len_a,
+        max_len_b=decode.max_len_b, precision=decode.precision,
+        shortlist=decode.shortlist and shortlist, device=str(device),
+        decode_seconds=round(seconds, 3), sent_per_s=round(len(src_ids) / max(seconds, 1e-9), 2),
         tgt_tok_per_s=round(sum(map(len, out_ids)) / max(seconds, 1e-9), 1),
         torch_threads=torch.get_num_threads(),
-    )
+    )  # fmt: skip
     files.write_json(run_dir / f"results.{args.split}.json", result)  # each split keeps its own
     files.write_json(run_dir / "results.json", result)  # the latest evaluation (report, sweeps)
     log.info("%s on %s: %s", ckpt_path.name, args.split,

@@ -76,30 +76,16 @@ def marian_config(cfg: ModelConfig, vocab_size: int):
 
     attn_p = attention_dropout(cfg)
     return MarianConfig(
-        vocab_size=vocab_size,
-        decoder_vocab_size=vocab_size,
-        d_model=cfg.d_model,
-        encoder_layers=cfg.N,
-        decoder_layers=cfg.N_dec or cfg.N,
-        encoder_attention_heads=cfg.h,
-        decoder_attention_heads=cfg.h,
-        encoder_ffn_dim=cfg.d_ff,
-        decoder_ffn_dim=cfg.d_ff,
-        activation_function="relu",
-        dropout=cfg.dropout,
-        attention_dropout=attn_p,
-        activation_dropout=0.0,
-        max_position_embeddings=cfg.max_positions,
-        scale_embedding=True,
-        share_encoder_decoder_embeddings=cfg.share_embeddings,
-        tie_word_embeddings=True,
-        pad_token_id=PAD,
-        bos_token_id=BOS,
-        eos_token_id=EOS,
-        decoder_start_token_id=BOS,
-        forced_eos_token_id=None,
-        architectures=["MarianMTModel"],
-    )
+        vocab_size=vocab_size, decoder_vocab_size=vocab_size, d_model=cfg.d_model,
+        encoder_layers=cfg.N, decoder_layers=cfg.N_dec or cfg.N,
+        encoder_attention_heads=cfg.h, decoder_attention_heads=cfg.h,
+        encoder_ffn_dim=cfg.d_ff, decoder_ffn_dim=cfg.d_ff,
+        activation_function="relu", dropout=cfg.dropout, attention_dropout=attn_p,
+        activation_dropout=0.0, max_position_embeddings=cfg.max_positions, scale_embedding=True,
+        share_encoder_decoder_embeddings=cfg.share_embeddings, tie_word_embeddings=True,
+        pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, decoder_start_token_id=BOS,
+        forced_eos_token_id=None, architectures=["MarianMTModel"],
+    )  # fmt: skip
 
 
 def marian_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig, vocab_size: int):
