@@ -23,6 +23,18 @@ from mt import schema
 from mt.schema import Config
 
 
+def flatten_keys(tree: dict, prefix: str = "") -> dict:
+    """A nested mapping as one level of dotted keys (``{"train": {"lr": 1}}`` ->
+    ``{"train.lr": 1}``): how settings are named on the command line."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten_keys(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def conf_dir() -> Path:
     """The directory holding config.yaml: ``mt/conf`` in an installed wheel, else the repo's."""
     packaged = Path(__file__).resolve().parent / "conf"

@@ -20,21 +20,11 @@ from typing import Any
 import numpy as np
 from hydra.experimental.callback import Callback
 
+from mt.config import flatten_keys
 from mt.evaluation.report import load_metrics, plot_lines
 from mt.files import read_json, write_text
 
 log = logging.getLogger(__name__)
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(_flatten(value, name + "."))
-        else:
-            flat[name] = value
-    return flat
 
 
 def decode_trial(run_dir: Path) -> dict | None:
@@ -81,7 +71,7 @@ def trial(run_dir: Path) -> dict | None:
             test[label] = f"{value['score']:.2f}"
     return {
         "run": run_dir.name,
-        "config": _flatten(config),
+        "config": flatten_keys(config),
         "valid_bleu": bleu,
         "curve": [(r["step"], r["valid_bleu"]) for r in valid if "valid_bleu" in r],
         "figures": {

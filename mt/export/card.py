@@ -20,9 +20,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mt.config import flatten_keys
 from mt.evaluation.metrics import METRICS
 from mt.evaluation.report import load_metrics, train_end
-from mt.evaluation.sweep import _flatten
 from mt.files import read_json
 from mt.schema import ModelConfig
 
@@ -80,7 +80,7 @@ def _command(config: dict) -> str:
     except Exception:  # not an experiment of this installation: against the defaults
         base, experiment = asdict(load_config([])), False
 
-    now, then = _flatten(config), _flatten(base)
+    now, then = flatten_keys(config), flatten_keys(base)
     skip = ("run_dir", "cache_dir", "data.dir") + (("name",) if experiment else ())
     diff = [f"{k}={now[k]}" for k in sorted(now)
             if k not in skip and not k.startswith(("translate.", "score.", "export.", "serve."))

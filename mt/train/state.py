@@ -29,7 +29,7 @@ from mt.checkpoint import (
     periodic_checkpoints,
     tokenizer_blobs,
 )
-from mt.config import to_yaml
+from mt.config import flatten_keys, to_yaml
 from mt.data.batches import BatchSampler
 from mt.data.mixing import corpus_specs, train_mix
 from mt.files import write_text
@@ -384,10 +384,8 @@ def _changed_keys(old: str, new: str) -> list[str]:
     """``key: old -> new`` for each leaf that differs between two YAML configurations."""
     import yaml
 
-    from mt.evaluation.sweep import _flatten
-
     try:
-        a, b = (_flatten(yaml.safe_load(text) or {}) for text in (old, new))
+        a, b = (flatten_keys(yaml.safe_load(text) or {}) for text in (old, new))
     except yaml.YAMLError:
         return ["config.yaml is not valid YAML"]
     return [f"{k}: {x!r} -> {y!r}" for k, (x, y) in _differences(a, b).items()]

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from mt.allocator import heap_in_use
+from mt.config import flatten_keys
 from mt.files import JsonlAppender, write_json
 
 log = logging.getLogger(__name__)
@@ -111,13 +112,11 @@ class MLflowRun:
             client = MlflowClient(uri)
             if known:
                 return cls(client, known["run_id"])
-            from mt.evaluation.sweep import _flatten
-
             found = client.get_experiment_by_name(cfg.name)
             experiment = found.experiment_id if found else client.create_experiment(cfg.name)
             tags = {f"machine.{k}": str(v) for k, v in (where or {}).items()}
             run_id = client.create_run(experiment, run_name=run_dir.name, tags=tags).info.run_id
-            params = [Param(k, str(v)) for k, v in _flatten(dataclasses.asdict(cfg)).items()]
+            params = [Param(k, str(v)) for k, v in flatten_keys(dataclasses.asdict(cfg)).items()]
             for i in range(0, len(params), 100):  # at most 100 params a call
                 client.log_batch(run_id, params=params[i : i + 100])
         except Exception as e:  # an unreachable server, a store MLflow refuses: JSONL is enough
