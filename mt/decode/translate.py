@@ -202,7 +202,8 @@ class Translator:
         if ct2 is not None:
             results: list[list[Hypothesis]] = ct2.translate_nbest(ids, cfg, forced)
         else:
-            results = translate_nbest(self.model, ids, cfg, self.device, 0, forced, indices)
+            results = translate_nbest(self.model, ids, cfg, self.device, prefix=forced,
+                                      indices=indices)  # fmt: skip
         for i, hyps in zip(keep, results):
             texts = self.tokenizer.decode([h.tokens for h in hyps], side="tgt")
             out[i] = [(text, h.score) for text, h in zip(texts, hyps)]

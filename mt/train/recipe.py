@@ -182,7 +182,9 @@ def setup(cfg: Config, info: distributed.DistInfo) -> Run:
     data.plan_ahead(0 if resume is None else int(resume["state"]["epoch"]))  # a guess on resume
     raw = build_model(cfg.model, prepared.vocab_size)  # same init on every rank (same seed)
     resets = resets_to_apply(tc, resume, resume_path)
-    pieces = prepared.tokenizer.to_bytes()
+    # the tokenizer's bytes only where a checkpoint is checked against them (a fresh run skips
+    # their serialisation)
+    pieces = prepared.tokenizer.to_bytes() if resume is not None or tc.init_from else None
     if resume is not None:
         check_compatible(resume, cfg, prepared.vocab_size, resume_path, pieces)
         if "data" not in resets:
