@@ -59,6 +59,10 @@ class DataConfig:
     revision: Optional[str] = None
     src_lang: str = "de"
     tgt_lang: str = "en"
+    # Many directions in one model: [de-en, en-de] (or {name: de-en, weight: W}) read from the
+    # same splits, each source line behind its target language's token <2en> (empty: the one
+    # direction src_lang -> tgt_lang)
+    directions: list = field(default_factory=list)
     splits: SplitsConfig = field(default_factory=SplitsConfig)
     # T-sampling over the training corpora: corpus i's share of an epoch ~ (w_i n_i)^(1/T) (1 =
     # sizes times weights; larger flattens towards uniform; the epoch keeps its size)
@@ -307,6 +311,7 @@ class TranslateConfig(EngineConfig):
     alignment_layer: int = -1  # the decoder layer whose cross-attention aligns (-1: the last)
     prefix: Optional[str] = None  # a file of target prefixes, one per input line
     interactive: Optional[bool] = None  # one line at a time (None: when stdin is a terminal)
+    target_lang: Optional[str] = None  # a many-direction model's target language (its <2xx>)
 
 
 @dataclass

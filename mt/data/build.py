@@ -46,8 +46,9 @@ from mt.data.corpus import (
     split_names,
 )
 from mt.data.encode import Sampling, encode_files
+from mt.data.mixing import directions, train_specs
 from mt.data.store import FORMAT_VERSION, CacheError, Prepared, meta_digest
-from mt.data.tokenizer import SIDES, Tokenizer, TokenizerError, num_threads
+from mt.data.tokenizer import SIDES, Tokenizer, TokenizerError, lang_tag, num_threads
 from mt.files import file_crc, read_json, write_json
 from mt.schema import Config
 
@@ -61,6 +62,9 @@ def cache_key(cfg: Config, revision: str | None = None) -> str:
     # The prepared data is the same whatever the corpora's weights: only names count.
     data["splits"]["train"] = split_names(cfg.data.splits.train)
     data.pop("corpus_temperature")
+    data["directions"] = [d.name for d in directions(cfg.data)]
+    if not data["directions"]:  # absent for one direction: the keys of data before it
+        data.pop("directions")
     data.pop("verify")  # how a cache is checked, not what it holds
     for name in ("hf_data_dir", "revision"):  # absent when unset: the keys of data before them
         if data[name] is None:
@@ -89,6 +93,7 @@ def prepare(cfg: Config, build: bool = True) -> Prepared:
     collective's timeout). Missing or malformed input raises ``DataError`` (nothing is cached).
     """
     sampling_copies(cfg)  # a setting out of range fails now, not after the build's first stages
+    direction_tags(cfg)
     root = Path(cfg.cache_dir)
     builder = resolve_hf(cfg.data, hf_cache_dir=str(root / "hf"))  # a hub dataset's revision
     revision = None if builder is None else builder_revision(cfg.data, builder)
@@ -181,7 +186,7 @@ def clean_train(
     """Stage 1: the training pairs read, normalised and filtered into ``work/train.{src,tgt}``,
     corpus after corpus; returns their counts (``pairs``, per rule under ``clean``, and each
     corpus's pairs under ``corpora``, what corpus weights are applied to)."""
-    pairs = _train_pairs(corpus, cfg.data.max_train_pairs or 0)
+    pairs = _part_pairs(corpus, cfg.data.max_train_pairs or 0)
     norm_counts = {"moses_punct": 0, "non_printing": 0}
     if any(spec.moses for spec in specs):  # else the Cleaner's NFC + strip is all there is
         pairs = normalize_pairs(pairs, specs, norm_counts, workers)
@@ -194,7 +199,7 @@ def clean_train(
     )  # fmt: skip
     if n == 0:
         raise ValueError("no training pairs left after cleaning: " + cleaner.summary())
-    names = split_names(cfg.data.splits.train)
+    names = [spec.name for spec in train_specs(cfg.data)]
     if len(names) != len(per_corpus):  # an HF source may name its splits otherwise
         names = [f"corpus{i}" for i in range(len(per_corpus))]
     corpora = [{"name": a, "pairs": b} for a, b in zip(names, per_corpus)]
@@ -203,11 +208,13 @@ def clean_train(
     return {"pairs": n, "clean": {**norm_counts, **cleaner.counts}, "corpora": corpora}
 
 
-def _train_pairs(corpus: Corpus, limit: int) -> Iterator[tuple[str, str, int]]:
-    """``(source, target, corpus number)`` of every training corpus in turn, at most ``limit``
+def _part_pairs(
+    corpus: Corpus, limit: int, role: str = "train"
+) -> Iterator[tuple[str, str, int]]:
+    """``(source, target, corpus number)`` of every corpus of ``role`` in turn, at most ``limit``
     pairs of each (``data.max_train_pairs``; 0: all)."""
-    for part in range(corpus.num_parts("train")):
-        pairs = corpus.part_pairs("train", part)
+    for part in range(corpus.num_parts(role)):
+        pairs = corpus.part_pairs(role, part)
         if limit:
             pairs = itertools.islice(pairs, limit)
         for src, tgt in pairs:
@@ -219,9 +226,9 @@ def keep_raw(cfg: Config, corpus: Corpus, out: Path) -> dict[str, dict]:
     filtered: sacreBLEU scores against them); returns their counts."""
     counts = {}
     for role in ("valid", "test"):
-        empty = [0]
-        pairs = _count_empty(corpus.pairs(role), empty)
-        n = _write_pairs(pairs, out / f"{role}.raw.src", out / f"{role}.raw.tgt")
+        empty, per_part = [0], [0] * corpus.num_parts(role)
+        pairs = _count_empty(_part_pairs(corpus, 0, role), empty)
+        n = _write_pairs(pairs, out / f"{role}.raw.src", out / f"{role}.raw.tgt", per_part)
         if n == 0 or empty[0] == n:
             raise DataError(
                 f"the {role} split (data.splits.{role}={getattr(cfg.data.splits, role)}) "
@@ -229,18 +236,47 @@ def keep_raw(cfg: Config, corpus: Corpus, out: Path) -> dict[str, dict]:
                 + ": give it real sentence pairs"
             )
         counts[role] = {"pairs": n}
+        if cfg.data.directions:  # each direction's range of the split, for its own scores
+            named: dict[str, int] = {}
+            for part, pairs_in_part in enumerate(per_part):
+                name = corpus.part_direction(role, part)
+                named[name] = named.get(name, 0) + pairs_in_part
+            counts[role]["directions"] = [{"name": a, "pairs": b} for a, b in named.items()]
         log.info("%s: %d pairs (not filtered)", role, n)
     return counts
 
 
+def direction_tags(cfg: Config) -> list[str]:
+    """The target-language tokens of ``data.directions`` (``[<2de>, <2en>]``; empty for one
+    direction). A ValueError names a setting that cannot go with them: one SentencePiece model
+    per language (each side holds every language), or Moses punctuation (one language's)."""
+    specs = directions(cfg.data)
+    if specs and not cfg.tokenizer.joint:
+        raise ValueError("data.directions needs tokenizer.joint=true: each side holds every "
+                         "language, so one SentencePiece model serves them all")  # fmt: skip
+    if specs and cfg.data.clean.moses_punct:
+        raise ValueError("data.clean.moses_punct follows one language's rules and cannot go "
+                         "with data.directions: set data.clean.moses_punct=false")  # fmt: skip
+    return sorted({lang_tag(spec.name.split("-")[1]) for spec in specs})
+
+
 def train_tokenizer(cfg: Config, work: Path, out: Path) -> Tokenizer:
-    """Stage 3: SentencePiece trained on the cleaned training text (or ``tokenizer.reuse``)."""
+    """Stage 3: SentencePiece trained on the cleaned training text (or ``tokenizer.reuse``),
+    with the target-language tokens of ``data.directions`` among its user symbols."""
+    tags = direction_tags(cfg)
     if cfg.tokenizer.reuse:
         tokenizer = Tokenizer.from_reference(cfg.tokenizer.reuse)
         log.info("SentencePiece reused from %s: vocab size %d", cfg.tokenizer.reuse,
                  tokenizer.vocab_size)  # fmt: skip
+        missing = sorted(set(tags) - {lang_tag(lang) for lang in tokenizer.target_langs()})
+        if missing:
+            raise DataError(f"tokenizer.reuse={cfg.tokenizer.reuse}: its SentencePiece model "
+                            f"has no piece {missing}, which data.directions needs")  # fmt: skip
         return tokenizer
-    tokenizer = Tokenizer.train(work / "train.src", work / "train.tgt", out, cfg.tokenizer)
+    symbols = list(cfg.tokenizer.user_symbols)
+    symbols += [tag for tag in tags if tag not in symbols]
+    tok_cfg = dataclasses.replace(cfg.tokenizer, user_symbols=symbols)
+    tokenizer = Tokenizer.train(work / "train.src", work / "train.tgt", out, tok_cfg)
     log.info("SentencePiece %s: vocab size %d", cfg.tokenizer.type, tokenizer.vocab_size)
     return tokenizer
 
@@ -366,10 +402,10 @@ def write_meta(
 
 def _count_empty(pairs: Iterator[tuple[str, str]], empty: list[int]):
     """Pass pairs through, counting in ``empty[0]`` those whose source is blank."""
-    for src, tgt in pairs:
-        if not src.strip():
+    for pair in pairs:
+        if not pair[0].strip():
             empty[0] += 1
-        yield src, tgt
+        yield pair
 
 
 def _norm_specs(cfg: Config) -> tuple[NormSpec, NormSpec]:

@@ -13,6 +13,7 @@ U+0085 and friends stay inside their sentence (``str.splitlines`` would split th
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Iterator
@@ -20,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from mt import files
-from mt.data.mixing import corpus_specs
+from mt.data.mixing import corpus_specs, directions
+from mt.data.tokenizer import lang_tag
 from mt.schema import DataConfig
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,52 @@ class Corpus:
     def identity(self) -> Any:
         """A JSON-able description of the exact input (for the prepared-data cache key)."""
         raise NotImplementedError
+
+    def part_direction(self, role: str, part: int) -> str | None:
+        """The direction (``de-en``) of one corpus of ``role``; None: the corpus has one."""
+        return None
+
+
+def direction_configs(cfg: DataConfig) -> list[tuple[str, DataConfig]]:
+    """``(name, config)`` of each of ``data.directions``: ``cfg`` with that pair's languages."""
+    out = []
+    for spec in directions(cfg):
+        src, tgt = spec.name.split("-")
+        sub = dataclasses.replace(cfg, src_lang=src, tgt_lang=tgt, directions=[])
+        out.append((spec.name, sub))
+    return out
+
+
+class DirectionsCorpus(Corpus):
+    """Several directions as one corpus (``data.directions``): direction after direction, each
+    with every corpus of the split, each non-blank source line behind its target language's
+    :func:`lang_tag`. The tag is a source token (the encoder learns which language is asked
+    for), so the decoder, the exporters and CTranslate2 see an ordinary model."""
+
+    def __init__(self, corpora: list[tuple[str, Corpus]]):
+        self.corpora = corpora
+
+    def _locate(self, role: str, part: int) -> tuple[str, Corpus, int]:
+        for name, corpus in self.corpora:
+            if part < corpus.num_parts(role):
+                return name, corpus, part
+            part -= corpus.num_parts(role)
+        raise IndexError(f"{role} has no corpus {part}")
+
+    def num_parts(self, role: str) -> int:
+        return sum(corpus.num_parts(role) for _, corpus in self.corpora)
+
+    def part_direction(self, role: str, part: int) -> str | None:
+        return self._locate(role, part)[0]
+
+    def part_pairs(self, role: str, part: int) -> Iterator[tuple[str, str]]:
+        name, corpus, part = self._locate(role, part)
+        tag = lang_tag(name.split("-")[1]) + " "
+        for src, tgt in corpus.part_pairs(role, part):
+            yield (tag + src if src.strip() else src), tgt
+
+    def identity(self) -> Any:
+        return {name: corpus.identity() for name, corpus in self.corpora}
 
 
 def _stat(path: Path) -> list:
@@ -337,6 +385,9 @@ def open_corpus(cfg: DataConfig, hf_cache_dir: str | None = None, builder: Any =
     """
     if cfg.source not in ("auto", "local", "hf"):
         raise DataError(f"data.source={cfg.source!r}: expected auto, local or hf")
+    if cfg.directions:
+        return DirectionsCorpus([(name, open_corpus(sub, hf_cache_dir, builder))
+                                 for name, sub in direction_configs(cfg)])  # fmt: skip
     has_dir = cfg.dir is not None and Path(cfg.dir).is_dir()
     if cfg.source == "local" or (cfg.source == "auto" and has_dir):
         if not has_dir:
@@ -396,6 +447,8 @@ def uses_hf(cfg: DataConfig) -> bool:
 def corpus_identity(cfg: DataConfig, revision: str | None = None) -> Any:
     """What identifies the input for the cache key, without reading a HF dataset's rows
     (``revision``: the one its builder resolved, :func:`builder_revision`)."""
+    if cfg.directions:
+        return {name: corpus_identity(sub, revision) for name, sub in direction_configs(cfg)}
     if not uses_hf(cfg):
         return TextCorpus(cfg).identity()
     return hf_identity(cfg, revision)

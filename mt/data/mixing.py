@@ -41,16 +41,17 @@ class CorpusSpec:
     weight: float = 1.0
 
 
-def corpus_specs(value: Any) -> list[CorpusSpec]:
+def corpus_specs(value: Any, key: str = KEY) -> list[CorpusSpec]:
     """The corpora of a split value: a name, or a list of names and ``{name, weight}`` mappings.
-    A bad entry is a one-line ValueError naming it (``data.splits.train[1]``) and what is wrong:
-    a weight that is not a number > 0, a mapping without ``name``, an unknown key."""
+    A bad entry is a one-line ValueError naming it (``data.splits.train[1]``; ``key`` names the
+    setting) and what is wrong: a weight that is not a number > 0, a mapping without ``name``,
+    an unknown key."""
     if value is None:
         return []
     items = value if isinstance(value, (list, tuple)) else [value]
     specs = []
     for i, item in enumerate(items):
-        where = f"{KEY}[{i}]" if isinstance(value, (list, tuple)) else KEY
+        where = f"{key}[{i}]" if isinstance(value, (list, tuple)) else key
         if hasattr(item, "items"):
             entry = {str(k): v for k, v in item.items()}
             unknown = sorted(set(entry) - {"name", "weight"})
@@ -71,6 +72,36 @@ def corpus_specs(value: Any) -> list[CorpusSpec]:
         else:
             specs.append(CorpusSpec(str(item)))
     return specs
+
+
+def directions(data_cfg) -> list[CorpusSpec]:
+    """``data.directions`` (a DataConfig's) as corpora named ``SRC-TGT`` with their weights, e.g.
+    ``[de-en, {name: en-de, weight: 2}]``; empty for a one-direction corpus. A name that is not
+    two different languages joined by ``-``, or a direction given twice, is a ValueError."""
+    specs = corpus_specs(data_cfg.directions, "data.directions")
+    for spec in specs:
+        src, _, tgt = spec.name.partition("-")
+        if not src or not tgt or src == tgt or "-" in tgt:
+            raise ValueError(
+                f"data.directions: {spec.name!r} is not a direction SRC-TGT of two languages "
+                "(e.g. de-en)"
+            )
+    names = [spec.name for spec in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"data.directions={names}: a direction is given twice")
+    return specs
+
+
+def train_specs(data_cfg) -> list[CorpusSpec]:
+    """The training corpora in the order mt-prepare writes them: ``data.splits.train``'s, or
+    with ``data.directions`` each of them in each direction, direction after direction, named
+    ``de-en:train`` and weighted by the product of the two weights."""
+    specs = corpus_specs(data_cfg.splits.train)
+    return [
+        CorpusSpec(f"{d.name}:{s.name}", d.weight * s.weight)
+        for d in directions(data_cfg)
+        for s in specs
+    ] or specs
 
 
 def check_temperature(temperature: float) -> None:
@@ -155,7 +186,7 @@ class Mix:
 def train_mix(data_cfg, sizes: Sequence[int] | None) -> Mix | None:
     """The :class:`Mix` of ``data_cfg`` (a DataConfig) over the prepared corpora's ``sizes``
     (``meta.json``'s ``counts.train.corpora``); None when every corpus counts once, as read."""
-    specs = corpus_specs(data_cfg.splits.train)
+    specs = train_specs(data_cfg)
     check_temperature(data_cfg.corpus_temperature)
     mix_asked = data_cfg.corpus_temperature != 1.0 or any(s.weight != 1.0 for s in specs)
     if not mix_asked:

@@ -190,6 +190,15 @@ class Prepared:
         corpora = self.meta.get("counts", {}).get("train", {}).get("corpora")
         return None if corpora is None else [int(c["pairs"]) for c in corpora]
 
+    def directions(self, role: str) -> list[tuple[str, range]]:
+        """Each direction of ``role`` ("valid" or "test") with its range of the split's pairs,
+        for data prepared with ``data.directions`` (else empty)."""
+        out, start = [], 0
+        for d in self.meta.get("counts", {}).get(role, {}).get("directions") or []:
+            out.append((d["name"], range(start, start + int(d["pairs"]))))
+            start += int(d["pairs"])
+        return out
+
     def references(self, role: str) -> list[str]:
         """Raw target lines of ``role`` ("valid" or "test") exactly as read, for sacreBLEU."""
         return self._raw(role, "tgt")

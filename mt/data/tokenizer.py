@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import zipfile
 from pathlib import Path
 
@@ -28,6 +29,13 @@ from mt.vocab import BOS, EOS, PAD, SPECIALS, UNK
 log = logging.getLogger(__name__)
 
 SIDES = ("src", "tgt")
+LANG_TAG = re.compile(r"<2([A-Za-z][\w-]*)>")
+
+
+def lang_tag(lang: str) -> str:
+    """The token that asks a many-direction model for target language ``lang``: ``<2en>``, as
+    fairseq's ``--encoder-langtok tgt`` and NLLB put it, before the source sentence."""
+    return f"<2{lang}>"
 
 
 class TokenizerError(ValueError):
@@ -305,6 +313,13 @@ class Tokenizer:
                 seq = seq[: seq.index(EOS)]
             clean.append([i for i in seq if i != PAD and i != BOS])
         return [one_line(text) for text in self.model(side).decode(clean)]
+
+    def target_langs(self) -> list[str]:
+        """The languages a many-direction model writes: the ``<2xx>`` pieces of its source
+        vocabulary (``data.directions`` adds them as user symbols); empty for one direction."""
+        sp = self.model("src")
+        tags = map(LANG_TAG.fullmatch, map(sp.id_to_piece, range(sp.get_piece_size())))
+        return sorted(match[1] for match in tags if match)
 
     def pieces(self, text: str, side: str = "src") -> list[str]:
         """The pieces of one text (for inspection and attention plots)."""

@@ -34,7 +34,7 @@ from typing import Any, TextIO
 import torch
 
 from mt.checkpoint import CheckpointError, load_model
-from mt.data.tokenizer import TokenizerError
+from mt.data.tokenizer import TokenizerError, lang_tag
 from mt.decode import engine as engines
 from mt.decode.alignment import alignments, attention_map, plot_attention
 from mt.decode.driver import fit_to_model, score_ids, translate_nbest
@@ -343,6 +343,7 @@ def translate_main(cfg: Config, exporter: Any = None) -> None:
     """
     args = cfg.translate
     translator = load_translator(cfg, "translate", exporter, bool(args.prefix))
+    tag = target_tag(translator.tokenizer.target_langs(), args.target_lang)
     name = args.input or "stdin"
     try:
         with contextlib.ExitStack() as stack:
@@ -356,7 +357,10 @@ def translate_main(cfg: Config, exporter: Any = None) -> None:
             if args.alignment:
                 alignment = stack.enter_context(atomic_text_output(args.alignment))
             first: list[str] = []
-            lines = _remember_first(read_lines(raw, name), first, translator)
+            lines = read_lines(raw, name)
+            if tag:  # as mt-prepare wrote the sources of data.directions
+                lines = (f"{tag} {line}" if line.strip() else line for line in lines)
+            lines = _remember_first(lines, first, translator)
             n = translate_stream(
                 translator, lines, dst, translator.decode_cfg, interactive, prefixes, alignment,
                 args.alignment_layer,
@@ -368,6 +372,22 @@ def translate_main(cfg: Config, exporter: Any = None) -> None:
     except (OSError, ValueError) as err:
         raise SystemExit(f"mt-translate: {name}: {err}") from None
     log.info("%d lines translated to %s", n, args.output or "stdout")
+
+
+def target_tag(langs: list[str], lang: str | None) -> str | None:
+    """The token ``translate.target_lang`` puts before each source line, for a model that
+    writes ``langs`` (``Tokenizer.target_langs``; None for a one-direction model). A language
+    it does not write, or none chosen for a model of many, is a one-line exit."""
+    if lang is None and not langs:
+        return None
+    if lang is None:
+        raise SystemExit(f"mt-translate: the model writes {', '.join(langs)}: choose one with "
+                         "translate.target_lang=LANG")  # fmt: skip
+    if lang not in langs:
+        has = ", ".join(langs) if langs else "one language (trained without data.directions)"
+        raise SystemExit(f"mt-translate: translate.target_lang={lang}: the model has no such "
+                         f"language; it writes {has}")  # fmt: skip
+    return lang_tag(lang)
 
 
 def _is_tty(stream) -> bool:

@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from mt import files
-from mt.evaluation.metrics import METRICS, eval_kwargs, is_testset, score, testset_references
+from mt.evaluation.metrics import (
+    METRICS,
+    direction_scores,
+    eval_kwargs,
+    is_testset,
+    score,
+    testset_references,
+)
 from mt.schema import Config
 
 log = logging.getLogger(__name__)
@@ -77,7 +84,13 @@ def _print_scores(result: dict[str, Any]) -> None:
     if "compound_split_bleu" in result:
         cs = result["compound_split_bleu"]
         out.write(f"compound-split tokenized {cs['details']} ({cs['note']})\n")
+    for name, part in result.get("directions", {}).items():
+        out.write(f"{name}: {_shown(part['scores'])}\n")
     out.flush()
+
+
+def _shown(scores: dict[str, Any]) -> str:
+    return " | ".join(f"{name} {value['score']:.2f}" for name, value in scores.items())
 
 
 def evaluate_main(cfg: Config) -> dict[str, Any]:
@@ -140,7 +153,16 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
     hyps = tokenizer.decode(out_ids, side="tgt")
 
     files.write_lines(run_dir / "translations" / f"{args.split}.txt", hyps)
-    result = score(hyps, refs, **eval_kwargs(cfg))
+    kwargs = eval_kwargs(cfg)
+    ranges = prepared.directions(args.split)
+    if ranges:  # compound splitting is one target language's: not for a mix of them
+        kwargs["compound_split_lang"] = None
+    result = score(hyps, refs, **kwargs)
+    if ranges:
+        result["directions"] = {
+            name: {"n_sentences": part["n_sentences"], "scores": part["scores"]}
+            for name, part in direction_scores(hyps, refs, ranges, **kwargs).items()
+        }
     shortlist = [decode.shortlist, decode.shortlist_k, decode.shortlist_frequent]
     result.update(
         split=args.split, checkpoint=str(ckpt_path), step=int(ckpt.get("step", 0)),
@@ -153,8 +175,7 @@ def evaluate_run(cfg: Config) -> dict[str, Any]:
     )  # fmt: skip
     files.write_json(run_dir / f"results.{args.split}.json", result)  # each split keeps its own
     files.write_json(run_dir / "results.json", result)  # the latest evaluation (report, sweeps)
-    log.info("%s on %s: %s", ckpt_path.name, args.split,
-             " | ".join(f"{k} {v['score']:.2f}" for k, v in result["scores"].items()))  # fmt: skip
+    log.info("%s on %s: %s", ckpt_path.name, args.split, _shown(result["scores"]))
     if args.report:
         from mt.evaluation.report import record_stage_time
 

@@ -91,6 +91,15 @@ def compound_split_bleu(hyps: list[str], refs: list[str], lang: str) -> dict[str
     return {"score": float(result.score), "details": str(result), "note": COMPOUND_SPLIT_NOTE}
 
 
+def direction_scores(
+    hyps: list[str], refs: list[str], ranges: list[tuple[str, range]], **kwargs: Any
+) -> dict[str, dict[str, Any]]:
+    """:func:`score` (``kwargs``) of each direction's lines of ``hyps`` and ``refs``:
+    ``ranges`` names each direction and its positions (``Prepared.directions``)."""
+    return {name: score([hyps[i] for i in r], [refs[i] for i in r], **kwargs)
+            for name, r in ranges}  # fmt: skip
+
+
 def score(
     hyps: list[str],
     refs: list[str] | list[list[str]],

@@ -280,6 +280,10 @@ def _results_section(results: Mapping[str, Any]) -> list[str]:
             f"| tokenized BLEU, compound-split | {_fmt(split_bleu['score'])} "
             f"| {_cell(split_bleu['note'])} |"
         )
+    for name, part in (results.get("directions") or {}).items():  # data.directions
+        lines += [f"| {_cell(name)}: {METRICS.get(metric, metric)} | {_fmt(value['score'])} "
+                  f"| `{_cell(value.get('signature', ''))}` |"
+                  for metric, value in part["scores"].items()]  # fmt: skip
     shown = {"bleu", "chrf", "signature", "chrf_signature", "split", "checkpoint"}
     extra = [
         (key, value)

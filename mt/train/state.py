@@ -31,7 +31,7 @@ from mt.checkpoint import (
 )
 from mt.config import flatten_keys, to_yaml
 from mt.data.batches import BatchSampler
-from mt.data.mixing import corpus_specs, train_mix
+from mt.data.mixing import train_mix, train_specs
 from mt.files import write_text
 from mt.schema import Config
 
@@ -66,7 +66,7 @@ def data_plan(cfg: Config, world_size: int) -> dict[str, Any]:
         plan["group"] = world_size * tc.accum_steps
     if tc.shape_buckets:  # absent when off
         plan["shape_buckets"] = [tc.shape_buckets, max(1, tc.pad_multiple)]
-    specs = corpus_specs(cfg.data.splits.train)
+    specs = train_specs(cfg.data)
     if cfg.data.corpus_temperature != 1.0 or any(s.weight != 1.0 for s in specs):
         plan["mix"] = [[s.name, s.weight] for s in specs]  # absent when every weight is 1
         plan["temperature"] = cfg.data.corpus_temperature

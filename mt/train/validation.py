@@ -5,6 +5,7 @@ and patience."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import torch
@@ -70,11 +71,9 @@ def valid_hypotheses(
     from mt.decode.driver import translate_ids
 
     split = prepared.split("valid")
-    n = len(split)
-    if cfg.train.eval_max_sentences > 0:
-        n = min(n, cfg.train.eval_max_sentences)
-    mine = range(rank, n, world_size)
-    src_ids = [split.src[i].tolist() for i in mine]
+    chosen = [i for _, r in valid_ranges(prepared, cfg) for i in r]
+    n = len(chosen)
+    src_ids = [split.src[i].tolist() for i in chosen[rank::world_size]]
     # One batch at a time on all threads: batches side by side (decode.workers) validate faster,
     # but each worker's thread holds its freed memory in an arena of its own (this process
     # keeps freed memory, mt.fast.memory), and a training run then ends with much more of it
@@ -89,6 +88,15 @@ def valid_hypotheses(
     shards = distributed.all_gather_object(hyp_ids)  # rank r's: sentences r, r + W, ...
     ordered = [shards[i % world_size][i // world_size] for i in range(n)]
     return prepared.tokenizer.decode(ordered, side="tgt")
+
+
+def valid_ranges(prepared, cfg: Config) -> list[tuple[str, range]]:
+    """The valid pairs validation decodes, as ``(direction, range)``: the first
+    ``train.eval_max_sentences`` (0: all) of the split, or of each direction of data prepared
+    with ``data.directions`` (direction ``""`` for one direction)."""
+    cap = cfg.train.eval_max_sentences
+    ranges = prepared.directions("valid") or [("", range(len(prepared.split("valid"))))]
+    return [(name, r[:cap] if cap > 0 else r) for name, r in ranges]
 
 
 def validation_search(cfg: Config) -> DecodeConfig:
@@ -128,14 +136,27 @@ def valid_scores(
     """``{"valid_<metric>": score}`` of the valid sources decoded by :func:`validation_search`,
     scored as final evaluation scores, on the model as written (shared over ranks as
     :func:`valid_hypotheses`; every rank scores the gathered set): BLEU, and chrF too where
-    it chooses ``best.pt`` (``train.best_metric=chrf``)."""
-    from mt.evaluation.metrics import score
+    it chooses ``best.pt`` (``train.best_metric=chrf``). With ``data.directions`` each
+    direction is scored on its own (``valid_bleu_de-en``) and ``valid_bleu`` is their mean,
+    so that every direction counts alike in the choice of ``best.pt``."""
+    from mt.evaluation.metrics import direction_scores
 
     metrics = ["bleu", "chrf"] if cfg.train.best_metric == "chrf" else ["bleu"]
     hyps = valid_hypotheses(model, prepared, cfg, device, rank, world_size)
-    refs = prepared.references("valid")[: len(hyps)]
-    scores = score(hyps, refs, metrics=metrics, bleu_tokenize=cfg.eval.bleu_tokenize)
-    return {f"valid_{metric}": float(scores[metric]) for metric in metrics}
+    chosen = valid_ranges(prepared, cfg)
+    all_refs = prepared.references("valid")
+    refs = [all_refs[i] for _, r in chosen for i in r]
+    bounds = list(itertools.accumulate((len(r) for _, r in chosen), initial=0))
+    positions = [(name, range(a, b)) for (name, _), a, b in zip(chosen, bounds, bounds[1:])]
+    kwargs = {"metrics": metrics, "bleu_tokenize": cfg.eval.bleu_tokenize}
+    per = direction_scores(hyps, refs, positions, **kwargs)
+    out = {}
+    for metric in metrics:
+        values = [float(scores[metric]) for scores in per.values()]
+        out[f"valid_{metric}"] = sum(values) / len(values)
+        if "" not in per:  # data.directions
+            out.update({f"valid_{metric}_{name}": float(s[metric]) for name, s in per.items()})
+    return out
 
 
 def validate(
