@@ -115,18 +115,23 @@ def bf32_math(enabled: bool = True):
 def onednn_bf32_available() -> bool:
     """Whether oneDNN here computes float32 products in bfloat16 when asked (:func:`bf32_math`),
     told by the numbers (bfloat16's rounding, 2^-8 relative, not float32's): torch sets the
-    mode on every CPU, but oneDNN has such kernels on AMX only."""
+    mode on every CPU, but oneDNN has such kernels on AMX only. The product is of a layer's
+    size: oneDNN hands tiny ones (16 x 64, say) to float32 kernels even on AMX."""
     if not onednn_available():
         return False
-    x = torch.full((16, 64), 1.0 + 2.0**-12)  # exact in float32, 1.0 in bfloat16
-    w = torch.ones(8, 64)
+    n = _BF32_CHECK_SIZE
+    x = torch.full((n, n), 1.0 + 2.0**-12)  # exact in float32, 1.0 in bfloat16
+    w = torch.ones(n, n)
     try:
         with bf32_math():
             y = linear(x, w)
     except RuntimeError:
         return False
-    exact = 64 * (1.0 + 2.0**-12)
-    return bool((y - exact).abs().max() > 64 * 2.0**-14)
+    exact = n * (1.0 + 2.0**-12)
+    return bool((y - exact).abs().max() > n * 2.0**-14)
+
+
+_BF32_CHECK_SIZE = 256  # rows, inputs and outputs of the check's product
 
 
 def apply_fp32_math(device: torch.device) -> bool:
