@@ -60,8 +60,9 @@ def bucket_count(low: int, high: int) -> int:
 
 PASSES = 3  # kernels per product shape and row count: forward, input gradient, weight gradient
 KERNEL_MARGIN = 1.25  # batches shorter than half of max_tokens (an epoch's last ones), decoding
-# A built bfloat16 kernel holds ~0.66 MB (docs/benchmarks/kernel-cache-cpu-zen4-2026-12.md):
-# 768 of them bound the caches to about half a gigabyte whatever the model.
+# A built bfloat16 kernel holds ~0.66 MB on a Zen 4, 1-2 MB on an AMX Xeon (the records
+# kernel-cache-cpu-zen4-2026-12.md, train-cpu-xeon-amx-2026-12.md): 768 of them bound the
+# caches to 0.5-1.5 GB whatever the model.
 MAX_TRAINING_KERNELS = 768
 
 
