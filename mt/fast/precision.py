@@ -119,7 +119,7 @@ def onednn_bf32_available() -> bool:
     size: oneDNN hands tiny ones (16 x 64, say) to float32 kernels even on AMX."""
     if not onednn_available():
         return False
-    n = _BF32_CHECK_SIZE
+    n = 256  # rows, inputs and outputs of the check's product
     x = torch.full((n, n), 1.0 + 2.0**-12)  # exact in float32, 1.0 in bfloat16
     w = torch.ones(n, n)
     try:
@@ -129,9 +129,6 @@ def onednn_bf32_available() -> bool:
         return False
     exact = n * (1.0 + 2.0**-12)
     return bool((y - exact).abs().max() > n * 2.0**-14)
-
-
-_BF32_CHECK_SIZE = 256  # rows, inputs and outputs of the check's product
 
 
 def apply_fp32_math(device: torch.device) -> bool:
